@@ -1,0 +1,24 @@
+# The distributed-training study: prepare data -> train (one submitit job per
+# strategy x N x seed) -> evaluate -> aggregate. See README.md.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/aggregate.smk"
+
+
+rule all:
+    input:
+        rules.aggregate.output,
+    default_target: True

@@ -1,0 +1,156 @@
+"""Command line of the study: `python -m dtstudy <command> --help`.
+
+Snakemake rules call these commands with `--config-json` (the validated config, or the part
+of it a run depends on); by hand, `--config config/config.yaml` does the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import config as config_module
+
+
+def _config(args) -> dict:
+    if args.config_json:
+        return json.loads(args.config_json)
+    return config_module.load_config(args.config)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--config", default="config/config.yaml", help="study config YAML (validated and checked)")
+    group.add_argument("--config-json", help="config as JSON, already validated (what the rules pass)")
+
+
+def cmd_check_config(args) -> None:
+    cfg = _config(args)
+    runs = len(cfg["strategies"]) * len(cfg["workers"]) * len(cfg["seeds"])
+    print(f"config OK: {runs} training runs ({cfg['strategies']} x N={cfg['workers']} x seeds {cfg['seeds']})")
+
+
+def cmd_prepare_data(args) -> None:
+    from .data import prepare
+
+    meta = prepare(_config(args)["dataset"], args.out)
+    print(f"prepared {meta['name']} in {args.out}: {meta['sizes']}")
+
+
+def cmd_init_tracking(args) -> None:
+    from .tracking import init_store, resolve_uri
+
+    tracking = _config(args)["tracking"]
+    uri = resolve_uri(tracking["uri"])
+    experiment_id = init_store(uri, tracking["experiment"])
+    marker = Path(args.marker)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"tracking_uri": uri, "experiment": tracking["experiment"], "experiment_id": experiment_id}))
+    print(f"MLflow store ready: {uri} (experiment {tracking['experiment']!r}, id {experiment_id})")
+
+
+def cmd_train(args) -> None:
+    from .launcher import run
+    from .tracking import resolve_uri
+    from .train import RunSpec
+
+    cfg = _config(args)
+    if "strategies" in cfg:  # a whole study config: keep what this run depends on
+        cfg = config_module.run_config(cfg, args.strategy)
+    spec = RunSpec(
+        strategy=args.strategy,
+        workers=args.workers,
+        seed=args.seed,
+        config=cfg,
+        data_dir=args.data,
+        out_dir=args.out,
+        tracking_uri=None if args.no_tracking else resolve_uri(cfg["tracking"]["uri"]),
+    )
+    job_dir = args.job_dir or str(Path(args.out) / "submitit")
+    metrics = run(spec, job_dir)
+    print(
+        f"{spec.run_name}: {metrics['throughput']:.0f} img/s, final val top-1 {metrics['final_val_top1']:.4f}, "
+        f"wall {metrics['wall_time_s']:.1f}s"
+    )
+
+
+def cmd_evaluate(args) -> None:
+    from .evaluate import evaluate_run
+
+    evaluate_run(args.run, args.data, args.out)
+
+
+def cmd_aggregate(args) -> None:
+    from .aggregate import run
+    from .tracking import resolve_uri
+
+    cfg = _config(args)
+    run(
+        args.runs,
+        args.tables,
+        args.plots,
+        tracking_uri=resolve_uri(cfg["tracking"]["uri"]),
+        experiment=cfg["tracking"]["experiment"],
+        strategies_order=cfg["strategies"],
+        study_params=config_module.flatten(cfg),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dtstudy", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("check-config", help="validate a study config and count its runs")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_check_config)
+
+    p = commands.add_parser("prepare-data", help="prepare the data set once for every worker")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="folder for the prepared splits")
+    p.set_defaults(func=cmd_prepare_data)
+
+    p = commands.add_parser("init-tracking", help="create the MLflow store and experiment once")
+    _add_config_args(p)
+    p.add_argument("--marker", required=True, help="file written when the store is ready")
+    p.set_defaults(func=cmd_init_tracking)
+
+    p = commands.add_parser("train", help="one training run (strategy x N x seed) as a submitit job")
+    _add_config_args(p)
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--workers", type=int, required=True, help="N data-parallel workers")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--data", required=True, help="prepared data folder")
+    p.add_argument("--out", required=True, help="run folder (metrics.json, model.pt)")
+    p.add_argument("--job-dir", help="submitit's folder for the job's logs (default: <out>/submitit)")
+    p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    p.set_defaults(func=cmd_train)
+
+    p = commands.add_parser("evaluate", help="test top-1/top-5 of a run's final checkpoint")
+    p.add_argument("--run", required=True, help="run folder")
+    p.add_argument("--data", required=True, help="prepared data folder")
+    p.add_argument("--out", required=True, help="eval.json to write")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = commands.add_parser("aggregate", help="scaling/accuracy tables, plots and the MLflow study run")
+    _add_config_args(p)
+    p.add_argument("--runs", nargs="+", required=True, help="run folders")
+    p.add_argument("--tables", required=True)
+    p.add_argument("--plots", required=True)
+    p.set_defaults(func=cmd_aggregate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except config_module.ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

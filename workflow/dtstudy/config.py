@@ -1,0 +1,165 @@
+"""Load, validate and check a study config.
+
+Validation has two layers, both run before any job starts:
+1. the JSON schema (workflow/schemas/config.schema.yaml), which also fills in defaults;
+2. `check_config`, the checks a schema cannot do (strategy names against the registry,
+   strategy knobs, the data set on disk, batch sizes against the data).
+Every error names the config key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message says which key and what is allowed."""
+
+
+def _validator_filling_defaults(validator_class):
+    """jsonschema's documented recipe: a validator that also writes `default`s into the instance."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, subschema in properties.items():
+                if "default" in subschema:
+                    instance.setdefault(name, copy.deepcopy(subschema["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_DefaultFillingValidator = _validator_filling_defaults(jsonschema.Draft202012Validator)
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    parts = []
+    for part in error.absolute_path:
+        parts.append(f"[{part}]" if isinstance(part, int) else f".{part}")
+    return "".join(parts).lstrip(".") or "<top level>"
+
+
+def validate_schema(config: dict) -> dict:
+    """Validate against the JSON schema and fill defaults, in place; returns the config."""
+    validator = _DefaultFillingValidator(load_schema())
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [f"config key '{_key_path(e)}': {e.message}" for e in errors]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    return config
+
+
+def check_config(config: dict) -> dict:
+    """The checks a schema cannot do. Returns the checked strategy knobs per strategy."""
+    from . import data
+    from .strategies import STRATEGIES, get_strategy
+
+    for i, name in enumerate(config["strategies"]):
+        if name not in STRATEGIES:
+            raise ConfigError(
+                f"config key 'strategies[{i}]': unknown strategy {name!r}; "
+                f"allowed: {', '.join(sorted(STRATEGIES))}"
+            )
+    for name in config["strategy_params"]:
+        if name not in STRATEGIES:
+            raise ConfigError(
+                f"config key 'strategy_params.{name}': unknown strategy {name!r}; "
+                f"allowed: {', '.join(sorted(STRATEGIES))}"
+            )
+    knobs = {}
+    for name in config["strategies"]:
+        for workers in config["workers"]:
+            knobs[name] = get_strategy(name).check_params(
+                config["strategy_params"].get(name, {}), workers
+            )
+
+    try:
+        train_images = data.check_dataset(config["dataset"])
+    except data.DataConfigError as err:
+        raise ConfigError(str(err)) from None
+    train = config["train"]
+    usable = train_images if config["dataset"]["subset"] is None else config["dataset"]["subset"]
+    usable = int(usable * (1 - config["dataset"]["val_fraction"]))
+    for workers in config["workers"]:
+        global_batch = global_batch_size(train, workers)
+        if train["scaling"] == "strong" and train["batch_size"] % workers:
+            raise ConfigError(
+                f"config key 'train.batch_size': {train['batch_size']} does not divide over "
+                f"{workers} workers with train.scaling 'strong'; use a multiple of every N in 'workers'"
+            )
+        if global_batch > usable:
+            raise ConfigError(
+                f"config key 'train.batch_size': a global batch of {global_batch} "
+                f"({workers} workers) is larger than the {usable} training images; "
+                "lower the batch size or raise dataset.subset"
+            )
+    return knobs
+
+
+def per_worker_batch(train: dict, workers: int) -> int:
+    return train["batch_size"] // workers if train["scaling"] == "strong" else train["batch_size"]
+
+
+def global_batch_size(train: dict, workers: int) -> int:
+    return per_worker_batch(train, workers) * workers
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """Read a YAML config (plus optional nested overrides), validate it and check it."""
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    if overrides:
+        config = deep_merge(config, overrides)
+    validate_schema(config)
+    check_config(config)
+    return config
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def run_config(config: dict, strategy: str) -> dict:
+    """The part of the study config that one training run of `strategy` depends on.
+
+    Rules pass exactly this to the training CLI, so that a change of, say, the list of
+    workers does not make Snakemake rerun every finished training run.
+    """
+    keys = ("dataset", "model", "model_options", "train", "target_accuracy", "launcher", "tracking")
+    selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
+    selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
+    return selected
+
+
+def to_json(config: dict) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{'train': {'epochs': 3}} -> {'train.epochs': 3}: config values as MLflow params."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

@@ -1,0 +1,90 @@
+"""Submit one training run as a submitit job and block until it ends.
+
+Locally (launcher.cluster: local) submitit's LocalExecutor starts one process per task:
+the N workers plus a strategy's extra processes. Interrupting the caller (SIGINT/SIGTERM,
+as Snakemake does on Ctrl-C) cancels the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .train import METRICS_FILE, RunSpec, TrainingJob
+
+
+def free_port() -> int:
+    """A TCP port free right now, so that two jobs on one host do not share MASTER_PORT."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_executor(spec: RunSpec, job_dir: Path):
+    import submitit
+
+    launcher = spec.config["launcher"]
+    executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"])
+    executor.update_parameters(
+        name=spec.run_name,
+        timeout_min=launcher["timeout_min"],
+        nodes=1,
+        tasks_per_node=spec.processes(),
+    )
+    return executor
+
+
+class _LogFollower:
+    """Copies what rank 0 prints into our stdout, so the rule's log shows progress."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def pump(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        self.offset += len(chunk)
+        if chunk:
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
+    """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent)."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = Path(spec.out_dir) / METRICS_FILE
+    metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
+
+    os.environ["MASTER_PORT"] = str(free_port())  # the tasks inherit it (submitit reads it)
+    executor = make_executor(spec, job_dir)
+    job = executor.submit(TrainingJob(spec))
+    print(f"{spec.run_name}: submitted job {job.job_id} with {spec.processes()} tasks; logs in {job_dir}", flush=True)
+
+    def cancel(signum, _frame):
+        print(f"{spec.run_name}: signal {signum}, cancelling job {job.job_id}", flush=True)
+        job.cancel(check=False)
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        follower = _LogFollower(Path(job.paths.stdout))
+        while not job.done():
+            follower.pump()
+            time.sleep(poll_s)
+        follower.pump()
+        results = job.results()  # raises submitit's FailedJobError with the task's stderr
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    metrics = results[0]
+    if metrics is None or not metrics_path.exists():
+        raise RuntimeError(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}")
+    return metrics

@@ -1,0 +1,50 @@
+"""Learning-rate scaling across N workers and the per-step schedule (Goyal et al. 2017)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+SCALING_RULES = {
+    "linear": lambda ratio: ratio,
+    "sqrt": math.sqrt,
+    "none": lambda ratio: 1.0,
+}
+
+
+def scaled_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str) -> float:
+    """lr = base_lr * f(global_batch / reference_batch) for the rule f."""
+    if rule not in SCALING_RULES:
+        raise ValueError(f"train.lr_scaling: unknown rule {rule!r}; allowed: {', '.join(SCALING_RULES)}")
+    return base_lr * SCALING_RULES[rule](global_batch / reference_batch)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up from peak_lr/warmup_steps to peak_lr, then constant or cosine decay to 0."""
+
+    peak_lr: float
+    warmup_steps: int
+    total_steps: int
+    kind: str = "cosine"
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return self.peak_lr
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return 0.5 * self.peak_lr * (1.0 + math.cos(math.pi * progress))
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def make_schedule(train: dict, global_batch: int, steps_per_epoch: int) -> LRSchedule:
+    peak = scaled_lr(train["base_lr"], global_batch, train["lr_reference_batch"], train["lr_scaling"])
+    total = steps_per_epoch * train["epochs"]
+    if train["max_steps"] is not None:
+        total = min(total, train["max_steps"])
+    warmup = min(total, round(train["warmup_epochs"] * steps_per_epoch))
+    return LRSchedule(peak_lr=peak, warmup_steps=warmup, total_steps=total, kind=train["lr_schedule"])

@@ -1,0 +1,151 @@
+"""The interface every distributed training strategy implements.
+
+The training loop (dtstudy.train) runs, on each of the N workers:
+
+    module = strategy.setup(model, make_optimizer)      # once
+    every step:  loss = criterion(module(x), y)
+                 strategy.backward(loss)                 # gradients (+ overlapped exchange)
+                 strategy.update(lr)                     # apply the update (+ exchange)
+                 strategy.meter.take()                   # comm/wait seconds and bytes of the step
+    every epoch: strategy.eval_model()                   # the parameters to evaluate
+    at the end:  strategy.finish(); strategy.summary()
+
+and `strategy.serve()` on the extra processes a strategy asks for with `extra_processes`
+(parameter-server shards), which are ranks N..N+extra-1 of the same job. The loop never
+branches on the strategy's name.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    workers: int  # N, the data-parallel workers; ranks >= workers are a strategy's extra processes
+    local_rank: int
+    device: torch.device
+    backend: str
+    worker_group: Any = None  # process group of the N workers (None = the default group)
+
+    @property
+    def is_worker(self) -> bool:
+        return self.rank < self.workers
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that host timers measure it (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class CommMeter:
+    """Communication/wait seconds and bytes sent by this worker since the last `take`."""
+
+    seconds: float = 0.0
+    bytes_sent: float = 0.0
+    _clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+
+    def take(self) -> tuple[float, float]:
+        taken = (self.seconds, self.bytes_sent)
+        self.seconds, self.bytes_sent = 0.0, 0.0
+        return taken
+
+    def timed(self):
+        """Context manager adding the wall time of its block to `seconds`."""
+        meter = self
+
+        class _Timer:
+            def __enter__(self):
+                self.start = meter._clock()
+
+            def __exit__(self, *exc):
+                meter.seconds += meter._clock() - self.start
+
+        return _Timer()
+
+
+class Strategy(ABC):
+    """One distributed training strategy (see the module docstring for the call order)."""
+
+    name: ClassVar[str]
+    #: the knobs of `strategy_params.<name>` with their defaults; others are rejected
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, ctx: DistContext, params: dict[str, Any]):
+        self.ctx = ctx
+        self.params = params
+        self.meter = CommMeter()
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ----- config checks, run before any job starts -------------------------------------
+    @classmethod
+    def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
+        """Fill defaults and check the knobs for N=workers; raise ConfigError naming the key."""
+        unknown = sorted(set(params) - set(cls.defaults))
+        if unknown:
+            allowed = ", ".join(sorted(cls.defaults)) or "none"
+            raise ConfigError(
+                f"config key 'strategy_params.{cls.name}.{unknown[0]}': unknown knob for "
+                f"strategy {cls.name!r}; allowed: {allowed}"
+            )
+        merged = {**cls.defaults, **params}
+        cls.validate(merged, workers)
+        return merged
+
+    @classmethod
+    def validate(cls, params: dict[str, Any], workers: int) -> None:
+        """Range checks of the knobs; subclasses raise ConfigError via `cls.bad_knob`."""
+
+    @classmethod
+    def bad_knob(cls, knob: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(f"config key 'strategy_params.{cls.name}.{knob}': {value!r} is not allowed; {allowed}")
+
+    @classmethod
+    def extra_processes(cls, params: dict[str, Any], workers: int) -> int:
+        """Processes besides the N workers that this strategy needs in the job (e.g. PS shards)."""
+        return 0
+
+    # ----- the training loop's calls ----------------------------------------------------
+    @abstractmethod
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        """Place the model, build what the strategy needs; return the module to run forward on."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def update(self, lr: float) -> None:
+        """Apply this step's update with learning rate `lr` (default: the local optimizer)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @abstractmethod
+    def eval_model(self) -> nn.Module:
+        """The model whose parameters are evaluated and checkpointed (a collective call)."""
+
+    def finish(self) -> None:
+        """Called once after the last step on every worker (e.g. to stop servers)."""
+
+    def summary(self) -> dict[str, Any]:
+        """Strategy-specific results for metrics.json (e.g. a staleness histogram)."""
+        return {}
+
+    def serve(self) -> None:
+        """Body of an extra process (rank >= N)."""
+        raise NotImplementedError(f"strategy {self.name!r} starts no extra processes")

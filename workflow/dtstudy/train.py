@@ -1,0 +1,322 @@
+"""The training loop of one worker, and the job that submitit runs in every task.
+
+One readable loop in the spirit of torchvision's references/classification/train.py: every
+knob comes from the run config, the strategy object does everything strategy-specific.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from . import data as data_module
+from .config import global_batch_size, per_worker_batch
+from .models import build_model
+from .schedule import make_schedule
+from .strategies import DistContext, Strategy, get_strategy
+
+METRICS_FILE = "metrics.json"
+CHECKPOINT_FILE = "model.pt"
+
+
+@dataclass
+class RunSpec:
+    """Everything one training run (strategy x N x seed) depends on."""
+
+    strategy: str
+    workers: int
+    seed: int
+    config: dict  # dtstudy.config.run_config(...) of the study
+    data_dir: str
+    out_dir: str
+    tracking_uri: str | None = None  # resolved MLflow URI; None = no MLflow logging
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.strategy}-n{self.workers}-seed{self.seed}"
+
+    def strategy_params(self) -> dict:
+        cls = get_strategy(self.strategy)
+        return cls.check_params(self.config["strategy_params"].get(self.strategy, {}), self.workers)
+
+    def processes(self) -> int:
+        return self.workers + get_strategy(self.strategy).extra_processes(self.strategy_params(), self.workers)
+
+
+@dataclass
+class WorkerLog:
+    """Per-step measurements of one worker (seconds, bytes, images)."""
+
+    rank: int
+    loss: list[float] = field(default_factory=list)
+    data_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # forward + backward + update, exchange included
+    comm_s: list[float] = field(default_factory=list)  # the exchange/wait part of step_s
+    bytes_sent: list[float] = field(default_factory=list)
+    images: list[int] = field(default_factory=list)
+
+    def steady(self, skip: int) -> dict:
+        """Steady-state figures, leaving out the first `skip` steps."""
+        sl = slice(skip, None)
+        steps = len(self.step_s[sl])
+        wall = sum(self.step_s[sl]) + sum(self.data_s[sl])
+        mean = lambda values: sum(values[sl]) / steps  # noqa: E731
+        comm = mean(self.comm_s)
+        return {
+            "throughput": sum(self.images[sl]) / wall,
+            "total_s": mean(self.step_s),
+            "compute_s": mean(self.step_s) - comm,
+            "comm_s": comm,
+            "data_s": mean(self.data_s),
+            "bytes_per_step": mean(self.bytes_sent),
+        }
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer_factory(train: dict):
+    def make_optimizer(parameters):
+        # lr is set by the schedule every step (strategy.update)
+        return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"])
+
+    return make_optimizer
+
+
+def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2):
+    """(inputs, labels) batches: in-memory data sets are indexed directly (no per-image
+    Python work), file-backed ones go through a DataLoader with worker processes."""
+    if getattr(dataset, "is_in_memory", True):
+        for indices in batch_sampler:
+            yield dataset.batch(torch.as_tensor(indices))
+    else:
+        yield from DataLoader(dataset, batch_sampler=batch_sampler, num_workers=loader_workers)
+
+
+@torch.no_grad()
+def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = 512) -> float:
+    """Top-1 accuracy of `model` on `dataset`, each worker scoring a 1/N share."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    shard = list(range(ctx.rank, len(dataset), ctx.workers))
+    for inputs, labels in data_module.iterate_batches(dataset, shard, batch_size, drop_last=False):
+        predictions = model(inputs.to(ctx.device)).argmax(dim=1)
+        counts[0] += (predictions == labels.to(ctx.device)).sum()
+        counts[1] += len(labels)
+    if ctx.workers > 1:
+        dist.all_reduce(counts, group=ctx.worker_group)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+class Progress:
+    """Rank 0 prints an epoch/step line with the rate every `every` steps."""
+
+    def __init__(self, ctx: DistContext, every: int, steps_per_epoch: int, epochs: int):
+        self.enabled = ctx.rank == 0
+        self.every, self.steps_per_epoch, self.epochs = every, steps_per_epoch, epochs
+        self.window_start, self.window_images = time.perf_counter(), 0
+
+    def step(self, epoch: int, step_in_epoch: int, images: int, loss: torch.Tensor, lr: float) -> None:
+        self.window_images += images
+        if not self.enabled or (step_in_epoch + 1) % self.every:
+            return
+        now = time.perf_counter()
+        rate = self.window_images / (now - self.window_start)
+        print(
+            f"epoch {epoch + 1}/{self.epochs} step {step_in_epoch + 1}/{self.steps_per_epoch} "
+            f"loss {loss.item():.4f} lr {lr:.4g} {rate:.0f} img/s (this worker)",
+            flush=True,
+        )
+        self.window_start, self.window_images = now, 0
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+
+def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
+    """Train on one worker; rank 0 returns the run's metrics (and writes its files)."""
+    cfg, train = spec.config, spec.config["train"]
+    strategy: Strategy = get_strategy(spec.strategy)(ctx, spec.strategy_params())
+    if not ctx.is_worker:
+        strategy.serve()
+        return None
+
+    seed_everything(spec.seed)
+    train_set = data_module.load_split(spec.data_dir, "train")
+    val_set = data_module.load_split(spec.data_dir, "val")
+    meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
+    model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
+    module = strategy.setup(model, make_optimizer_factory(train))
+    criterion = nn.CrossEntropyLoss()
+
+    batch_size = per_worker_batch(train, spec.workers)
+    sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
+    batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
+    steps_per_epoch = len(batch_sampler)
+    schedule = make_schedule(train, global_batch_size(train, spec.workers), steps_per_epoch)
+    total_steps = schedule.total_steps
+
+    log = WorkerLog(rank=ctx.rank)
+    val_history: list[dict] = []
+    progress = Progress(ctx, train["log_every"], steps_per_epoch, train["epochs"])
+    progress.say(
+        f"{spec.run_name}: {len(train_set)} training images, batch {batch_size}/worker, "
+        f"{steps_per_epoch} steps/epoch, peak lr {schedule.peak_lr:.4g}, device {ctx.device} ({ctx.backend})"
+    )
+    losses: list[torch.Tensor] = []
+    step = 0
+    start = time.perf_counter()
+    for epoch in range(train["epochs"]):
+        sampler.set_epoch(epoch)
+        batches = epoch_batches(train_set, batch_sampler)
+        for step_in_epoch in range(steps_per_epoch):
+            if step >= total_steps:
+                break
+            t_data = time.perf_counter()
+            inputs, labels = next(batches)
+            inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
+            t_step = time.perf_counter()
+            lr = schedule(step)
+            loss = criterion(module(inputs), labels)
+            strategy.backward(loss)
+            strategy.update(lr)
+            ctx.synchronize()
+            t_end = time.perf_counter()
+            comm_s, sent = strategy.meter.take()
+            losses.append(loss.detach())
+            log.data_s.append(t_step - t_data)
+            log.step_s.append(t_end - t_step)
+            log.comm_s.append(comm_s)
+            log.bytes_sent.append(sent)
+            log.images.append(len(labels))
+            progress.step(epoch, step_in_epoch, len(labels), loss, lr)
+            step += 1
+        batches.close()
+        top1 = distributed_top1(strategy.eval_model(), val_set, ctx)
+        val_history.append({"epoch": epoch + 1, "step": step, "top1": top1, "wall_s": time.perf_counter() - start})
+        progress.say(f"epoch {epoch + 1}/{train['epochs']} done: val top-1 {top1:.4f} at {val_history[-1]['wall_s']:.1f}s")
+        if step >= total_steps:
+            break
+    strategy.finish()
+    wall_time = time.perf_counter() - start
+    log.loss = torch.stack(losses).float().cpu().tolist() if losses else []
+
+    logs: list[WorkerLog] = [None] * spec.workers  # type: ignore[list-item]
+    if spec.workers > 1:
+        dist.all_gather_object(logs, log, group=ctx.worker_group)
+    else:
+        logs = [log]
+    eval_model = strategy.eval_model()
+    if ctx.rank != 0:
+        return None
+    metrics = summarize(spec, ctx, logs, val_history, wall_time, schedule.describe(), strategy.summary())
+    write_run(spec, metrics, eval_model, meta)
+    return metrics
+
+
+def summarize(spec, ctx, logs, val_history, wall_time, lr_schedule, strategy_summary) -> dict:
+    """metrics.json's content (see README: 'What a training run records')."""
+    from .provenance import environment
+
+    train = spec.config["train"]
+    steps = min(len(worker.step_s) for worker in logs)
+    skip = min(train["steady_state_skip"], steps // 2)
+    per_worker = [worker.steady(skip) for worker in logs]
+    mean = lambda key: sum(w[key] for w in per_worker) / len(per_worker)  # noqa: E731
+    losses_per_step = [sum(w.loss[i] for w in logs) / len(logs) for i in range(steps)]
+    target = spec.config["target_accuracy"]
+    reached = [v["wall_s"] for v in val_history if v["top1"] >= target]
+    return {
+        "strategy": spec.strategy,
+        "workers": spec.workers,
+        "seed": spec.seed,
+        "run_name": spec.run_name,
+        "throughput": sum(w["throughput"] for w in per_worker),
+        "throughput_per_worker": [w["throughput"] for w in per_worker],
+        "steady_state_skip": skip,
+        "step_time": {key: mean(key) for key in ("total_s", "compute_s", "comm_s", "data_s")},
+        "step_time_per_worker": per_worker,
+        "bytes_per_step": mean("bytes_per_step"),
+        "steps": steps,
+        "images": sum(sum(w.images) for w in logs),
+        "epochs_run": len(val_history),
+        "global_batch": global_batch_size(train, spec.workers),
+        "per_worker_batch": per_worker_batch(train, spec.workers),
+        "lr_schedule": {"rule": train["lr_scaling"], "base_lr": train["base_lr"],
+                        "reference_batch": train["lr_reference_batch"], **lr_schedule},
+        "train_loss": losses_per_step,
+        "val": val_history,
+        "final_val_top1": val_history[-1]["top1"] if val_history else None,
+        "target_accuracy": target,
+        "time_to_accuracy_s": reached[0] if reached else None,
+        "wall_time_s": wall_time,
+        "strategy_params": spec.strategy_params(),
+        "strategy_metrics": strategy_summary,
+        "config": spec.config,
+        "environment": environment(ctx.device, ctx.backend, ctx.world_size),
+    }
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write via `write(tmp_path)` then rename, so no reader ever sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_run(spec: RunSpec, metrics: dict, eval_model: nn.Module, meta: dict) -> None:
+    """The final checkpoint, the MLflow child run, then metrics.json last (the rule's output)."""
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = {
+        "model": spec.config["model"],
+        "model_options": spec.config["model_options"],
+        "in_channels": meta["channels"],
+        "num_classes": meta["classes"],
+        "image_size": meta["height"],
+        "state_dict": {k: v.detach().cpu() for k, v in eval_model.state_dict().items()},
+        "run_name": spec.run_name,
+    }
+    atomic_write(out / CHECKPOINT_FILE, lambda tmp: torch.save(checkpoint, tmp))
+    if spec.tracking_uri is not None:
+        from .tracking import log_training_run
+
+        metrics["mlflow"] = log_training_run(spec.tracking_uri, spec.config["tracking"]["experiment"], metrics)
+    atomic_write(out / METRICS_FILE, lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+
+
+class TrainingJob:
+    """The callable that submitit runs in each task (worker or extra process) of a run."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+
+    def __call__(self) -> dict | None:
+        launcher = self.spec.config["launcher"]
+        from .distributed import init_from_submitit
+
+        ctx = init_from_submitit(self.spec.workers, launcher["device"], launcher["timeout_min"])
+        try:
+            return train_worker(self.spec, ctx)
+        finally:
+            dist.destroy_process_group()
+
+    def describe(self) -> dict:
+        return asdict(self.spec)

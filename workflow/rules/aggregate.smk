@@ -1,0 +1,23 @@
+rule aggregate:
+    input:
+        metrics=all_runs("metrics.json"),
+        evals=all_runs("eval.json"),
+    output:
+        scaling="results/tables/scaling.csv",
+        scaling_md="results/tables/scaling.md",
+        accuracy="results/tables/accuracy.csv",
+        accuracy_md="results/tables/accuracy.md",
+        throughput_plot=report("results/plots/throughput.png", caption="../report/throughput.rst", category="Scaling"),
+        efficiency_plot=report("results/plots/efficiency.png", caption="../report/efficiency.rst", category="Scaling"),
+        accuracy_plot=report("results/plots/accuracy.png", caption="../report/accuracy.rst", category="Accuracy"),
+        convergence_plot=report("results/plots/convergence.png", caption="../report/convergence.rst", category="Accuracy"),
+    log:
+        "results/logs/aggregate.log",
+    params:
+        config=config_json(),
+        runs=all_runs(""),
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy aggregate --config-json {params.config:q} --runs {params.runs}"
+        " --tables results/tables --plots results/plots > {log} 2>&1"

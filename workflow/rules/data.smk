@@ -1,0 +1,25 @@
+rule prepare_data:
+    output:
+        meta=f"{DATA_DIR}/meta.json",
+    log:
+        "results/logs/prepare_data.log",
+    params:
+        config=config_json(["dataset"]),
+        out=DATA_DIR,
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy prepare-data --config-json {params.config:q} --out {params.out} > {log} 2>&1"
+
+
+rule init_tracking:
+    output:
+        marker=TRACKING_MARKER,
+    log:
+        "results/logs/init_tracking.log",
+    params:
+        config=config_json(["tracking"]),
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy init-tracking --config-json {params.config:q} --marker {output.marker} > {log} 2>&1"

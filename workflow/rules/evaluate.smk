@@ -1,0 +1,16 @@
+rule evaluate:
+    input:
+        data=rules.prepare_data.output.meta,
+        metrics=rules.train.output.metrics,
+        checkpoint=rules.train.output.checkpoint,
+    output:
+        result=f"{RUN_DIR}/eval.json",
+    log:
+        "results/logs/evaluate/{strategy}/n{workers}/seed{seed}.log",
+    params:
+        data=DATA_DIR,
+        run=RUN_DIR,
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy evaluate --run {params.run} --data {params.data} --out {output.result} > {log} 2>&1"

@@ -1,0 +1,30 @@
+# A local rule: it only submits the submitit job (N worker processes locally, or a SLURM
+# job) and blocks until it ends; Ctrl-C cancels the job. `train_slot` (1 in
+# profiles/default) runs one training job at a time, so that each has its cores to itself.
+localrules:
+    train,
+
+
+rule train:
+    input:
+        data=rules.prepare_data.output.meta,
+        tracking=ancient(TRACKING_MARKER),
+    output:
+        metrics=f"{RUN_DIR}/metrics.json",
+        checkpoint=f"{RUN_DIR}/model.pt",
+    log:
+        "results/logs/train/{strategy}/n{workers}/seed{seed}.log",
+    params:
+        config=run_config_json,
+        data=DATA_DIR,
+        out=RUN_DIR,
+        job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
+    threads: lambda wildcards: int(wildcards.workers)
+    resources:
+        train_slot=1,
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy train --config-json {params.config:q} --strategy {wildcards.strategy}"
+        " --workers {wildcards.workers} --seed {wildcards.seed} --data {params.data}"
+        " --out {params.out} --job-dir {params.job_dir} > {log} 2>&1"
