@@ -94,7 +94,7 @@ def cmd_aggregate(args) -> None:
         tracking_uri=resolve_uri(cfg["tracking"]["uri"]),
         experiment=cfg["tracking"]["experiment"],
         strategies_order=cfg["strategies"],
-        study_params=config_module.flatten(cfg),
+        study_params=cfg,
     )
 
 

@@ -152,14 +152,3 @@ def run_config(config: dict, strategy: str) -> dict:
 def to_json(config: dict) -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
-
-def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
-    """{'train': {'epochs': 3}} -> {'train.epochs': 3}: config values as MLflow params."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat

@@ -10,7 +10,8 @@ import torch
 
 from . import data as data_module
 from .models import build_model
-from .train import CHECKPOINT_FILE, METRICS_FILE, atomic_write
+from .files import write_json
+from .train import CHECKPOINT_FILE, METRICS_FILE
 
 
 @torch.no_grad()
@@ -58,6 +59,5 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, out: str | Path) -> 
 
         log_test_metrics(metrics["mlflow"]["tracking_uri"], result["mlflow_run_id"], result)
     print(f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} on {len(test_set)} images")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
+    write_json(out, result)
     return result

@@ -7,12 +7,10 @@ knob comes from the run config, the strategy object does everything strategy-spe
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from . import data as data_module
 from .config import global_batch_size, per_worker_batch
+from .files import atomic_write, write_json
 from .models import build_model
 from .schedule import make_schedule
 from .strategies import DistContext, Strategy, get_strategy
@@ -271,16 +270,6 @@ def summarize(spec, ctx, logs, val_history, wall_time, lr_schedule, strategy_sum
     }
 
 
-def atomic_write(path: Path, write) -> None:
-    """Write via `write(tmp_path)` then rename, so no reader ever sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_run(spec: RunSpec, metrics: dict, eval_model: nn.Module, meta: dict) -> None:
     """The final checkpoint, the MLflow child run, then metrics.json last (the rule's output)."""
     out = Path(spec.out_dir)
@@ -294,12 +283,12 @@ def write_run(spec: RunSpec, metrics: dict, eval_model: nn.Module, meta: dict) -
         "state_dict": {k: v.detach().cpu() for k, v in eval_model.state_dict().items()},
         "run_name": spec.run_name,
     }
-    atomic_write(out / CHECKPOINT_FILE, lambda tmp: torch.save(checkpoint, tmp))
+    atomic_write(out / CHECKPOINT_FILE, lambda stream: torch.save(checkpoint, stream))
     if spec.tracking_uri is not None:
         from .tracking import log_training_run
 
         metrics["mlflow"] = log_training_run(spec.tracking_uri, spec.config["tracking"]["experiment"], metrics)
-    atomic_write(out / METRICS_FILE, lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
+    write_json(out / METRICS_FILE, metrics)
 
 
 class TrainingJob:

@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny prepared Fashion-MNIST and tiny study configs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SUBSET = 2000  # 1800 training + 200 validation images
+
+
+def tiny_study(**overrides) -> dict:
+    """The tiny study of the tests: real Fashion-MNIST subset, 1 epoch, workers 1 and 2."""
+    from dtstudy.config import deep_merge
+
+    base = {
+        "dataset": {"name": "fashion_mnist", "subset": TINY_SUBSET, "val_fraction": 0.1},
+        "model": "lenet5",
+        "strategies": ["allreduce"],
+        "workers": [1, 2],
+        "seeds": [0],
+        "train": {"epochs": 1, "batch_size": 32, "log_every": 20, "steady_state_skip": 5},
+        "target_accuracy": 0.5,
+    }
+    return deep_merge(base, overrides)
+
+
+def validated(config: dict) -> dict:
+    from dtstudy.config import check_config, validate_schema
+
+    config = validate_schema(copy.deepcopy(config))
+    check_config(config)
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """The tiny study's data set, prepared once per test session."""
+    from dtstudy.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "fashion_mnist"
+    prepare(validated(tiny_study())["dataset"], out)
+    return out
+
+
+def run_snakemake(workdir: Path, config: dict, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run this repository's Snakefile in `workdir` with `config` as the config file."""
+    config_path = workdir / "study.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [
+        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+        "--directory", str(workdir), "--configfile", str(config_path), *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,310 @@
+"""Tables, Markdown twins and plots from hand-made run folders with hand-chosen numbers."""
+
+import json
+import math
+import re
+
+import pandas as pd
+import pytest
+
+from dtstudy import aggregate
+
+# Throughput (images/s) per (strategy, workers) for seeds 0 and 1.
+THROUGHPUT = {
+    ("allreduce", 1): (100.0, 110.0),  # mean 105
+    ("allreduce", 2): (200.0, 210.0),  # mean 205
+    ("allreduce", 4): (380.0, 400.0),  # mean 390
+    ("ps_sync", 1): (80.0, 90.0),      # mean 85
+    ("ps_sync", 2): (150.0, 160.0),    # mean 155
+    ("ps_sync", 4): (260.0, 280.0),    # mean 270
+}
+# Test top-1 per (strategy, workers) for seeds 0 and 1.
+TOP1 = {
+    ("allreduce", 1): (0.90, 0.92),
+    ("allreduce", 2): (0.89, 0.91),
+    ("allreduce", 4): (0.88, 0.90),
+    ("ps_sync", 1): (0.90, 0.90),
+    ("ps_sync", 2): (0.87, 0.89),
+    ("ps_sync", 4): (0.80, 0.84),
+}
+# Time to reach the target accuracy per seed; None = never reached.
+TIME_TO_ACCURACY = {("ps_sync", 4): (30.0, None), ("ps_sync", 2): (None, None)}
+SEEDS = (0, 1)
+
+
+def write_run(root, strategy, workers, seed, *, oversubscribed=False):
+    run_dir = root / "runs" / strategy / f"n{workers}" / f"seed{seed}"
+    run_dir.mkdir(parents=True)
+    run_id = f"{strategy}-{workers}-{seed}"
+    reach = TIME_TO_ACCURACY.get((strategy, workers), (10.0 * workers, 12.0 * workers))[seed]
+    metrics = {
+        "strategy": strategy, "workers": workers, "seed": seed,
+        "throughput": THROUGHPUT[strategy, workers][seed],
+        "step_time": {"total_s": 0.05, "compute_s": 0.04 + seed * 0.01, "comm_s": 0.01,
+                      "data_s": 0.001},
+        "bytes_per_step": 1000.0 * workers,
+        "train_loss": [2.3, 2.1, 1.9],
+        "val": [{"epoch": e, "step": 100 * e, "top1": 0.6 + 0.1 * e, "wall_s": 5.0 * e / workers}
+                for e in (1, 2, 3)],
+        "target_accuracy": 0.85, "time_to_accuracy_s": reach, "wall_time_s": 40.0,
+        "environment": {"host": "test", "cores": 2, "oversubscribed": oversubscribed,
+                        "device_type": "cpu", "backend": "gloo"},
+        "mlflow": {"run_id": run_id, "experiment_id": "1", "tracking_uri": "sqlite:///x.db"},
+    }
+    evaluation = {"top1": TOP1[strategy, workers][seed], "top5": 0.99, "test_images": 10000,
+                  "mlflow_run_id": run_id}
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    (run_dir / "eval.json").write_text(json.dumps(evaluation))
+    return run_dir
+
+
+@pytest.fixture
+def run_dirs(tmp_path):
+    # Written in a scrambled order, so that row order comes from the sorting.
+    return [write_run(tmp_path, strategy, workers, seed)
+            for (strategy, workers) in sorted(THROUGHPUT, reverse=True) for seed in SEEDS]
+
+
+@pytest.fixture
+def runs(run_dirs):
+    return aggregate.load_runs(run_dirs)
+
+
+def row(table, strategy, workers):
+    match = table[(table["strategy"] == strategy) & (table["workers"] == workers)]
+    assert len(match) == 1
+    return match.iloc[0]
+
+
+# --- arithmetic -----------------------------------------------------------------------
+
+def test_speedup_and_efficiency_by_hand():
+    assert aggregate.speedup(205.0, 105.0) == pytest.approx(1.952381, rel=1e-6)
+    assert aggregate.efficiency(3.714286, 4) == pytest.approx(0.928571, rel=1e-6)
+    assert math.isnan(aggregate.speedup(205.0, None))
+    assert math.isnan(aggregate.speedup(205.0, float("nan")))
+
+
+def test_sample_std_uses_ddof_1_and_is_zero_for_one_value():
+    assert aggregate.sample_std([100.0, 110.0]) == pytest.approx(7.0710678, rel=1e-6)
+    assert aggregate.sample_std([2.0, 4.0, 9.0]) == pytest.approx(3.6055513, rel=1e-6)
+    assert aggregate.sample_std([5.0]) == 0.0
+
+
+def test_mean_of_reached_ignores_runs_that_never_reached():
+    assert aggregate.mean_of_reached([30.0, None, 50.0]) == 40.0
+    assert math.isnan(aggregate.mean_of_reached([None, float("nan")]))
+
+
+# --- loading --------------------------------------------------------------------------
+
+def test_load_runs_one_row_per_run(runs, run_dirs):
+    assert len(runs) == 12
+    first = runs[runs["run_dir"] == str(run_dirs[0])].iloc[0]
+    assert (first["strategy"], first["workers"], first["seed"]) == ("ps_sync", 4, 0)
+    assert first["throughput"] == 260.0
+    assert first["top1"] == 0.80
+    assert first["mlflow_run_id"] == "ps_sync-4-0"
+    assert not first["oversubscribed"]
+
+
+def test_missing_metrics_names_the_path(run_dirs):
+    missing = run_dirs[3] / "metrics.json"
+    missing.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        aggregate.load_runs(run_dirs)
+
+
+def test_invalid_eval_names_the_path(run_dirs):
+    broken = run_dirs[5] / "eval.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(str(broken))):
+        aggregate.load_runs(run_dirs)
+
+
+def test_missing_key_names_the_path(run_dirs):
+    path = run_dirs[0] / "metrics.json"
+    metrics = json.loads(path.read_text())
+    del metrics["throughput"]
+    path.write_text(json.dumps(metrics))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*throughput"):
+        aggregate.load_runs(run_dirs)
+
+
+def test_null_value_names_the_path(run_dirs):
+    path = run_dirs[0] / "metrics.json"
+    metrics = json.loads(path.read_text())
+    metrics["step_time"]["comm_s"] = None
+    path.write_text(json.dumps(metrics))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*comm_s"):
+        aggregate.load_runs(run_dirs)
+
+
+def test_duplicate_runs_are_an_error(tmp_path, run_dirs):
+    copy = write_run(tmp_path / "elsewhere", "ps_sync", 4, 0)
+    with pytest.raises(ValueError, match="same"):
+        aggregate.load_runs(run_dirs + [copy])
+
+# --- scaling table --------------------------------------------------------------------
+
+def test_scaling_columns_and_alphabetical_order(runs):
+    table = aggregate.scaling_table(runs)
+    assert list(table.columns) == [
+        "strategy", "workers", "seeds", "throughput", "throughput_std", "speedup",
+        "efficiency", "speedup_vs_allreduce_1", "compute_s", "comm_s", "bytes_per_step",
+        "oversubscribed"]
+    assert list(zip(table["strategy"], table["workers"])) == [
+        ("allreduce", 1), ("allreduce", 2), ("allreduce", 4),
+        ("ps_sync", 1), ("ps_sync", 2), ("ps_sync", 4)]
+
+
+def test_scaling_follows_config_order(runs):
+    table = aggregate.scaling_table(runs, strategies_order=["ps_sync", "allreduce"])
+    assert list(table["strategy"]) == ["ps_sync"] * 3 + ["allreduce"] * 3
+    assert list(table["workers"]) == [1, 2, 4, 1, 2, 4]
+
+
+@pytest.mark.parametrize("strategy, workers, throughput, speedup, efficiency, vs_allreduce", [
+    ("allreduce", 1, 105.0, 1.0, 1.0, 1.0),
+    ("allreduce", 2, 205.0, 205 / 105, 205 / 105 / 2, 205 / 105),
+    ("allreduce", 4, 390.0, 3.714286, 0.928571, 3.714286),
+    ("ps_sync", 1, 85.0, 1.0, 1.0, 0.809524),
+    ("ps_sync", 2, 155.0, 1.823529, 0.911765, 1.476190),
+    ("ps_sync", 4, 270.0, 3.176471, 0.794118, 2.571429),
+])
+def test_scaling_numbers_by_hand(runs, strategy, workers, throughput, speedup, efficiency,
+                                 vs_allreduce):
+    r = row(aggregate.scaling_table(runs), strategy, workers)
+    assert r["seeds"] == 2
+    assert r["throughput"] == pytest.approx(throughput)
+    assert r["speedup"] == pytest.approx(speedup, rel=1e-5)
+    assert r["efficiency"] == pytest.approx(efficiency, rel=1e-5)
+    assert r["speedup_vs_allreduce_1"] == pytest.approx(vs_allreduce, rel=1e-5)
+
+
+def test_scaling_std_and_means_over_seeds(runs):
+    table = aggregate.scaling_table(runs)
+    assert row(table, "ps_sync", 4)["throughput_std"] == pytest.approx(14.142136, rel=1e-6)
+    assert row(table, "allreduce", 2)["throughput_std"] == pytest.approx(7.0710678, rel=1e-6)
+    assert row(table, "allreduce", 2)["compute_s"] == pytest.approx(0.045)
+    assert row(table, "allreduce", 4)["bytes_per_step"] == 4000.0
+
+
+def test_one_seed_has_zero_std(runs):
+    table = aggregate.scaling_table(runs[runs["seed"] == 0])
+    assert (table["seeds"] == 1).all()
+    assert (table["throughput_std"] == 0.0).all()
+
+
+def test_speedup_is_nan_without_single_worker_run(runs):
+    without = runs[~((runs["strategy"] == "ps_sync") & (runs["workers"] == 1))]
+    table = aggregate.scaling_table(without)
+    assert math.isnan(row(table, "ps_sync", 2)["speedup"])
+    assert math.isnan(row(table, "ps_sync", 4)["efficiency"])
+    assert row(table, "ps_sync", 2)["speedup_vs_allreduce_1"] == pytest.approx(155 / 105)
+
+
+def test_speedup_vs_allreduce_is_nan_without_allreduce(runs):
+    table = aggregate.scaling_table(runs[runs["strategy"] == "ps_sync"])
+    assert table["speedup_vs_allreduce_1"].isna().all()
+    assert row(table, "ps_sync", 4)["speedup"] == pytest.approx(270 / 85)
+
+
+# --- accuracy table -------------------------------------------------------------------
+
+def test_accuracy_columns_and_numbers(runs):
+    table = aggregate.accuracy_table(runs)
+    assert list(table.columns) == [
+        "strategy", "workers", "seeds", "top1_mean", "top1_std", "top5_mean",
+        "time_to_accuracy_s", "top5_std", "reached_target"]
+    r = row(table, "ps_sync", 4)
+    assert r["top1_mean"] == pytest.approx(0.82)
+    assert r["top1_std"] == pytest.approx(0.0282843, rel=1e-5)
+    assert r["top5_mean"] == pytest.approx(0.99)
+    assert r["top5_std"] == 0.0
+
+
+def test_time_to_accuracy_only_over_seeds_that_reached(runs):
+    table = aggregate.accuracy_table(runs)
+    some = row(table, "ps_sync", 4)
+    assert some["time_to_accuracy_s"] == 30.0
+    assert some["reached_target"] == "1/2"
+    none = row(table, "ps_sync", 2)
+    assert math.isnan(none["time_to_accuracy_s"])
+    assert none["reached_target"] == "0/2"
+    both = row(table, "allreduce", 2)
+    assert both["time_to_accuracy_s"] == pytest.approx((20.0 + 24.0) / 2)
+    assert both["reached_target"] == "2/2"
+
+
+# --- writing --------------------------------------------------------------------------
+
+def test_write_table_csv_and_markdown(runs, tmp_path):
+    table = aggregate.scaling_table(runs)
+    csv_path, md_path = tmp_path / "out" / "scaling.csv", tmp_path / "out" / "scaling.md"
+    aggregate.write_table(table, csv_path, md_path)
+    pd.testing.assert_frame_equal(pd.read_csv(csv_path), table, check_dtype=False)
+    markdown = md_path.read_text()
+    assert markdown.startswith("# ")
+    assert "| allreduce" in markdown and "| ps_sync" in markdown
+    assert "speedup_vs_allreduce_1" in markdown
+    assert aggregate.OVERSUBSCRIBED_NOTE not in markdown
+    assert sorted(p.name for p in csv_path.parent.iterdir()) == ["scaling.csv", "scaling.md"]
+
+
+def test_markdown_notes_oversubscribed_rows(tmp_path):
+    run_dirs = [write_run(tmp_path, "allreduce", workers, seed, oversubscribed=(workers == 4))
+                for workers in (1, 2, 4) for seed in SEEDS]
+    table = aggregate.scaling_table(aggregate.load_runs(run_dirs))
+    assert list(table["oversubscribed"]) == [False, False, True]
+    md_path = tmp_path / "scaling.md"
+    aggregate.write_table(table, tmp_path / "scaling.csv", md_path)
+    assert aggregate.OVERSUBSCRIBED_NOTE in md_path.read_text()
+
+
+# --- plots ----------------------------------------------------------------------------
+
+def test_make_plots_writes_four_nontrivial_pngs(runs, run_dirs, tmp_path):
+    run_metrics = aggregate.load_run_metrics(run_dirs)
+    paths = aggregate.make_plots(runs, run_metrics, tmp_path / "plots")
+    assert sorted(p.name for p in paths) == [
+        "accuracy.png", "convergence.png", "efficiency.png", "throughput.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size > 5_000, path
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(p.name for p in paths)
+
+
+# --- the whole step, with a real MLflow store -----------------------------------------
+
+def test_run_writes_everything_and_adopts_child_runs(tmp_path):
+    from mlflow import MlflowClient
+
+    from dtstudy import tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment_id = tracking.init_store(uri, "study-test")
+    client = MlflowClient(tracking_uri=uri)
+    run_dirs = []
+    for workers in (1, 2):
+        run_dir = write_run(tmp_path, "allreduce", workers, 0)
+        child_id = client.create_run(experiment_id).info.run_id
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        metrics["mlflow"]["run_id"] = child_id
+        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        run_dirs.append(run_dir)
+
+    summary = aggregate.run(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
+                            "study-test", strategies_order=["allreduce"],
+                            study_params={"model": "lenet5", "train": {"epochs": 3}})
+
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [
+        "accuracy.csv", "accuracy.md", "scaling.csv", "scaling.md"]
+    parent = client.get_run(summary["parent_run_id"])
+    assert parent.data.params == {"model": "lenet5", "train.epochs": "3"}
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"plots", "tables"}
+    assert len(client.list_artifacts(parent.info.run_id, "tables")) == 4
+    assert len(client.list_artifacts(parent.info.run_id, "plots")) == 4
+    for run_dir in run_dirs:
+        child_id = json.loads((run_dir / "metrics.json").read_text())["mlflow"]["run_id"]
+        assert client.get_run(child_id).data.tags["mlflow.parentRunId"] == parent.info.run_id

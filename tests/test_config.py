@@ -1,0 +1,73 @@
+"""Config validation: schema defaults, and bad input rejected with the key, value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_study, validated
+from dtstudy.config import ConfigError, deep_merge, load_config, run_config, validate_schema
+
+
+def test_schema_fills_every_default():
+    config = validate_schema({})
+    assert config["dataset"] == {
+        "name": "fashion_mnist", "root": None, "download": False, "subset": None, "val_fraction": 0.1,
+        "split_seed": 0, "image_size": 224,
+        "synthetic": {"train_size": 4096, "test_size": 512, "channels": 3, "classes": 10},
+    }
+    assert config["strategies"] == ["allreduce"] and config["workers"] == [1, 2, 4]
+    assert config["train"]["lr_scaling"] == "linear" and config["train"]["batch_size"] == 64
+    assert config["tracking"] == {"uri": None, "experiment": "distributed-training-study"}
+
+
+def test_default_study_config_is_valid(tmp_path):
+    config = load_config("config/config.yaml")
+    assert config["model"] == "lenet5" and config["workers"] == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"model": "vgg99"}, ["model", "vgg99", "lenet5", "resnet18"]),
+        ({"dataset": {"name": "mnist3d"}}, ["dataset.name", "mnist3d", "fashion_mnist", "cifar10"]),
+        ({"workers": [1, 0]}, ["workers[1]", "0", "minimum of 1"]),
+        ({"train": {"batch_size": 0}}, ["train.batch_size", "0", "minimum of 1"]),
+        ({"train": {"lr_scaling": "cubic"}}, ["train.lr_scaling", "cubic", "linear", "sqrt", "none"]),
+        ({"tracking": {"experiment": ""}}, ["tracking.experiment"]),
+    ],
+)
+def test_schema_errors_name_key_value_and_allowed(override, words):
+    with pytest.raises(ConfigError) as err:
+        validate_schema(deep_merge(tiny_study(), override))
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"strategies": ["allreduce", "telepathy"]}, ["strategies[1]", "telepathy", "allowed: allreduce"]),
+        ({"strategy_params": {"telepathy": {}}}, ["strategy_params.telepathy", "allowed: allreduce"]),
+        ({"strategy_params": {"allreduce": {"bucket_cap": 1}}}, ["strategy_params.allreduce.bucket_cap", "bucket_cap_mb"]),
+        ({"strategy_params": {"allreduce": {"bucket_cap_mb": -1}}}, ["strategy_params.allreduce.bucket_cap_mb", "-1"]),
+        ({"dataset": {"root": "/no/such/folder"}}, ["dataset.root", "/no/such/folder"]),
+        ({"dataset": {"subset": 70000}}, ["dataset.subset", "70000", "60000"]),
+        ({"dataset": {"name": "cifar10"}}, ["dataset.root", "cifar10"]),
+        ({"train": {"batch_size": 1500}}, ["train.batch_size", "3000", "1800"]),
+        ({"train": {"scaling": "strong", "batch_size": 63}}, ["train.batch_size", "63", "strong"]),
+    ],
+)
+def test_checks_beyond_the_schema(override, words):
+    with pytest.raises(ConfigError) as err:
+        validated(deep_merge(tiny_study(), override))
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_run_config_keeps_only_what_a_run_depends_on():
+    config = validated(tiny_study(strategy_params={"allreduce": {"bucket_cap_mb": 5}}))
+    selected = run_config(config, "allreduce")
+    assert "workers" not in selected and "seeds" not in selected and "strategies" not in selected
+    assert selected["strategy_params"] == {"allreduce": {"bucket_cap_mb": 5}}
+    assert selected["train"] == config["train"]
+

@@ -1,0 +1,44 @@
+"""The learning-rate scaling rule and the warm-up schedule (Goyal et al. 2017)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dtstudy.schedule import LRSchedule, make_schedule, scaled_lr
+
+
+@pytest.mark.parametrize(
+    "rule, global_batch, expected",
+    [("linear", 512, 0.2), ("linear", 64, 0.025), ("sqrt", 1024, 0.2), ("none", 4096, 0.1)],
+)
+def test_scaling_rules(rule, global_batch, expected):
+    assert scaled_lr(0.1, global_batch, 256, rule) == pytest.approx(expected)
+
+
+def test_unknown_rule_is_rejected_with_allowed_values():
+    with pytest.raises(ValueError, match="cubic.*linear, sqrt, none"):
+        scaled_lr(0.1, 256, 256, "cubic")
+
+
+def test_warmup_then_cosine():
+    schedule = LRSchedule(peak_lr=1.0, warmup_steps=4, total_steps=14, kind="cosine")
+    assert [schedule(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert schedule(4) == pytest.approx(1.0)
+    assert schedule(9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule(14) == pytest.approx(0.0)
+
+
+def test_constant_after_warmup():
+    schedule = LRSchedule(peak_lr=0.3, warmup_steps=2, total_steps=10, kind="constant")
+    assert [schedule(s) for s in (0, 1, 2, 9)] == pytest.approx([0.15, 0.3, 0.3, 0.3])
+
+
+def test_make_schedule_from_config():
+    train = {"base_lr": 0.05, "lr_reference_batch": 256, "lr_scaling": "linear", "epochs": 3,
+             "max_steps": None, "warmup_epochs": 1, "lr_schedule": "cosine"}
+    schedule = make_schedule(train, global_batch=256, steps_per_epoch=100)
+    assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.05), 100, 300)
+    schedule = make_schedule({**train, "max_steps": 50}, global_batch=512, steps_per_epoch=100)
+    assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.1), 50, 50)

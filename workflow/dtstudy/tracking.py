@@ -1,0 +1,205 @@
+"""MLflow helpers shared by training, evaluation and aggregation.
+
+Every function takes the tracking URI explicitly and builds its own MlflowClient, so
+nothing (active run, global tracking URI) leaks from one call to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.utils.time import get_current_time_millis
+
+STUDY_KIND_TAG = "dtstudy.kind"
+PARENT_RUN_TAG = "mlflow.parentRunId"
+_SQLITE_PREFIX = "sqlite:///"
+_MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
+_MAX_METRICS_PER_BATCH = 1000
+
+
+def resolve_uri(uri: str | None, results_dir: str | Path = "results") -> str:
+    """The tracking URI to use: `uri` unchanged, or SQLite at <results_dir>/mlflow.db."""
+    if uri is not None:
+        return uri
+    db_path = (Path(results_dir) / "mlflow.db").resolve()
+    return f"{_SQLITE_PREFIX}{db_path}"
+
+
+def _sqlite_artifact_root(uri: str) -> str | None:
+    """Artifacts beside a SQLite store (<db dir>/mlartifacts), None for other stores.
+
+    MLflow's default artifact root for a database store is ./mlruns relative to the
+    process's working directory, which scatters artifacts wherever a job happens to run.
+    """
+    if not uri.startswith(_SQLITE_PREFIX):
+        return None
+    db_path = uri[len(_SQLITE_PREFIX):]
+    if db_path in ("", ":memory:"):
+        return None
+    return str(Path(db_path).resolve().parent / "mlartifacts")
+
+
+def init_store(uri: str, experiment: str) -> str:
+    """Create the store and the experiment if needed; return the experiment id.
+
+    Idempotent. Call it once (one Snakemake rule) before the training jobs start:
+    MLflow's SQLite schema set-up races when several processes open a new DB at once.
+    """
+    uri = resolve_uri(uri)
+    if uri.startswith(_SQLITE_PREFIX):
+        Path(uri[len(_SQLITE_PREFIX):]).parent.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri=uri)
+    existing = client.get_experiment_by_name(experiment)
+    if existing is not None:
+        return existing.experiment_id
+    try:
+        return client.create_experiment(experiment, artifact_location=_sqlite_artifact_root(uri))
+    except MlflowException as error:
+        if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+        # Another process created it between our lookup and our create.
+        return client.get_experiment_by_name(experiment).experiment_id
+
+
+def flatten_params(params: Mapping, prefix: str = "") -> dict[str, str]:
+    """Nested dicts -> {"a.b.c": "value"} with string values, as MLflow params need."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_params(value, prefix=f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+def _artifact_dirs(artifacts: Iterable[str | Path] | Mapping[str | Path, str]) -> dict[Path, str]:
+    """{file: artifact folder}; a plain list files each one under its parent folder's name."""
+    if isinstance(artifacts, Mapping):
+        return {Path(path): folder for path, folder in artifacts.items()}
+    return {Path(path): Path(path).parent.name for path in artifacts}
+
+
+def _chunks(items: list, size: int) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _log_params_and_metrics(client: MlflowClient, run_id: str, params: Mapping,
+                            metrics: Mapping[str, float]) -> None:
+    param_list = [Param(key, value) for key, value in flatten_params(params).items()]
+    for chunk in _chunks(param_list, _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=chunk)
+    now = get_current_time_millis()
+    metric_list = [Metric(key, float(value), now, 0) for key, value in metrics.items()]
+    for chunk in _chunks(metric_list, _MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=chunk)
+
+
+def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
+                  artifacts: Iterable[str | Path] | Mapping[str | Path, str],
+                  params: Mapping | None = None,
+                  metrics: Mapping[str, float] | None = None) -> str:
+    """Create the parent "study" run, attach artifacts and params, adopt the child runs.
+
+    `artifacts` is a list of files (each logged under its parent folder's name, e.g.
+    results/tables/scaling.csv -> tables/scaling.csv) or a {file: artifact folder} mapping.
+    Nested `params` are flattened to dotted keys. Every child run (an existing training
+    run) gets the tag mlflow.parentRunId = the new run's id. Returns that id.
+    """
+    uri = resolve_uri(uri)
+    experiment_id = init_store(uri, experiment)
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(experiment_id, run_name="study",
+                               tags={STUDY_KIND_TAG: "study"}).info.run_id
+    try:
+        _log_params_and_metrics(client, run_id, params or {}, metrics or {})
+        for path, folder in _artifact_dirs(artifacts).items():
+            client.log_artifact(run_id, str(path), artifact_path=folder or None)
+        for child_id in child_run_ids:
+            client.set_tag(child_id, PARENT_RUN_TAG, run_id)
+    except BaseException:
+        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
+        raise
+    client.set_terminated(run_id)
+    return run_id
+
+
+# --- training and evaluation runs ---------------------------------------------------------
+
+def _training_params(metrics: Mapping) -> dict:
+    """What a training run was asked to do: config values, strategy knobs, derived batch/LR."""
+    return {
+        "strategy": metrics["strategy"],
+        "workers": metrics["workers"],
+        "seed": metrics["seed"],
+        "global_batch": metrics["global_batch"],
+        "per_worker_batch": metrics["per_worker_batch"],
+        "config": metrics["config"],
+        "strategy_params": metrics["strategy_params"],
+        "lr_schedule": metrics["lr_schedule"],
+    }
+
+
+def _training_metrics(metrics: Mapping) -> list[Metric]:
+    now = get_current_time_millis()
+    series = [Metric("train_loss", float(loss), now, step) for step, loss in enumerate(metrics["train_loss"])]
+    series += [Metric("val_top1", float(v["top1"]), now, int(v["epoch"])) for v in metrics["val"]]
+    finals = {
+        "throughput": metrics["throughput"],
+        "compute_s": metrics["step_time"]["compute_s"],
+        "comm_s": metrics["step_time"]["comm_s"],
+        "data_s": metrics["step_time"]["data_s"],
+        "bytes_per_step": metrics["bytes_per_step"],
+        "wall_time_s": metrics["wall_time_s"],
+        "time_to_accuracy_s": metrics["time_to_accuracy_s"],
+        **{key: value for key, value in metrics.get("strategy_metrics", {}).items()
+           if isinstance(value, (int, float))},
+    }
+    series += [Metric(key, float(value), now, 0) for key, value in finals.items() if value is not None]
+    return series
+
+
+def log_training_run(uri: str, experiment: str, metrics: Mapping) -> dict:
+    """One finished training run as an MLflow run holding the same facts as its metrics.json
+    (which is attached as an artifact). Returns {run_id, experiment_id, tracking_uri}."""
+    import json
+    import tempfile
+
+    experiment_id = init_store(uri, experiment)
+    client = MlflowClient(tracking_uri=uri)
+    environment = metrics["environment"]
+    tags = {
+        STUDY_KIND_TAG: "training",
+        "strategy": metrics["strategy"],
+        "workers": str(metrics["workers"]),
+        "seed": str(metrics["seed"]),
+        **{f"env.{key}": str(value) for key, value in flatten_params(environment).items()},
+    }
+    run_id = client.create_run(experiment_id, run_name=metrics["run_name"], tags=tags).info.run_id
+    record = {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri}
+    try:
+        _log_params_and_metrics(client, run_id, _training_params(metrics), {})
+        for chunk in _chunks(_training_metrics(metrics), _MAX_METRICS_PER_BATCH):
+            client.log_batch(run_id, metrics=chunk)
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "metrics.json"
+            path.write_text(json.dumps({**metrics, "mlflow": record}, indent=1))
+            client.log_artifact(run_id, str(path))
+    except BaseException:
+        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
+        raise
+    client.set_terminated(run_id)
+    return record
+
+
+def log_test_metrics(uri: str, run_id: str, result: Mapping) -> None:
+    """Add the evaluation's test top-1/top-5 to the training run."""
+    now = get_current_time_millis()
+    client = MlflowClient(tracking_uri=uri)
+    client.log_batch(run_id, metrics=[Metric(f"test_{k}", float(result[k]), now, 0) for k in ("top1", "top5")])
