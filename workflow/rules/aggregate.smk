@@ -15,9 +15,11 @@ rule aggregate:
         "results/logs/aggregate.log",
     params:
         config=config_json(),
-        runs=all_runs(""),
+        runs=folders_of_inputs("metrics"),
+        tables=folder_of("output", "scaling"),
+        plots=folder_of("output", "throughput_plot"),
     conda:
         "../../envs/study.yaml"
     shell:
         "python -m dtstudy aggregate --config-json {params.config:q} --runs {params.runs}"
-        " --tables results/tables --plots results/plots > {log} 2>&1"
+        " --tables {params.tables} --plots {params.plots} > {log} 2>&1"

@@ -2,10 +2,9 @@
 import os
 import sys
 
-# The rules call the package as `python -m dtstudy`; make it importable without installing.
-PACKAGE_DIR = os.path.join(workflow.basedir, "workflow")
-sys.path.insert(0, PACKAGE_DIR)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_DIR, os.environ.get("PYTHONPATH")]))
+# The rules call the installed package (`pip install -e .`) as `python -m dtstudy`; the
+# Snakefile itself imports it from the source tree, so that config checks never run stale code.
+sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 
 import dtstudy.config as study_config
 
@@ -34,6 +33,16 @@ def config_json(section_keys=None):
 def run_config_json(wildcards):
     """Only what one training run depends on, so unrelated config edits trigger no rerun."""
     return study_config.to_json(study_config.run_config(config, wildcards.strategy))
+
+
+def folder_of(kind, name):
+    """A params function: the folder holding input/output file `name` (lint: no hard-coded prefixes)."""
+    return lambda wildcards, input, output: os.path.dirname(getattr({"input": input, "output": output}[kind], name))
+
+
+def folders_of_inputs(name):
+    """A params function: the folders of all input files named `name`."""
+    return lambda wildcards, input: [os.path.dirname(path) for path in input[name]]
 
 
 def all_runs(filename):

@@ -5,7 +5,7 @@ rule prepare_data:
         "results/logs/prepare_data.log",
     params:
         config=config_json(["dataset"]),
-        out=DATA_DIR,
+        out=folder_of("output", "meta"),
     conda:
         "../../envs/study.yaml"
     shell:

@@ -8,8 +8,8 @@ rule evaluate:
     log:
         "results/logs/evaluate/{strategy}/n{workers}/seed{seed}.log",
     params:
-        data=DATA_DIR,
-        run=RUN_DIR,
+        data=folder_of("input", "data"),
+        run=folder_of("input", "metrics"),
     conda:
         "../../envs/study.yaml"
     shell:

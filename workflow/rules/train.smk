@@ -16,8 +16,8 @@ rule train:
         "results/logs/train/{strategy}/n{workers}/seed{seed}.log",
     params:
         config=run_config_json,
-        data=DATA_DIR,
-        out=RUN_DIR,
+        data=folder_of("input", "data"),
+        out=folder_of("output", "metrics"),
         job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
     threads: lambda wildcards: int(wildcards.workers)
     resources:

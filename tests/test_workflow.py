@@ -1,0 +1,71 @@
+"""The Snakemake DAG, checked with dry runs of the real Snakefile."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_snakemake, tiny_study
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Snakemake's 'Job stats' table as {rule: count}."""
+    table = output.split("Job stats:", 1)[1]
+    return {rule: int(count) for rule, count in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M) if rule != "total"}
+
+
+def dry_run(tmp_path, config):
+    return run_snakemake(tmp_path, config, "--dry-run", "--cores", "2", timeout=300)
+
+
+def test_default_study_dag():
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    counts = job_counts(result.stdout)
+    assert counts == {"prepare_data": 1, "init_tracking": 1, "train": 3, "evaluate": 3, "aggregate": 1, "all": 1}
+
+
+@pytest.mark.parametrize("workers, seeds", [([1, 2, 4, 8], [0, 1, 2]), ([3], [7])])
+def test_one_train_and_evaluate_job_per_strategy_workers_seed(tmp_path, workers, seeds):
+    result = dry_run(tmp_path, tiny_study(workers=workers, seeds=seeds, train={"batch_size": 8}))
+    assert result.returncode == 0, result.stderr
+    counts = job_counts(result.stdout)
+    runs = len(workers) * len(seeds)
+    assert counts["train"] == counts["evaluate"] == runs
+    assert counts["prepare_data"] == counts["aggregate"] == counts["init_tracking"] == 1
+    for n in workers:
+        for seed in seeds:
+            assert f"results/runs/allreduce/n{n}/seed{seed}/metrics.json" in result.stdout
+    # training jobs queue on one slot (profiles/default), so they never share the cores
+    assert "train_slot=1" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"strategies": ["telepathy"]}, ["strategies[0]", "telepathy", "allowed: allreduce"]),
+        ({"train": {"batch_size": 0}}, ["batch_size", "minimum of 1"]),
+        ({"workers": [0]}, ["0 is less than the minimum of 1"]),
+        ({"model": "vgg99"}, ["vgg99", "lenet5"]),
+        ({"dataset": {"root": "/no/such/root"}}, ["dataset.root", "/no/such/root"]),
+        ({"dataset": {"subset": 10**6}}, ["dataset.subset", "1000000", "60000"]),
+    ],
+)
+def test_bad_config_fails_the_dry_run_with_a_clear_message(tmp_path, override, words):
+    result = dry_run(tmp_path, tiny_study(**override))
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    for word in words:
+        assert word in output
+    assert not (tmp_path / "results").exists()
+
+
+def test_lint_is_clean():
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0
+    assert "Congratulations, your workflow is in a good condition!" in result.stdout + result.stderr
