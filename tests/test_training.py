@@ -82,3 +82,41 @@ def test_failed_job_leaves_no_metrics_and_says_why(tmp_path, tiny_data):
     assert result.returncode != 0
     assert "empty-data" in result.stderr  # the job's error reaches the caller
     assert not (out / METRICS_FILE).exists()
+
+
+def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
+    """Snakemake stops a local rule with a signal: the submitit job must not outlive it."""
+    import os
+    import re
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    config = tmp_path / "long.yaml"
+    config.write_text("dataset: {subset: 2000}\ntrain: {epochs: 500, batch_size: 8, log_every: 10}\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-u", "-m", "dtstudy", "train", "--config", str(config), "--strategy", "allreduce",
+         "--workers", "2", "--seed", "0", "--data", str(tiny_data), "--out", str(out), "--no-tracking"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # as under a shell's `&`: SIGINT ignored, so only a real cancellation stops the job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    seen, job_pid = "", None
+    deadline = time.time() + 120
+    while time.time() < deadline and "img/s" not in seen:
+        seen += launcher.stdout.readline()
+        match = re.search(r"submitted job (\d+)", seen)
+        job_pid = job_pid or (match and int(match.group(1)))
+    assert job_pid and "img/s" in seen, seen  # training is under way
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=60)
+    assert launcher.returncode != 0
+    for _ in range(100):  # the local job's id is its process id
+        try:
+            os.kill(job_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"job process {job_pid} still runs after the launcher was stopped")
+    assert not (out / METRICS_FILE).exists()

@@ -64,17 +64,24 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
 
     os.environ["MASTER_PORT"] = str(free_port())  # the tasks inherit it (submitit reads it)
-    executor = make_executor(spec, job_dir)
-    job = executor.submit(TrainingJob(spec))
-    print(f"{spec.run_name}: submitted job {job.job_id} with {spec.processes()} tasks; logs in {job_dir}", flush=True)
+    job = None
 
     def cancel(signum, _frame):
-        print(f"{spec.run_name}: signal {signum}, cancelling job {job.job_id}", flush=True)
-        job.cancel(check=False)
+        if job is not None:
+            print(f"{spec.run_name}: signal {signum}, cancelling job {job.job_id}", flush=True)
+            job.cancel(check=False)  # SLURM: scancel; local: SIGINT to the job's controller
+            deadline = time.monotonic() + 30
+            while not job.done() and time.monotonic() < deadline:
+                time.sleep(0.2)
         raise SystemExit(128 + signum)
 
+    # Installed before the job starts: a local job's processes then get SIGINT's default
+    # disposition even where ours was inherited as "ignored" (a shell's `&`), and cancel works.
     previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        job = make_executor(spec, job_dir).submit(TrainingJob(spec))
+        print(f"{spec.run_name}: submitted job {job.job_id} with {spec.processes()} tasks; logs in {job_dir}",
+              flush=True)
         follower = _LogFollower(Path(job.paths.stdout))
         while not job.done():
             follower.pump()

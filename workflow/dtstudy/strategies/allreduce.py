@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from .base import OptimizerFactory, Strategy
@@ -19,9 +18,10 @@ def ring_allreduce_bytes(payload_bytes: int, workers: int) -> float:
 class AllReduce(Strategy):
     """Every worker computes its gradient; DDP averages them by all-reduce; same update everywhere.
 
-    Communication/wait is measured as the time backward() still runs after the last gradient
-    bucket was handed to the communication hook: the part of the exchange that the overlap
-    with backward did not hide.
+    Communication/wait is the time backward() still runs after the last gradient was
+    accumulated: the part of the exchange that the overlap with backward did not hide.
+    With one worker there is nothing to exchange and the model trains unwrapped (DDP at
+    world size 1 would only add bucket copies, ~6% of a LeNet step on a CPU).
     """
 
     name = "allreduce"
@@ -34,37 +34,49 @@ class AllReduce(Strategy):
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model.to(self.ctx.device)
-        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(
-            model,
-            device_ids=device_ids,
-            process_group=self.ctx.worker_group,
-            bucket_cap_mb=self.params["bucket_cap_mb"],
-        )
-        self._last_bucket_time: float | None = None
-        self.ddp.register_comm_hook(state=None, hook=self._timed_hook)
-        self.optimizer = make_optimizer(self.ddp.parameters())
-        return self.ddp
+        self.model = model
+        self.module = model
+        if self.ctx.workers > 1:
+            device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+            self.module = DistributedDataParallel(
+                model,
+                device_ids=device_ids,
+                process_group=self.ctx.worker_group,
+                bucket_cap_mb=self.params["bucket_cap_mb"],
+            )
+        hook = self.comm_hook() if self.ctx.workers > 1 else None
+        if hook is not None:
+            self.module.register_comm_hook(state=self, hook=hook)
+        # the plain all-reduce moves every gradient each step; a custom hook counts its own bytes
+        self._plain_bytes_per_step = self.bytes_per_step() if hook is None else 0.0
+        self._last_grad_time: float | None = None
+        if self.ctx.workers > 1:
+            for parameter in model.parameters():
+                parameter.register_post_accumulate_grad_hook(self._note_gradient)
+        self.optimizer = make_optimizer(self.module.parameters())
+        return self.module
 
-    def comm_hook(self, bucket):
-        """The exchange of one gradient bucket; returns (future, bytes sent). Compressed
-        variants override this."""
-        payload = bucket.buffer().numel() * bucket.buffer().element_size()
-        future = default_hooks.allreduce_hook(self.ctx.worker_group, bucket)
-        return future, ring_allreduce_bytes(payload, self.ctx.workers)
+    def comm_hook(self):
+        """A DDP communication hook `hook(state, bucket) -> Future` replacing the plain
+        all-reduce (None = DDP's built-in one). Compressed variants return theirs and add
+        the bytes they really send to self.meter.bytes_sent."""
+        return None
 
-    def _timed_hook(self, _state, bucket):
-        self._last_bucket_time = time.perf_counter()
-        future, sent = self.comm_hook(bucket)
-        self.meter.bytes_sent += sent
-        return future
+    def bytes_per_step(self) -> float:
+        """Bytes this worker sends per step with the plain all-reduce of every gradient."""
+        payload = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return ring_allreduce_bytes(payload, self.ctx.workers)
+
+    def _note_gradient(self, _parameter) -> None:
+        self._last_grad_time = time.perf_counter()
 
     def backward(self, loss) -> None:
-        self._last_bucket_time = None
+        self._last_grad_time = None
         loss.backward()
-        if self._last_bucket_time is not None:
+        if self._last_grad_time is not None:
             self.ctx.synchronize()
-            self.meter.seconds += time.perf_counter() - self._last_bucket_time
+            self.meter.seconds += time.perf_counter() - self._last_grad_time
+            self.meter.bytes_sent += self._plain_bytes_per_step
 
     def eval_model(self) -> nn.Module:
-        return self.ddp.module
+        return self.model
