@@ -49,6 +49,37 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
+def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strategy="allreduce",
+              strategy_params=None, **train):
+    """One training run through the real path (submitit LocalExecutor, torch.distributed on
+    gloo), lr_scaling none and base_lr 0.1 unless `train` says otherwise.
+    Returns (metrics, final state_dict, run folder)."""
+    import torch
+
+    from dtstudy.config import run_config
+    from dtstudy.launcher import run
+    from dtstudy.train import CHECKPOINT_FILE, RunSpec
+
+    study = validated(tiny_study(
+        strategies=[strategy],
+        strategy_params={strategy: strategy_params or {}},
+        train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1, **train},
+    ))
+    out = tmp_path / f"{strategy}-n{workers}-b{batch_size}-s{seed}"
+    spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
+                   data_dir=str(data_dir), out_dir=str(out))
+    metrics = run(spec, out / "submitit", poll_s=0.2)
+    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
+
+
+def assert_same_parameters(a: dict, b: dict, atol: float) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=f"parameter {name} differs")
+
+
 def run_snakemake(workdir: Path, config: dict, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run this repository's Snakefile in `workdir` with `config` as the config file."""
     config_path = workdir / "study.yaml"

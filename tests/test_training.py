@@ -6,28 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from conftest import read_json, tiny_study, validated
-from dtstudy.config import run_config
-from dtstudy.launcher import run
-from dtstudy.train import CHECKPOINT_FILE, METRICS_FILE, RunSpec
-
-
-def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strategy="allreduce", **train):
-    study = validated(tiny_study(train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none",
-                                        "base_lr": 0.1, **train}))
-    out = tmp_path / f"{strategy}-n{workers}-b{batch_size}-s{seed}"
-    spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
-                   data_dir=str(data_dir), out_dir=str(out))
-    metrics = run(spec, out / "submitit", poll_s=0.2)
-    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
-
-
-def assert_same_parameters(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=f"parameter {name} differs")
+from conftest import assert_same_parameters, read_json, train_run
+from dtstudy.train import METRICS_FILE
 
 
 def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny_data):

@@ -210,8 +210,9 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
         progress.say(f"epoch {epoch + 1}/{train['epochs']} done: val top-1 {top1:.4f} at {val_history[-1]['wall_s']:.1f}s")
         if step >= total_steps:
             break
-    strategy.finish()
     wall_time = time.perf_counter() - start
+    final_model = strategy.eval_model()  # collective; before finish(), which may stop servers
+    strategy.finish()
     log.loss = torch.stack(losses).float().cpu().tolist() if losses else []
 
     logs: list[WorkerLog] = [None] * spec.workers  # type: ignore[list-item]
@@ -219,11 +220,10 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
         dist.all_gather_object(logs, log, group=ctx.worker_group)
     else:
         logs = [log]
-    eval_model = strategy.eval_model()
     if ctx.rank != 0:
         return None
     metrics = summarize(spec, ctx, logs, val_history, wall_time, schedule.describe(), strategy.summary())
-    write_run(spec, metrics, eval_model, meta)
+    write_run(spec, metrics, final_model, meta)
     return metrics
 
 

@@ -8,7 +8,8 @@ The training loop (dtstudy.train) runs, on each of the N workers:
                  strategy.update(lr)                     # apply the update (+ exchange)
                  strategy.meter.take()                   # comm/wait seconds and bytes of the step
     every epoch: strategy.eval_model()                   # the parameters to evaluate
-    at the end:  strategy.finish(); strategy.summary()
+    at the end:  strategy.eval_model()                   # the parameters to checkpoint
+                 strategy.finish(); strategy.summary()
 
 and `strategy.serve()` on the extra processes a strategy asks for with `extra_processes`
 (parameter-server shards), which are ranks N..N+extra-1 of the same job. The loop never
