@@ -71,3 +71,19 @@ def test_run_config_keeps_only_what_a_run_depends_on():
     assert selected["strategy_params"] == {"allreduce": {"bucket_cap_mb": 5}}
     assert selected["train"] == config["train"]
 
+
+
+@pytest.mark.parametrize(
+    "stragglers, words",
+    [
+        ({"ranks": [1], "delay_ms": 5}, ["stragglers.ranks", "rank 1", "N=1"]),
+        ({"ranks": [0], "fraction": 0.5}, ["stragglers", "not both"]),
+        ({"distribution": "gamma"}, ["stragglers.distribution", "gamma", "exponential"]),
+        ({"delay_ms": -1}, ["stragglers.delay_ms", "-1"]),
+    ],
+)
+def test_bad_straggler_settings(stragglers, words):
+    with pytest.raises(ConfigError) as err:
+        validated(tiny_study(stragglers=stragglers))
+    for word in words:
+        assert word in str(err.value)

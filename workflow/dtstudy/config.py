@@ -64,7 +64,7 @@ def validate_schema(config: dict) -> dict:
 
 def check_config(config: dict) -> dict:
     """The checks a schema cannot do. Returns the checked strategy knobs per strategy."""
-    from . import data
+    from . import data, stragglers
     from .strategies import STRATEGIES, get_strategy
 
     for i, name in enumerate(config["strategies"]):
@@ -86,6 +86,10 @@ def check_config(config: dict) -> dict:
                 config["strategy_params"].get(name, {}), workers
             )
 
+    try:
+        stragglers.check(config["stragglers"], config["workers"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         train_images = data.check_dataset(config["dataset"])
     except data.DataConfigError as err:
@@ -143,7 +147,7 @@ def run_config(config: dict, strategy: str) -> dict:
     Rules pass exactly this to the training CLI, so that a change of, say, the list of
     workers does not make Snakemake rerun every finished training run.
     """
-    keys = ("dataset", "model", "model_options", "train", "target_accuracy", "launcher", "tracking")
+    keys = ("dataset", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
     selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
     return selected

@@ -23,6 +23,7 @@ from .files import atomic_write, write_json
 from .models import build_model
 from .schedule import make_schedule
 from .strategies import DistContext, Strategy, get_strategy
+from .stragglers import Straggler, slow_ranks
 
 METRICS_FILE = "metrics.json"
 CHECKPOINT_FILE = "model.pt"
@@ -63,6 +64,7 @@ class WorkerLog:
     comm_s: list[float] = field(default_factory=list)  # the exchange/wait part of step_s
     bytes_sent: list[float] = field(default_factory=list)
     images: list[int] = field(default_factory=list)
+    injected_delay_s: float = 0.0  # straggler injection, inside step_s
 
     def steady(self, skip: int) -> dict:
         """Steady-state figures, leaving out the first `skip` steps."""
@@ -169,6 +171,7 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
     schedule = make_schedule(train, global_batch_size(train, spec.workers), steps_per_epoch)
     total_steps = schedule.total_steps
 
+    straggler = Straggler(cfg["stragglers"], spec.workers, ctx.rank)
     log = WorkerLog(rank=ctx.rank)
     val_history: list[dict] = []
     progress = Progress(ctx, train["log_every"], steps_per_epoch, train["epochs"])
@@ -190,6 +193,7 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
             inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
             t_step = time.perf_counter()
             lr = schedule(step)
+            straggler.delay()  # a slow worker's extra compute time
             loss = criterion(module(inputs), labels)
             strategy.backward(loss)
             strategy.update(lr)
@@ -214,6 +218,7 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
     final_model = strategy.eval_model()  # collective; before finish(), which may stop servers
     strategy.finish()
     log.loss = torch.stack(losses).float().cpu().tolist() if losses else []
+    log.injected_delay_s = straggler.total_s
 
     logs: list[WorkerLog] = [None] * spec.workers  # type: ignore[list-item]
     if spec.workers > 1:
@@ -264,6 +269,10 @@ def summarize(spec, ctx, logs, val_history, wall_time, lr_schedule, strategy_sum
         "time_to_accuracy_s": reached[0] if reached else None,
         "wall_time_s": wall_time,
         "strategy_params": spec.strategy_params(),
+        "stragglers": {
+            "ranks": slow_ranks(spec.config["stragglers"], spec.workers),
+            "injected_delay_s": [worker.injected_delay_s for worker in logs],
+        },
         "strategy_metrics": strategy_summary,
         "config": spec.config,
         "environment": environment(ctx.device, ctx.backend, ctx.world_size),

@@ -3,9 +3,9 @@ rule aggregate:
         metrics=all_runs("metrics.json"),
         evals=all_runs("eval.json"),
     output:
-        scaling="results/tables/scaling.csv",
+        scaling=report("results/tables/scaling.csv", caption="../report/scaling.rst", category="Tables"),
         scaling_md="results/tables/scaling.md",
-        accuracy="results/tables/accuracy.csv",
+        accuracy=report("results/tables/accuracy.csv", caption="../report/accuracy_table.rst", category="Tables"),
         accuracy_md="results/tables/accuracy.md",
         throughput_plot=report("results/plots/throughput.png", caption="../report/throughput.rst", category="Scaling"),
         efficiency_plot=report("results/plots/efficiency.png", caption="../report/efficiency.rst", category="Scaling"),
