@@ -85,6 +85,13 @@ def check_config(config: dict) -> dict:
             knobs[name] = get_strategy(name).check_params(
                 config["strategy_params"].get(name, {}), workers
             )
+    if config["launcher"]["cluster"] != "local":  # the job layout must fit the nodes
+        from .launcher import job_parameters
+        from .train import RunSpec
+
+        for name in config["strategies"]:
+            for workers in config["workers"]:
+                job_parameters(RunSpec(name, workers, 0, run_config(config, name), "", ""))
 
     try:
         stragglers.check(config["stragglers"], config["workers"])

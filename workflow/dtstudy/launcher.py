@@ -7,6 +7,7 @@ as Snakemake does on Ctrl-C) cancels the job.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import ConfigError
 from .train import METRICS_FILE, RunSpec, TrainingJob
 
 
@@ -24,17 +26,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def job_parameters(spec: RunSpec) -> dict:
+    """submitit parameters of a run's job: the N workers (one per GPU on a GPU cluster) plus
+    the strategy's extra processes as further tasks, spread over as few nodes as fit."""
+    launcher = spec.config["launcher"]
+    processes = spec.processes()
+    parameters = {"name": spec.run_name, "timeout_min": launcher["timeout_min"]}
+    if launcher["cluster"] == "local":
+        return {**parameters, "nodes": 1, "tasks_per_node": processes}
+    per_node = launcher["gpus_per_node"] or launcher["workers_per_node"] or spec.workers
+    nodes = math.ceil(spec.workers / per_node)
+    if processes % nodes:
+        raise ConfigError(
+            f"config key 'workers': N={spec.workers} ({processes} processes with {spec.strategy}'s extra ones) "
+            f"does not spread evenly over {nodes} nodes of {per_node} workers "
+            "(launcher.gpus_per_node / launcher.workers_per_node); use N <= that or a multiple of it"
+        )
+    parameters.update(
+        nodes=nodes,
+        tasks_per_node=math.ceil(processes / nodes),
+        cpus_per_task=launcher["cpus_per_task"],
+    )
+    if launcher["gpus_per_node"]:
+        parameters["gpus_per_node"] = launcher["gpus_per_node"]
+    if launcher["mem_gb"] is not None:
+        parameters["mem_gb"] = launcher["mem_gb"]
+    for key in ("partition", "account", "qos", "constraint"):
+        if launcher[key] is not None:
+            parameters[f"slurm_{key}"] = launcher[key]
+    if launcher["additional_parameters"]:
+        parameters["slurm_additional_parameters"] = dict(launcher["additional_parameters"])
+    return parameters
+
+
 def make_executor(spec: RunSpec, job_dir: Path):
     import submitit
 
-    launcher = spec.config["launcher"]
-    executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"])
-    executor.update_parameters(
-        name=spec.run_name,
-        timeout_min=launcher["timeout_min"],
-        nodes=1,
-        tasks_per_node=spec.processes(),
-    )
+    executor = submitit.AutoExecutor(folder=job_dir, cluster=spec.config["launcher"]["cluster"])
+    executor.update_parameters(**job_parameters(spec))
     return executor
 
 
@@ -63,7 +92,9 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
     metrics_path = Path(spec.out_dir) / METRICS_FILE
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
 
-    os.environ["MASTER_PORT"] = str(free_port())  # the tasks inherit it (submitit reads it)
+    if spec.config["launcher"]["cluster"] == "local":
+        # the tasks inherit it (submitit reads it); on SLURM submitit derives one from the job id
+        os.environ["MASTER_PORT"] = str(free_port())
     job = None
 
     def cancel(signum, _frame):

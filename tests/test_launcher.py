@@ -1,0 +1,46 @@
+"""The submitit job a run becomes: tasks, nodes, GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_study, validated
+from dtstudy.config import ConfigError, run_config
+from dtstudy.launcher import job_parameters
+from dtstudy.train import RunSpec
+
+
+def spec_for(workers, launcher, strategy="allreduce", strategy_params=None):
+    study = validated(tiny_study(workers=[workers], strategies=[strategy], launcher=launcher,
+                                 strategy_params={strategy: strategy_params or {}}, train={"batch_size": 8}))
+    return RunSpec(strategy, workers, 0, run_config(study, strategy), "data", "out")
+
+
+def test_local_job_runs_every_process_on_this_machine():
+    assert job_parameters(spec_for(4, {"cluster": "local", "timeout_min": 30})) == {
+        "name": "allreduce-n4-seed0", "timeout_min": 30, "nodes": 1, "tasks_per_node": 4}
+
+
+def test_slurm_job_with_8_workers_on_4_gpu_nodes():
+    parameters = job_parameters(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4, "partition": "gpu",
+                                             "account": "proj", "additional_parameters": {"overcommit": True}}))
+    assert (parameters["nodes"], parameters["tasks_per_node"], parameters["gpus_per_node"]) == (2, 4, 4)
+    assert parameters["slurm_partition"] == "gpu" and parameters["slurm_account"] == "proj"
+    assert parameters["slurm_additional_parameters"] == {"overcommit": True}
+    assert "slurm_qos" not in parameters
+
+
+@pytest.mark.parametrize("workers, per_node, nodes", [(1, 4, 1), (4, 4, 1), (12, 4, 3), (64, 4, 16)])
+def test_nodes_are_the_fewest_that_hold_the_workers(workers, per_node, nodes):
+    parameters = job_parameters(spec_for(workers, {"cluster": "slurm", "gpus_per_node": per_node}))
+    assert parameters["nodes"] == nodes and parameters["tasks_per_node"] == min(workers, per_node)
+
+
+def test_cpu_slurm_job_defaults_to_one_node():
+    parameters = job_parameters(spec_for(4, {"cluster": "slurm"}))
+    assert (parameters["nodes"], parameters["tasks_per_node"]) == (1, 4) and "gpus_per_node" not in parameters
+
+
+def test_workers_that_do_not_fill_nodes_evenly_are_rejected_before_any_job():
+    with pytest.raises(ConfigError, match="N=5 .* 2 nodes of 4 workers"):
+        spec_for(5, {"cluster": "slurm", "gpus_per_node": 4})
