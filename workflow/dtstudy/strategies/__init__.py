@@ -4,9 +4,24 @@ from __future__ import annotations
 
 from .allreduce import AllReduce
 from .base import CommMeter, DistContext, Strategy
+from .compressed import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReducePowerSGD
+from .gossip import Gossip
+from .local import EASGD, LocalSGD
+from .parameter_server import PsAsync, PsBackup, PsSync, Ssp
 
 STRATEGIES: dict[str, type[Strategy]] = {
     AllReduce.name: AllReduce,
+    PsSync.name: PsSync,
+    PsBackup.name: PsBackup,
+    PsAsync.name: PsAsync,
+    Ssp.name: Ssp,
+    LocalSGD.name: LocalSGD,
+    EASGD.name: EASGD,
+    Gossip.name: Gossip,
+    AllReduceFP16.name: AllReduceFP16,
+    AllReduceBF16.name: AllReduceBF16,
+    AllReducePowerSGD.name: AllReducePowerSGD,
+    AllReduceOneBit.name: AllReduceOneBit,
 }
 
 

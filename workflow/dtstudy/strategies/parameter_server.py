@@ -1,0 +1,267 @@
+"""Parameter-server strategies: S shard processes own the parameters and the optimizer state;
+workers push gradients and get parameters back (point-to-point torch.distributed over gloo).
+
+    ps_sync    a shard averages the N gradients of a step, then answers every worker
+    ps_backup  the first N-k gradients of a step make the update; the k late ones are dropped
+    ps_async   every gradient is applied on arrival and answered at once
+    ssp        as ps_sync, but a worker may start step t while t - (steps applied) <= s;
+               its gradient then counts in its own step's update (s = 0 is ps_sync)
+
+The messages are in ps_protocol, the shard in ps_shard.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .base import OptimizerFactory, Strategy
+from .ps_protocol import (
+    SETUP_FIELDS,
+    TAG_GRADIENT,
+    TAG_PARAMETERS,
+    TAG_REQUEST,
+    TAG_SETUP,
+    TAG_VERSION,
+    VALUE_DTYPE,
+    Kind,
+    request,
+    split_by_size,
+)
+from .ps_shard import ShardServer, ShardStats, UpdatePolicy
+
+
+class ShardSlice:
+    """A worker's view of one shard: the parameters it owns and flat CPU message buffers."""
+
+    def __init__(self, rank: int, parameters: list[nn.Parameter]):
+        self.rank = rank
+        self.parameters = parameters
+        self.numel = sum(p.numel() for p in parameters)
+        self.outgoing = torch.empty(self.numel, dtype=VALUE_DTYPE)
+        self.incoming = torch.empty(self.numel, dtype=VALUE_DTYPE)
+        self.incoming_version = torch.empty(1, dtype=torch.float64)
+        self.read_version = 0  # the shard's version of the parameters this worker holds
+
+    def _views(self, flat: torch.Tensor):
+        offset = 0
+        for parameter in self.parameters:
+            yield parameter, flat[offset:offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
+
+    def pack_gradients(self) -> None:
+        for parameter, view in self._views(self.outgoing):
+            if parameter.grad is None:
+                view.zero_()
+            else:
+                view.copy_(parameter.grad)
+                parameter.grad = None
+
+    def pack_parameters(self) -> None:
+        for parameter, view in self._views(self.outgoing):
+            view.copy_(parameter.detach())
+
+    @torch.no_grad()
+    def take_reply(self) -> None:
+        self.read_version = int(self.incoming_version.item())
+        for parameter, view in self._views(self.incoming):
+            parameter.copy_(view)
+
+
+class ShardClient:
+    """A worker's end of the exchange with every shard."""
+
+    def __init__(self, slices: list[ShardSlice], group):
+        self.slices, self.group = slices, group
+        self.steps = 0  # gradients pushed so far = the step this worker is in
+
+    def send_setup(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rank 0: each shard's size, the optimizer's hyper-parameters and initial values."""
+        if type(optimizer) is not torch.optim.SGD:
+            raise TypeError(f"parameter-server shards run SGD; the training loop built {type(optimizer).__name__}")
+        hyper = optimizer.param_groups[0]
+        for piece in self.slices:
+            setup = [float(piece.numel)] + [float(hyper[name]) for name in SETUP_FIELDS[1:]]
+            dist.send(torch.tensor(setup, dtype=torch.float64), dst=piece.rank, group=self.group, tag=TAG_SETUP)
+            piece.pack_parameters()
+            dist.send(piece.outgoing, dst=piece.rank, group=self.group, tag=TAG_PARAMETERS)
+
+    def push(self, lr: float) -> int:
+        """Send this step's gradients, wait for the parameters of the next step; returns bytes sent."""
+        works = self._expect_replies()
+        sent = 0
+        for piece in self.slices:
+            piece.pack_gradients()
+            header = request(Kind.PUSH, self.steps, piece.read_version, lr)
+            works.append(dist.isend(header, dst=piece.rank, group=self.group, tag=TAG_REQUEST))
+            works.append(dist.isend(piece.outgoing, dst=piece.rank, group=self.group, tag=TAG_GRADIENT))
+            sent += _nbytes(header) + _nbytes(piece.outgoing)
+        self._finish(works)
+        self.steps += 1
+        return sent
+
+    def pull(self) -> None:
+        works = self._expect_replies()
+        works += [dist.isend(request(Kind.PULL), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+                  for piece in self.slices]
+        self._finish(works)
+
+    def done(self) -> None:
+        for piece in self.slices:
+            dist.send(request(Kind.DONE), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+
+    def receive_stats(self) -> list[ShardStats]:
+        return [ShardStats.receive(piece.rank, self.group) for piece in self.slices]
+
+    def _expect_replies(self) -> list:
+        # posted before the request goes out, so that a shard's reply never waits for us
+        works = []
+        for piece in self.slices:
+            works.append(dist.irecv(piece.incoming_version, src=piece.rank, group=self.group, tag=TAG_VERSION))
+            works.append(dist.irecv(piece.incoming, src=piece.rank, group=self.group, tag=TAG_PARAMETERS))
+        return works
+
+    def _finish(self, works: list) -> None:
+        for work in works:
+            work.wait()
+        for piece in self.slices:
+            piece.take_reply()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class ParameterServer(Strategy):
+    """What the four parameter-server strategies share; each gives its `update_policy`."""
+
+    defaults = {"shards": 1}
+
+    def __init__(self, ctx, params):
+        super().__init__(ctx, params)
+        # NCCL moves no CPU point-to-point messages; every rank creates the group, in this order
+        self.group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
+        self.shard_stats: list[ShardStats] = []
+
+    @classmethod
+    def validate(cls, params, workers):
+        if not _is_int(params["shards"]) or params["shards"] < 1:
+            raise cls.bad_knob("shards", params["shards"], "an integer >= 1 (server processes)")
+
+    @classmethod
+    def extra_processes(cls, params, workers):
+        return params["shards"]
+
+    @abstractmethod
+    def update_policy(self) -> UpdatePolicy:
+        """How the shards turn this strategy's pushes into updates."""
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        model.to(self.ctx.device)
+        self.model = model
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        if any(p.dtype != VALUE_DTYPE for p in parameters):
+            raise TypeError(f"parameter-server strategies exchange {VALUE_DTYPE} parameters only")
+        owned = split_by_size([p.numel() for p in parameters], self.params["shards"])
+        slices = [ShardSlice(self.ctx.workers + shard, [parameters[i] for i in indices])
+                  for shard, indices in enumerate(owned)]
+        self.client = ShardClient(slices, self.group)
+        if self.ctx.rank == 0:
+            self.client.send_setup(make_optimizer(parameters))
+        self.client.pull()
+        return model
+
+    def update(self, lr: float) -> None:
+        with self.meter.timed():
+            self.meter.bytes_sent += self.client.push(lr)
+
+    def eval_model(self) -> nn.Module:
+        if self.ctx.workers > 1:
+            # once every worker holds the replies to all its pushes, every shard has taken them in
+            dist.barrier(group=self.ctx.worker_group)
+            # buffers (batch-norm statistics) stay on the workers: evaluate rank 0's everywhere
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=0, group=self.ctx.worker_group)
+        self.client.pull()
+        return self.model
+
+    def finish(self) -> None:
+        self.client.done()
+        if self.ctx.rank == 0:
+            self.shard_stats = self.client.receive_stats()
+
+    def summary(self) -> dict[str, Any]:
+        if not self.shard_stats:
+            return {}
+        staleness = sum((stats.staleness for stats in self.shard_stats), start=Counter())
+        gradients = staleness.total()
+        busy = [stats.busy_s / stats.wall_s if stats.wall_s else 0.0 for stats in self.shard_stats]
+        return {
+            "shards": len(self.shard_stats),
+            "shard_numel": [piece.numel for piece in self.client.slices],
+            "updates": sum(stats.updates for stats in self.shard_stats),  # optimizer steps, all shards
+            "gradients_applied": gradients,
+            "dropped_gradients": sum(stats.dropped for stats in self.shard_stats),
+            # JSON keys are strings: the same in metrics.json as in the returned dict
+            "staleness": {str(value): staleness[value] for value in sorted(staleness)},
+            "staleness_mean": sum(value * count for value, count in staleness.items()) / max(gradients, 1),
+            "staleness_max": max(staleness, default=0),
+            "shard_busy_fraction": sum(busy) / len(busy),
+            "shard_busy_fraction_per_shard": busy,
+        }
+
+    def serve(self) -> None:
+        ShardServer(self.ctx.workers, self.group, self.update_policy()).serve()
+
+
+class PsSync(ParameterServer):
+    name = "ps_sync"
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy(quorum=self.ctx.workers)
+
+
+class PsBackup(ParameterServer):
+    name = "ps_backup"
+    defaults = {"shards": 1, "backup": 1}
+
+    @classmethod
+    def validate(cls, params, workers):
+        super().validate(params, workers)
+        backup = params["backup"]
+        if not _is_int(backup) or not 0 <= backup < workers:
+            raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy(quorum=self.ctx.workers - self.params["backup"])
+
+
+class PsAsync(ParameterServer):
+    name = "ps_async"
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy(quorum=None, staleness_bound=math.inf)
+
+
+class Ssp(ParameterServer):
+    name = "ssp"
+    defaults = {"shards": 1, "staleness": 2}
+
+    @classmethod
+    def validate(cls, params, workers):
+        super().validate(params, workers)
+        if not _is_int(params["staleness"]) or params["staleness"] < 0:
+            raise cls.bad_knob("staleness", params["staleness"], "an integer >= 0 (steps ahead of the slowest worker)")
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy(quorum=self.ctx.workers, staleness_bound=self.params["staleness"])
