@@ -1,4 +1,5 @@
-"""End to end: the real workflow on the tiny study (Fashion-MNIST subset, 1 epoch, N = 1, 2)."""
+"""End to end: the real workflow on the tiny study (Fashion-MNIST subset, 1 epoch) with every
+registered strategy at N = 1 and 2: tables, plots, MLflow runs, each strategy's own records."""
 
 from __future__ import annotations
 
@@ -7,36 +8,76 @@ import pandas as pd
 import pytest
 
 from conftest import read_json, run_snakemake, tiny_study
+from dtstudy.strategies import STRATEGIES
 
 pytestmark = pytest.mark.e2e
+
+NAMES = list(STRATEGIES)
+PS_FAMILY = ["ps_sync", "ps_backup", "ps_async", "ssp"]
+STUDY = tiny_study(strategies=NAMES, strategy_params={"ps_sync": {"shards": 2}})
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("study")
-    result = run_snakemake(workdir, tiny_study(), "--cores", "2")
+    result = run_snakemake(workdir, STUDY, "--cores", "2", timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return workdir
 
 
-def test_tables_have_a_row_per_strategy_and_workers(study):
+def run_dir(study, strategy, n):
+    return study / f"results/runs/{strategy}/n{n}/seed0"
+
+
+def test_both_tables_have_a_row_per_strategy_and_workers(study):
+    expected = [(name, n) for name in NAMES for n in (1, 2)]
     scaling = pd.read_csv(study / "results/tables/scaling.csv")
     assert list(scaling.columns[:8]) == ["strategy", "workers", "seeds", "throughput", "throughput_std",
                                          "speedup", "efficiency", "speedup_vs_allreduce_1"]
-    assert list(zip(scaling.strategy, scaling.workers)) == [("allreduce", 1), ("allreduce", 2)]
-    assert (scaling.throughput > 0).all() and scaling.speedup[0] == 1.0
-    runs = {n: read_json(study / f"results/runs/allreduce/n{n}/seed0/metrics.json") for n in (1, 2)}
-    assert scaling.throughput.tolist() == pytest.approx([runs[1]["throughput"], runs[2]["throughput"]])
-    assert scaling.efficiency[1] == pytest.approx(runs[2]["throughput"] / runs[1]["throughput"] / 2)
+    assert list(zip(scaling.strategy, scaling.workers)) == expected  # in the config's order
+    assert (scaling.throughput > 0).all()
+    runs = {n: read_json(run_dir(study, "allreduce", n) / "metrics.json") for n in (1, 2)}
+    allreduce = scaling[scaling.strategy == "allreduce"]
+    assert allreduce.throughput.tolist() == pytest.approx([runs[1]["throughput"], runs[2]["throughput"]])
+    assert allreduce.efficiency.iloc[1] == pytest.approx(runs[2]["throughput"] / runs[1]["throughput"] / 2)
 
     accuracy = pd.read_csv(study / "results/tables/accuracy.csv")
     assert list(accuracy.columns[:7]) == ["strategy", "workers", "seeds", "top1_mean", "top1_std", "top5_mean",
                                           "time_to_accuracy_s"]
-    evals = {n: read_json(study / f"results/runs/allreduce/n{n}/seed0/eval.json") for n in (1, 2)}
-    assert accuracy.top1_mean.tolist() == pytest.approx([evals[1]["top1"], evals[2]["top1"]])
+    assert list(zip(accuracy.strategy, accuracy.workers)) == expected
+    evals = {n: read_json(run_dir(study, "allreduce", n) / "eval.json") for n in (1, 2)}
+    assert accuracy.top1_mean.iloc[:2].tolist() == pytest.approx([evals[1]["top1"], evals[2]["top1"]])
     assert all(0 <= e["top1"] <= e["top5"] <= 1 and e["test_images"] == 10000 for e in evals.values())
     for name in ("scaling", "accuracy"):
-        assert "| allreduce" in (study / f"results/tables/{name}.md").read_text()
+        markdown = (study / f"results/tables/{name}.md").read_text()
+        assert all(f"| {strategy}" in markdown for strategy in NAMES)
+
+
+def test_bytes_per_step_reflect_each_exchange(study):
+    sent = pd.read_csv(study / "results/tables/scaling.csv").set_index(["strategy", "workers"])
+    sent = sent.bytes_per_step.xs(2, level="workers")
+    assert sent["allreduce_onebit"] < sent["allreduce_powersgd"] < sent["allreduce_fp16"] < sent["allreduce"]
+    assert sent["allreduce_fp16"] == sent["allreduce_bf16"] == sent["allreduce"] / 2
+    assert sent["local_sgd"] < sent["allreduce"] and sent["easgd"] < sent["allreduce"]
+
+
+def test_runs_record_the_strategies_own_results(study):
+    for strategy in PS_FAMILY:
+        for n in (1, 2):
+            metrics = read_json(run_dir(study, strategy, n) / "metrics.json")
+            shards = 2 if strategy == "ps_sync" else 1
+            assert metrics["environment"]["processes"] == n + shards
+            shard_metrics = metrics["strategy_metrics"]
+            assert shard_metrics["shards"] == shards
+            assert sum(shard_metrics["staleness"].values()) == shard_metrics["gradients_applied"]
+            assert shard_metrics["gradients_applied"] == n * metrics["steps"] * shards
+    async_run = read_json(run_dir(study, "ps_async", 2) / "metrics.json")["strategy_metrics"]
+    assert async_run["updates"] == async_run["gradients_applied"]
+    gossip = read_json(run_dir(study, "gossip", 2) / "metrics.json")
+    assert gossip["strategy_params"] == {"topology": "ring"}
+    assert [entry["step"] for entry in gossip["strategy_metrics"]["consensus_distance"]] == [gossip["steps"]]
+    powersgd = read_json(run_dir(study, "allreduce_powersgd", 2) / "metrics.json")
+    assert powersgd["strategy_metrics"]["powersgd_compression_rate"] > 1
 
 
 def test_plots_and_logs(study):
@@ -53,25 +94,21 @@ def test_mlflow_holds_every_run_under_the_study_run(study):
     runs = mlflow.search_runs(experiment_names=["distributed-training-study"])
     study_runs = runs[runs["tags.dtstudy.kind"] == "study"]
     training = runs[runs["tags.dtstudy.kind"] == "training"]
-    assert len(study_runs) == 1 and len(training) == 2
+    assert len(study_runs) == 1 and len(training) == 2 * len(NAMES)
     parent_id = study_runs.run_id.iloc[0]
     assert (training["tags.mlflow.parentRunId"] == parent_id).all()
     for n in (1, 2):
-        metrics = read_json(study / f"results/runs/allreduce/n{n}/seed0/metrics.json")
+        metrics = read_json(run_dir(study, "allreduce", n) / "metrics.json")
         row = training[training.run_id == metrics["mlflow"]["run_id"]].iloc[0]
         assert row["params.workers"] == str(n) and row["tags.strategy"] == "allreduce"
         assert row["metrics.throughput"] == pytest.approx(metrics["throughput"])
-        assert row["metrics.test_top1"] == pytest.approx(read_json(metrics_dir(study, n) / "eval.json")["top1"])
+        assert row["metrics.test_top1"] == pytest.approx(read_json(run_dir(study, "allreduce", n) / "eval.json")["top1"])
         assert row["tags.env.git_commit"] == str(metrics["environment"]["git_commit"])
     artifacts = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(parent_id, "tables")}
     assert {"tables/scaling.csv", "tables/accuracy.csv"} <= artifacts
 
 
-def metrics_dir(study, n):
-    return study / f"results/runs/allreduce/n{n}/seed0"
-
-
 def test_rerun_has_nothing_to_do(study):
-    result = run_snakemake(study, tiny_study(), "--dry-run", "--cores", "2")
+    result = run_snakemake(study, STUDY, "--dry-run", "--cores", "2")
     assert result.returncode == 0
     assert "Nothing to be done" in result.stdout + result.stderr

@@ -112,7 +112,6 @@ def test_registry_and_knob_defaults():
     [
         ("ps_sync", {"shards": 0}, [1, 2], ["strategy_params.ps_sync.shards", "0", ">= 1"]),
         ("ps_async", {"shards": "two"}, [1, 2], ["strategy_params.ps_async.shards", "'two'"]),
-        ("ps_backup", {}, [1, 2], ["strategy_params.ps_backup.backup", "1", "N=1"]),
         ("ps_backup", {"backup": 2}, [2, 4], ["strategy_params.ps_backup.backup", "2", "N=2"]),
         ("ps_backup", {"backup": -1}, [2], ["strategy_params.ps_backup.backup", "-1"]),
         ("ssp", {"staleness": -1}, [1, 2], ["strategy_params.ssp.staleness", "-1", ">= 0"]),
@@ -129,6 +128,8 @@ def test_bad_knobs_are_rejected_before_any_job(strategy, knobs, workers, words):
 def test_good_knobs_pass():
     validated(tiny_study(strategies=["ps_backup", "ssp"], workers=[2, 4],
                          strategy_params={"ps_backup": {"backup": 1, "shards": 2}, "ssp": {"staleness": 0}}))
+    # N=1 has nobody to back up: it runs as ps_sync, so the default k=1 fits workers [1, 2, 4]
+    validated(tiny_study(strategies=["ps_backup"], workers=[1, 2, 4]))
 
 
 def test_parameters_split_over_shards_by_size():

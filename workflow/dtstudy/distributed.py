@@ -24,14 +24,16 @@ def init_from_submitit(workers: int, device_preference: str, timeout_min: int = 
     import submitit
 
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    device = pick_device(device_preference, env.local_rank)
+    workers_device = pick_device(device_preference, env.local_rank)
+    # every rank must name the same backend; a strategy's extra processes (parameter-server
+    # shards) still compute on the CPU and talk over a gloo group of their own
+    backend = "nccl" if workers_device.type == "cuda" else "gloo"
+    device = workers_device if env.rank < workers else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         # a CPU worker stands for one GPU: one thread each, so N workers use N cores
         torch.set_num_threads(1)
-        backend = "gloo"
     dist.init_process_group(
         backend, rank=env.rank, world_size=env.world_size, timeout=datetime.timedelta(minutes=timeout_min)
     )

@@ -210,6 +210,7 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
             step += 1
         batches.close()
         top1 = distributed_top1(strategy.eval_model(), val_set, ctx)
+        strategy.meter.take()  # evaluation's exchanges are not a training step's
         val_history.append({"epoch": epoch + 1, "step": step, "top1": top1, "wall_s": time.perf_counter() - start})
         progress.say(f"epoch {epoch + 1}/{train['epochs']} done: val top-1 {top1:.4f} at {val_history[-1]['wall_s']:.1f}s")
         if step >= total_steps:

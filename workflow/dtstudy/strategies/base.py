@@ -144,7 +144,9 @@ class Strategy(ABC):
         """Called once after the last step on every worker (e.g. to stop servers)."""
 
     def summary(self) -> dict[str, Any]:
-        """Strategy-specific results for metrics.json (e.g. a staleness histogram)."""
+        """Strategy-specific results for metrics.json (e.g. a staleness histogram). Called on
+        rank 0 alone, after the other workers are done: no collectives here. Numeric
+        entries also become MLflow metrics."""
         return {}
 
     def serve(self) -> None:

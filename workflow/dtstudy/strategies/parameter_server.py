@@ -239,11 +239,14 @@ class PsBackup(ParameterServer):
     def validate(cls, params, workers):
         super().validate(params, workers)
         backup = params["backup"]
-        if not _is_int(backup) or not 0 <= backup < workers:
+        # a single worker has nobody to back it up: N=1 runs as ps_sync, so a study's
+        # workers list may start at 1 with the default k=1
+        if not _is_int(backup) or backup < 0 or (workers > 1 and backup >= workers):
             raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
 
     def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy(quorum=self.ctx.workers - self.params["backup"])
+        backup = min(self.params["backup"], self.ctx.workers - 1)
+        return UpdatePolicy(quorum=self.ctx.workers - backup)
 
 
 class PsAsync(ParameterServer):
