@@ -20,8 +20,9 @@ def test_schema_fills_every_default():
     assert config["tracking"] == {"uri": None, "experiment": "distributed-training-study"}
 
 
-def test_default_study_config_is_valid(tmp_path):
-    config = load_config("config/config.yaml")
+@pytest.mark.parametrize("path", ["config/config.yaml", "config/allreduce.yaml"])
+def test_shipped_configs_are_valid(path):
+    config = load_config(path)
     assert config["model"] == "lenet5" and config["workers"] == [1, 2, 4]
 
 

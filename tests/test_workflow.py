@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO, run_snakemake, tiny_study
+from dtstudy.strategies import STRATEGIES
 
 
 def job_counts(output: str) -> dict[str, int]:
@@ -21,12 +23,15 @@ def dry_run(tmp_path, config):
     return run_snakemake(tmp_path, config, "--dry-run", "--cores", "2", timeout=300)
 
 
-def test_default_study_dag():
+def test_default_study_dag_runs_every_strategy():
     result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    counts = job_counts(result.stdout)
-    assert counts == {"prepare_data": 1, "init_tracking": 1, "train": 3, "evaluate": 3, "aggregate": 1, "all": 1}
+    default = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    assert default["strategies"] == list(STRATEGIES) and default["workers"] == [1, 2, 4]
+    runs = len(STRATEGIES) * 3
+    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
+                                         "aggregate": 1, "all": 1}
 
 
 @pytest.mark.parametrize("workers, seeds", [([1, 2, 4, 8], [0, 1, 2]), ([3], [7])])

@@ -28,6 +28,10 @@ from torch import nn
 
 from ..config import ConfigError
 
+def is_whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -115,6 +119,13 @@ class Strategy(ABC):
     @classmethod
     def bad_knob(cls, knob: str, value: Any, allowed: str) -> ConfigError:
         return ConfigError(f"config key 'strategy_params.{cls.name}.{knob}': {value!r} is not allowed; {allowed}")
+
+    @classmethod
+    def require_whole_number(cls, params: dict[str, Any], knob: str, minimum: int) -> None:
+        """Raise `bad_knob` unless strategy_params.<name>.<knob> is an int >= minimum."""
+        value = params[knob]
+        if not is_whole_number(value) or value < minimum:
+            raise cls.bad_knob(knob, value, f"a whole number >= {minimum}")
 
     @classmethod
     def extra_processes(cls, params: dict[str, Any], workers: int) -> int:

@@ -13,7 +13,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from .allreduce import AllReduce, ring_allreduce_bytes
-from .local import check_whole_number
 
 
 def strategy_hook(state, bucket):
@@ -74,12 +73,12 @@ class AllReducePowerSGD(CompressedAllReduce):
     @classmethod
     def validate(cls, params, workers):
         super().validate(params, workers)
-        check_whole_number(cls, params, "rank", 1)
+        cls.require_whole_number(params, "rank", 1)
         for knob in ("warm_start", "use_error_feedback"):
             if not isinstance(params[knob], bool):
                 raise cls.bad_knob(knob, params[knob], "true or false")
         stateful = params["warm_start"] or params["use_error_feedback"]
-        check_whole_number(cls, params, "start_powerSGD_iter", 2 if stateful else 0)
+        cls.require_whole_number(params, "start_powerSGD_iter", 2 if stateful else 0)
 
     def comm_hook(self):
         self.powersgd = PowerSGDState(

@@ -38,13 +38,6 @@ def floating_state(model: nn.Module) -> list[torch.Tensor]:
     return [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
 
 
-def check_whole_number(cls, params: dict, knob: str, minimum: int) -> None:
-    """Raise `cls.bad_knob` unless strategy_params.<cls.name>.<knob> is an int >= minimum."""
-    value = params[knob]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise cls.bad_knob(knob, value, f"a whole number >= {minimum}")
-
-
 class LocalTraining(Strategy):
     """Each worker steps its own model with its own optimizer (no DDP); subclasses exchange.
 
@@ -110,8 +103,8 @@ class LocalSGD(LocalTraining):
 
     @classmethod
     def validate(cls, params, workers):
-        check_whole_number(cls, params, "period", 1)
-        check_whole_number(cls, params, "warmup_steps", 0)
+        cls.require_whole_number(params, "period", 1)
+        cls.require_whole_number(params, "warmup_steps", 0)
 
     def _warming_up(self) -> bool:
         return self.steps < self.params["warmup_steps"]
@@ -149,7 +142,7 @@ class EASGD(LocalTraining):
 
     @classmethod
     def validate(cls, params, workers):
-        check_whole_number(cls, params, "period", 1)
+        cls.require_whole_number(params, "period", 1)
         for knob in ("beta", "alpha"):
             value = params[knob]
             if knob == "alpha" and value is None:

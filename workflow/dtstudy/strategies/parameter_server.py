@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import OptimizerFactory, Strategy
+from .base import OptimizerFactory, Strategy, is_whole_number
 from .ps_protocol import (
     SETUP_FIELDS,
     TAG_GRADIENT,
@@ -138,10 +138,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class ParameterServer(Strategy):
     """What the four parameter-server strategies share; each gives its `update_policy`."""
 
@@ -155,7 +151,7 @@ class ParameterServer(Strategy):
 
     @classmethod
     def validate(cls, params, workers):
-        if not _is_int(params["shards"]) or params["shards"] < 1:
+        if not is_whole_number(params["shards"]) or params["shards"] < 1:
             raise cls.bad_knob("shards", params["shards"], "an integer >= 1 (server processes)")
 
     @classmethod
@@ -241,7 +237,7 @@ class PsBackup(ParameterServer):
         backup = params["backup"]
         # a single worker has nobody to back it up: N=1 runs as ps_sync, so a study's
         # workers list may start at 1 with the default k=1
-        if not _is_int(backup) or backup < 0 or (workers > 1 and backup >= workers):
+        if not is_whole_number(backup) or backup < 0 or (workers > 1 and backup >= workers):
             raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
 
     def update_policy(self) -> UpdatePolicy:
@@ -263,7 +259,7 @@ class Ssp(ParameterServer):
     @classmethod
     def validate(cls, params, workers):
         super().validate(params, workers)
-        if not _is_int(params["staleness"]) or params["staleness"] < 0:
+        if not is_whole_number(params["staleness"]) or params["staleness"] < 0:
             raise cls.bad_knob("staleness", params["staleness"], "an integer >= 0 (steps ahead of the slowest worker)")
 
     def update_policy(self) -> UpdatePolicy:
