@@ -70,7 +70,11 @@ def test_runs_record_the_strategies_own_results(study):
             shard_metrics = metrics["strategy_metrics"]
             assert shard_metrics["shards"] == shards
             assert sum(shard_metrics["staleness"].values()) == shard_metrics["gradients_applied"]
-            assert shard_metrics["gradients_applied"] == n * metrics["steps"] * shards
+            pushed = n * metrics["steps"] * shards
+            assert shard_metrics["gradients_applied"] + shard_metrics["dropped_gradients"] == pushed
+            # ps_backup's default k=1 drops one late gradient per step at N=2 (N=1 runs as ps_sync)
+            dropped = metrics["steps"] * shards if (strategy, n) == ("ps_backup", 2) else 0
+            assert shard_metrics["dropped_gradients"] == dropped
     async_run = read_json(run_dir(study, "ps_async", 2) / "metrics.json")["strategy_metrics"]
     assert async_run["updates"] == async_run["gradients_applied"]
     gossip = read_json(run_dir(study, "gossip", 2) / "metrics.json")

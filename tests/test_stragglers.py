@@ -44,3 +44,17 @@ def test_a_slow_worker_slows_allreduce_by_about_the_delay(tmp_path, tiny_data):
     # the fast worker spends the delay waiting in the exchange
     fast_worker = slow["step_time_per_worker"][0]
     assert fast_worker["comm_s"] > 0.6 * delay_ms / 1000
+
+
+def test_a_slow_worker_costs_ps_async_much_less_throughput_than_allreduce(tmp_path, tiny_data):
+    """Asynchronous workers do not wait for each other (Chen et al. 2016's starting point)."""
+    slow = {"ranks": [1], "delay_ms": 30}
+    lost = {}
+    for strategy in ("allreduce", "ps_async"):
+        fast_run, _, _ = train_run(tmp_path / f"{strategy}-fast", tiny_data, workers=2, batch_size=32,
+                                   steps=28, strategy=strategy)
+        slow_run, _, _ = train_run(tmp_path / f"{strategy}-slow", tiny_data, workers=2, batch_size=32,
+                                   steps=28, strategy=strategy, stragglers=slow)
+        lost[strategy] = 1 - slow_run["throughput"] / fast_run["throughput"]
+    assert lost["allreduce"] > 0.6  # both workers run at the slow one's pace
+    assert lost["ps_async"] < 0.75 * lost["allreduce"], lost
