@@ -74,3 +74,10 @@ def test_lint_is_clean():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0
     assert "Congratulations, your workflow is in a good condition!" in result.stdout + result.stderr
+
+
+def test_cluster_training_jobs_do_not_queue_on_the_local_slot(tmp_path):
+    result = dry_run(tmp_path, tiny_study(launcher={"cluster": "slurm"}))
+    assert result.returncode == 0, result.stderr
+    assert job_counts(result.stdout)["train"] == 2
+    assert "train_slot=1" not in result.stdout

@@ -15,6 +15,8 @@ DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"
 TRACKING_MARKER = "results/mlflow.ready.json"
 RUN_DIR = "results/runs/{strategy}/n{workers}/seed{seed}"
+# Local training jobs queue on one slot (profiles/default); cluster jobs each get their own nodes.
+TRAIN_SLOTS_PER_JOB = 1 if config["launcher"]["cluster"] == "local" else 0
 
 
 wildcard_constraints:

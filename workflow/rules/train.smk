@@ -1,5 +1,5 @@
 # A local rule: it only submits the submitit job (N worker processes locally, or a SLURM
-# job) and blocks until it ends; Ctrl-C cancels the job. `train_slot` (1 in
+# job) and blocks until it ends; Ctrl-C cancels the job. Locally, `train_slot` (1 in
 # profiles/default) runs one training job at a time, so that each has its cores to itself.
 localrules:
     train,
@@ -21,7 +21,7 @@ rule train:
         job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
     threads: lambda wildcards: int(wildcards.workers)
     resources:
-        train_slot=1,
+        train_slot=TRAIN_SLOTS_PER_JOB,
     conda:
         "../../envs/study.yaml"
     shell:
