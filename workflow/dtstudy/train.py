@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -316,6 +316,3 @@ class TrainingJob:
             return train_worker(self.spec, ctx)
         finally:
             dist.destroy_process_group()
-
-    def describe(self) -> dict:
-        return asdict(self.spec)
