@@ -62,8 +62,8 @@ def validate_schema(config: dict) -> dict:
     return config
 
 
-def check_config(config: dict) -> dict:
-    """The checks a schema cannot do. Returns the checked strategy knobs per strategy."""
+def check_config(config: dict) -> None:
+    """The checks a schema cannot do; raises ConfigError naming the key."""
     from . import data, stragglers
     from .strategies import STRATEGIES, get_strategy
 
@@ -79,12 +79,9 @@ def check_config(config: dict) -> dict:
                 f"config key 'strategy_params.{name}': unknown strategy {name!r}; "
                 f"allowed: {', '.join(sorted(STRATEGIES))}"
             )
-    knobs = {}
     for name in config["strategies"]:
         for workers in config["workers"]:
-            knobs[name] = get_strategy(name).check_params(
-                config["strategy_params"].get(name, {}), workers
-            )
+            get_strategy(name).check_params(config["strategy_params"].get(name, {}), workers)
     if config["launcher"]["cluster"] != "local":  # the job layout must fit the nodes
         from .launcher import job_parameters
         from .train import RunSpec
@@ -117,7 +114,6 @@ def check_config(config: dict) -> dict:
                 f"({workers} workers) is larger than the {usable} training images; "
                 "lower the batch size or raise dataset.subset"
             )
-    return knobs
 
 
 def per_worker_batch(train: dict, workers: int) -> int:

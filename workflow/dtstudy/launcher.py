@@ -44,7 +44,7 @@ def job_parameters(spec: RunSpec) -> dict:
         )
     parameters.update(
         nodes=nodes,
-        tasks_per_node=math.ceil(processes / nodes),
+        tasks_per_node=processes // nodes,
         cpus_per_task=launcher["cpus_per_task"],
     )
     if launcher["gpus_per_node"]:
