@@ -6,7 +6,7 @@ import pytest
 
 from conftest import tiny_study, validated
 from dtstudy.config import ConfigError, run_config
-from dtstudy.launcher import job_parameters
+from dtstudy.launcher import job_parameters, task_layout
 from dtstudy.train import RunSpec
 
 
@@ -18,7 +18,7 @@ def spec_for(workers, launcher, strategy="allreduce", strategy_params=None):
 
 def test_local_job_runs_every_process_on_this_machine():
     assert job_parameters(spec_for(4, {"cluster": "local", "timeout_min": 30})) == {
-        "name": "allreduce-n4-seed0", "timeout_min": 30, "nodes": 1, "tasks_per_node": 4}
+        "name": "allreduce-n4-seed0", "timeout_min": 30, "nodes": 1, "tasks_per_node": 4, "signal_delay_s": 120}
 
 
 def test_slurm_job_with_8_workers_on_4_gpu_nodes():
@@ -44,3 +44,32 @@ def test_cpu_slurm_job_defaults_to_one_node():
 def test_workers_that_do_not_fill_nodes_evenly_are_rejected_before_any_job():
     with pytest.raises(ConfigError, match="N=5 .* 2 nodes of 4 workers"):
         spec_for(5, {"cluster": "slurm", "gpus_per_node": 4})
+
+
+def test_parameter_server_shards_ride_along_on_multi_node_jobs():
+    """N=8 on 4-GPU nodes with 3 shards: 4 workers + 2 shard slots per node, one slot idle."""
+    spec = spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}, strategy="ps_sync", strategy_params={"shards": 3})
+    parameters = job_parameters(spec)
+    assert (parameters["nodes"], parameters["tasks_per_node"], parameters["gpus_per_node"]) == (2, 6, 4)
+    layout = task_layout(spec)
+    ranks = [layout.rank_of_task(task) for task in range(2 * 6)]
+    # workers 0-3 on node 0's first slots and 4-7 on node 1's (one per GPU), shards 8-10 after them
+    assert ranks == [0, 1, 2, 3, 8, 9, 4, 5, 6, 7, 10, None]
+    assert layout.world_size == 11 and layout.idle_tasks == 1
+
+
+@pytest.mark.parametrize("workers, extras, nodes", [(1, 0, 1), (2, 1, 1), (8, 1, 2), (64, 4, 16), (12, 5, 3)])
+def test_every_rank_has_exactly_one_task_and_workers_fill_the_first_slots(workers, extras, nodes):
+    from dtstudy.layout import TaskLayout
+
+    layout = TaskLayout(workers, extras, nodes)
+    ranks = [layout.rank_of_task(task) for task in range(nodes * layout.tasks_per_node)]
+    assert sorted(rank for rank in ranks if rank is not None) == list(range(workers + extras))
+    for task, rank in enumerate(ranks):
+        if rank is not None and rank < workers:  # a worker's slot on its node is a GPU index
+            assert task % layout.tasks_per_node < layout.workers_per_node
+
+
+def test_slurm_job_carries_the_requeue_settings():
+    parameters = job_parameters(spec_for(2, {"cluster": "slurm", "signal_delay_s": 45}))
+    assert parameters["signal_delay_s"] == 45

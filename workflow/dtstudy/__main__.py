@@ -52,7 +52,7 @@ def cmd_init_tracking(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .launcher import run
+    from .launcher import TrainingJobFailed, run
     from .tracking import resolve_uri
     from .train import RunSpec
 
@@ -69,7 +69,11 @@ def cmd_train(args) -> None:
         tracking_uri=None if args.no_tracking else resolve_uri(cfg["tracking"]["uri"]),
     )
     job_dir = args.job_dir or str(Path(args.out) / "submitit")
-    metrics = run(spec, job_dir)
+    try:
+        metrics = run(spec, job_dir)
+    except TrainingJobFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(
         f"{spec.run_name}: {metrics['throughput']:.0f} img/s, final val top-1 {metrics['final_val_top1']:.4f}, "
         f"wall {metrics['wall_time_s']:.1f}s"

@@ -16,7 +16,12 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from .layout import TaskLayout
 from .train import METRICS_FILE, RunSpec, TrainingJob
+
+
+class TrainingJobFailed(RuntimeError):
+    """A run's job ended without its metrics; the message names the job's stderr file."""
 
 
 def free_port() -> int:
@@ -26,27 +31,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def task_layout(spec: RunSpec) -> TaskLayout:
+    """How the run's N workers and its strategy's extra processes spread over nodes."""
+    launcher = spec.config["launcher"]
+    extras = spec.processes() - spec.workers
+    if launcher["cluster"] == "local":
+        return TaskLayout(spec.workers, extras)
+    per_node = launcher["gpus_per_node"] or launcher["workers_per_node"]
+    try:
+        return TaskLayout.over_nodes(spec.workers, extras, per_node)
+    except ValueError:
+        raise ConfigError(
+            f"config key 'workers': N={spec.workers} does not spread evenly over "
+            f"{math.ceil(spec.workers / per_node)} nodes of "
+            f"{per_node} workers (launcher.gpus_per_node / launcher.workers_per_node); "
+            "use N <= that or a multiple of it"
+        ) from None
+
+
 def job_parameters(spec: RunSpec) -> dict:
     """submitit parameters of a run's job: the N workers (one per GPU on a GPU cluster) plus
-    the strategy's extra processes as further tasks, spread over as few nodes as fit."""
+    the strategy's extra processes as further tasks, over the fewest nodes that hold them."""
     launcher = spec.config["launcher"]
-    processes = spec.processes()
-    parameters = {"name": spec.run_name, "timeout_min": launcher["timeout_min"]}
+    layout = task_layout(spec)
+    parameters = {
+        "name": spec.run_name,
+        "timeout_min": launcher["timeout_min"],
+        "nodes": layout.nodes,
+        "tasks_per_node": layout.tasks_per_node,
+        # SIGUSR2 this long before the time limit: the run checkpoints and is requeued
+        "signal_delay_s": launcher["signal_delay_s"],
+    }
     if launcher["cluster"] == "local":
-        return {**parameters, "nodes": 1, "tasks_per_node": processes}
-    per_node = launcher["gpus_per_node"] or launcher["workers_per_node"] or spec.workers
-    nodes = math.ceil(spec.workers / per_node)
-    if processes % nodes:
-        raise ConfigError(
-            f"config key 'workers': N={spec.workers} ({processes} processes with {spec.strategy}'s extra ones) "
-            f"does not spread evenly over {nodes} nodes of {per_node} workers "
-            "(launcher.gpus_per_node / launcher.workers_per_node); use N <= that or a multiple of it"
-        )
-    parameters.update(
-        nodes=nodes,
-        tasks_per_node=processes // nodes,
-        cpus_per_task=launcher["cpus_per_task"],
-    )
+        return parameters
+    parameters["cpus_per_task"] = launcher["cpus_per_task"]
     if launcher["gpus_per_node"]:
         parameters["gpus_per_node"] = launcher["gpus_per_node"]
     if launcher["mem_gb"] is not None:
@@ -62,7 +80,10 @@ def job_parameters(spec: RunSpec) -> dict:
 def make_executor(spec: RunSpec, job_dir: Path):
     import submitit
 
-    executor = submitit.AutoExecutor(folder=job_dir, cluster=spec.config["launcher"]["cluster"])
+    launcher = spec.config["launcher"]
+    # a requeue after a time-out counts against max_requeues; preemptions do not (submitit)
+    executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"],
+                                     slurm_max_num_timeout=launcher["max_requeues"])
     executor.update_parameters(**job_parameters(spec))
     return executor
 
@@ -87,6 +108,8 @@ class _LogFollower:
 
 def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
     """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent)."""
+    import submitit
+
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = Path(spec.out_dir) / METRICS_FILE
@@ -118,11 +141,18 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
             follower.pump()
             time.sleep(poll_s)
         follower.pump()
-        results = job.results()  # raises submitit's FailedJobError with the task's stderr
+        try:
+            results = job.results()
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as error:
+            raise TrainingJobFailed(
+                f"{spec.run_name}: job {job.job_id} failed (state {job.state}); its stderr: {job.paths.stderr}\n"
+                f"{error}"
+            ) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     metrics = results[0]
     if metrics is None or not metrics_path.exists():
-        raise RuntimeError(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}")
+        raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
+                                f"its stderr: {job.paths.stderr}")
     return metrics

@@ -44,6 +44,26 @@ def _sqlite_artifact_root(uri: str) -> str | None:
     return str(Path(db_path).resolve().parent / "mlartifacts")
 
 
+def check_server(uri: str, timeout_s: float = 10.0) -> None:
+    """For an http(s) URI, fail fast with a clear message when no MLflow server answers
+    (MLflow's own client would retry for minutes first)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    from .config import ConfigError
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as error:
+        raise ConfigError(
+            f"config key 'tracking.uri': no MLflow server answers at {uri!r} ({error}); start one "
+            "(README: 'Run on a SLURM cluster') or set tracking.uri to null for SQLite in results/"
+        ) from None
+
+
 def init_store(uri: str, experiment: str) -> str:
     """Create the store and the experiment if needed; return the experiment id.
 
@@ -51,6 +71,7 @@ def init_store(uri: str, experiment: str) -> str:
     MLflow's SQLite schema set-up races when several processes open a new DB at once.
     """
     uri = resolve_uri(uri)
+    check_server(uri)
     if uri.startswith(_SQLITE_PREFIX):
         Path(uri[len(_SQLITE_PREFIX):]).parent.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(tracking_uri=uri)

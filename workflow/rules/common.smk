@@ -16,13 +16,19 @@ DATA_DIR = f"results/data/{DATASET}"
 TRACKING_MARKER = "results/mlflow.ready.json"
 RUN_DIR = "results/runs/{strategy}/n{workers}/seed{seed}"
 # Local training jobs queue on one slot (profiles/default); cluster jobs each get their own nodes.
-TRAIN_SLOTS_PER_JOB = 1 if config["launcher"]["cluster"] == "local" else 0
+TRAIN_ON_THIS_MACHINE = config["launcher"]["cluster"] == "local"
+TRAIN_SLOTS_PER_JOB = 1 if TRAIN_ON_THIS_MACHINE else 0
 
 
 wildcard_constraints:
     strategy="[a-z0-9_]+",
     workers=r"\d+",
     seed=r"\d+",
+
+
+def train_threads(wildcards):
+    """Cores of this machine a train job takes: its N workers locally, 1 (waiting) on a cluster."""
+    return int(wildcards.workers) if TRAIN_ON_THIS_MACHINE else 1
 
 
 def config_json(section_keys=None):

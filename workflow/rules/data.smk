@@ -12,6 +12,12 @@ rule prepare_data:
         "python -m dtstudy prepare-data --config-json {params.config:q} --out {params.out} > {log} 2>&1"
 
 
+# A local rule: it only creates the MLflow experiment (seconds), from the machine that
+# certainly reaches the tracking server.
+localrules:
+    init_tracking,
+
+
 rule init_tracking:
     output:
         marker=TRACKING_MARKER,

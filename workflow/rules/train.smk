@@ -1,6 +1,7 @@
 # A local rule: it only submits the submitit job (N worker processes locally, or a SLURM
 # job) and blocks until it ends; Ctrl-C cancels the job. Locally, `train_slot` (1 in
-# profiles/default) runs one training job at a time, so that each has its cores to itself.
+# profiles/default) runs one training job at a time, so that each has its cores to itself;
+# on SLURM the rule is a waiting process of one thread and the job has its own nodes.
 localrules:
     train,
 
@@ -19,7 +20,7 @@ rule train:
         data=folder_of("input", "data"),
         out=folder_of("output", "metrics"),
         job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
-    threads: lambda wildcards: int(wildcards.workers)
+    threads: train_threads
     resources:
         train_slot=TRAIN_SLOTS_PER_JOB,
     conda:
