@@ -1,0 +1,215 @@
+"""The study on a real SLURM: a one-node cluster on localhost (tests/slurm/up.sh, started and
+stopped here), driven the way a researcher does, `snakemake --profile slurm` from the
+repository root, with MLflow behind a real `mlflow server`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, read_json, tiny_study
+
+pytestmark = pytest.mark.slurm
+
+SLURM_SCRIPTS = REPO / "tests" / "slurm"
+STRATEGIES = ["allreduce", "ps_sync"]  # ps_sync: a shard as an extra task of the SLURM job
+# The cluster's time-outs are minutes; the CPU rules are small.
+FAST_SLURM = ["--default-resources", "cpus_per_task=1", "mem_mb=1000", "runtime=10",
+              "--slurm-init-seconds-before-status-checks", "2"]
+
+
+def tiny_cluster_study(**overrides) -> dict:
+    """An overlay on config/cluster.yaml: the tiny study, CPU workers (fake GPUs off)."""
+    from dtstudy.config import deep_merge
+
+    overlay = tiny_study(
+        strategies=STRATEGIES,
+        model_options={"small_input": True},
+        train={"warmup_epochs": 0, "max_steps": None, "steady_state_skip": 5, "log_every": 20},
+        launcher={"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1,
+                  "partition": None, "timeout_min": 10, "signal_delay_s": 60},
+        tracking={"uri": None},
+    )
+    overlay["dataset"].update(name="fashion_mnist", root=None)
+    return deep_merge(overlay, overrides)
+
+
+def slurm_snakemake(workdir: Path, overlay: dict, *args: str, **popen) -> subprocess.Popen:
+    """`snakemake --profile slurm` from the repository root, the study in `workdir`, with the
+    profile's config/cluster.yaml and `overlay` on top of it."""
+    overlay_path = workdir / "overlay.yaml"
+    overlay_path.write_text(yaml.safe_dump(overlay))
+    command = [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir),
+               "--configfile", "config/cluster.yaml", str(overlay_path), *FAST_SLURM, *args]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def sacct_states(names: list[str], since: str) -> dict[str, list[str]]:
+    """Job name -> the states of its jobs since `since`, one per job (allocations only)."""
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,State", "--name", ",".join(names)],
+                         capture_output=True, text=True, check=True).stdout
+    states: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        name, state = line.split("|")
+        states.setdefault(name, []).append(state.split()[0])
+    return states
+
+
+def queued(names: list[str]) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%j %T"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] in names]
+
+
+def run_names(config: dict) -> list[str]:
+    return [f"{s}-n{n}-seed{seed}" for s in config["strategies"] for n in config["workers"] for seed in config["seeds"]]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The one-node SLURM of tests/slurm (kept running if it was already up)."""
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM of tests/slurm/up.sh starts its daemons as root")
+    up = subprocess.run(["bash", str(SLURM_SCRIPTS / "up.sh")], capture_output=True, text=True)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield
+    if "already running" not in up.stdout:
+        subprocess.run(["bash", str(SLURM_SCRIPTS / "down.sh")], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` (SQLite behind it, as on a login node); yields its URI."""
+    from dtstudy.launcher import free_port
+
+    folder = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", str(folder / "artifacts"),
+         "--workers", "1"],
+        cwd=folder, stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2).read()
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log").read_text()
+            time.sleep(0.5)
+    yield uri
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=30)
+
+
+def make_image_folder(root: Path, per_class: int) -> Path:
+    from PIL import Image
+
+    image = Image.new("RGB", (8, 8))
+    for label in ("a", "b"):
+        (root / "train" / label).mkdir(parents=True)
+        for index in range(per_class):
+            image.save(root / "train" / label / f"{index}.png")
+    return root
+
+
+def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path):
+    """`snakemake --profile slurm -n` with only dataset.root filled in: every (strategy, N, seed)."""
+    full = yaml.safe_load((REPO / "config" / "cluster.yaml").read_text())
+    # enough images for the largest global batch (64 x 32)
+    root = make_image_folder(tmp_path / "images", per_class=1100)
+    process = slurm_snakemake(tmp_path, {"dataset": {"root": str(root)}}, "--dry-run")
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output[-5000:]
+    assert "Using profiles slurm" in output
+    trains = set()
+    for block in output.split("\nrule ")[1:]:
+        if block.startswith("train:"):
+            wildcards = next(line for line in block.splitlines() if "wildcards:" in line)
+            values = dict(part.strip().split("=") for part in wildcards.split(":", 1)[1].split(","))
+            trains.add((values["strategy"], int(values["workers"]), int(values["seed"])))
+    expected = {(s, n, seed) for s in full["strategies"] for n in full["workers"] for seed in full["seeds"]}
+    assert len(expected) == 12 * 7 * 3 and trains == expected
+
+
+def test_full_study_without_a_dataset_root_says_what_to_edit(tmp_path):
+    process = slurm_snakemake(tmp_path, {}, "--dry-run")
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode != 0
+    assert "dataset.root: '/path/to/imagenet'" in output
+
+
+def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_server):
+    import mlflow
+
+    study = tiny_cluster_study(tracking={"uri": mlflow_server, "experiment": "slurm-study"})
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    process = slurm_snakemake(tmp_path, study)
+    output = process.communicate(timeout=900)[0]
+    assert process.returncode == 0, output[-6000:]
+
+    names = run_names(study)
+    states = sacct_states(names, since)
+    assert states == {name: ["COMPLETED"] for name in names}, states
+    # the CPU rules ran as SLURM jobs of Snakemake's executor, training as submitit's
+    assert list((tmp_path / ".snakemake/slurm_logs/rule_evaluate").rglob("*.log"))
+    assert not (tmp_path / ".snakemake/slurm_logs/rule_train").exists()
+    for name in names:
+        strategy, workers, _ = name.split("-")
+        run = tmp_path / f"results/runs/{strategy}/{workers}/seed0"
+        metrics, evaluation = read_json(run / "metrics.json"), read_json(run / "eval.json")
+        assert metrics["environment"]["processes"] == int(workers[1:]) + (strategy == "ps_sync")
+        assert metrics["images"] == metrics["steps"] * 32 * int(workers[1:])
+        assert 0 < evaluation["top1"] <= 1
+    scaling = (tmp_path / "results/tables/scaling.csv").read_text().splitlines()
+    assert len(scaling) == 1 + len(names)
+
+    mlflow.set_tracking_uri(mlflow_server)
+    runs = mlflow.search_runs(experiment_names=["slurm-study"])
+    assert sorted(runs["tags.dtstudy.kind"]) == ["study"] + ["training"] * len(names)
+    trained = runs[runs["tags.dtstudy.kind"] == "training"]
+    assert trained["metrics.test_top1"].notna().all()
+    assert (trained["tags.mlflow.parentRunId"] == runs[runs["tags.dtstudy.kind"] == "study"].run_id.iloc[0]).all()
+
+
+def test_interrupting_snakemake_cancels_the_slurm_jobs(tmp_path, slurm_cluster):
+    # long enough to be interrupted while training: 200 epochs of the tiny data
+    study = tiny_cluster_study(strategies=["allreduce"], workers=[2], train={"epochs": 200})
+    names = run_names(study)
+    process = slurm_snakemake(tmp_path, study, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not any(line.endswith("RUNNING") for line in queued(names)):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-5000:]
+        time.sleep(1)
+    time.sleep(5)  # training for a few seconds
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole process group
+    output = process.communicate(timeout=180)[0]
+    assert process.returncode != 0
+    deadline = time.monotonic() + 60
+    while queued(names) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queued(names) == [], output[-3000:]
+    assert not (tmp_path / "results/runs/allreduce/n2/seed0/metrics.json").exists()
+
+
+def test_failing_training_job_reports_its_stderr_and_leaves_no_metrics(tmp_path, slurm_cluster):
+    """A job that raises (CUDA asked for, no GPU in the job): Snakemake fails, its message
+    names the job's stderr file, and no metrics.json is left to pass for a result."""
+    study = tiny_cluster_study(strategies=["allreduce"], workers=[1], launcher={"device": "cuda"})
+    process = slurm_snakemake(tmp_path, study)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode != 0
+    stderr_files = list((tmp_path / "results/logs/submitit/allreduce/n1/seed0").glob("*_0_log.err"))
+    assert len(stderr_files) == 1
+    assert f"its stderr: {stderr_files[0]}" in output, output[-5000:]
+    assert "sees no GPU" in stderr_files[0].read_text()
+    assert not (tmp_path / "results/runs/allreduce/n1/seed0/metrics.json").exists()
