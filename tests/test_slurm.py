@@ -214,3 +214,66 @@ def test_failing_training_job_reports_its_stderr_and_leaves_no_metrics(tmp_path,
     assert f"its stderr: {stderr_files[0]}" in output, output[-5000:]
     assert "sees no GPU" in stderr_files[0].read_text()
     assert not (tmp_path / "results/runs/allreduce/n1/seed0/metrics.json").exists()
+
+
+def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
+    """One allreduce N=2 run through the launcher; returns (metrics, final state_dict, run folder)."""
+    import torch
+
+    from conftest import validated
+    from dtstudy.config import run_config
+    from dtstudy.launcher import run
+    from dtstudy.train import CHECKPOINT_FILE, RunSpec
+
+    study = validated(tiny_study(
+        workers=[2], stragglers=stragglers or {}, launcher=launcher,
+        train={"epochs": 50, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1},
+    ))
+    out = tmp_path / launcher["cluster"]
+    spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(data_dir), str(out))
+    metrics = run(spec, out / "submitit", poll_s=0.5)
+    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
+
+
+def release_requeued_jobs(name: str, stop) -> None:
+    """SLURM holds a requeued job for 2 minutes (BeginTime); the test lets it start at once."""
+    while not stop.is_set():
+        out = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i %T %r"], capture_output=True, text=True).stdout
+        for job_id, state, reason in (line.split() for line in out.splitlines()):
+            if state == "PENDING" and reason == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        stop.wait(1)
+
+
+def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupted(tmp_path, tiny_data, slurm_cluster):
+    """Time limit 1 min, SIGUSR2 45 s before it; a straggler delay stretches the run beyond it
+    (sleeping changes no number). The requeued job resumes from its checkpoint and ends with
+    the parameters and losses of an uninterrupted run."""
+    import threading
+
+    from conftest import assert_same_parameters
+
+    steps = 450
+    reference, reference_params, _ = slurm_run(tmp_path, tiny_data, {"cluster": "local"}, steps)
+
+    stop = threading.Event()
+    releaser = threading.Thread(target=release_requeued_jobs, args=("allreduce-n2-seed0", stop), daemon=True)
+    releaser.start()
+    try:
+        launcher = {"cluster": "slurm", "timeout_min": 1, "signal_delay_s": 45, "max_requeues": 5, "device": "cpu"}
+        metrics, params, out = slurm_run(tmp_path, tiny_data, launcher, steps,
+                                         stragglers={"ranks": [0], "delay_ms": 100})
+    finally:
+        stop.set()
+        releaser.join()
+
+    log = "".join(path.read_text() for path in (out / "submitit").glob("*_0_log.out"))
+    assert "resumed from step" in log, log[-3000:]
+    job_id = next((out / "submitit").glob("*_0_log.out")).name.split("_")[0]
+    states = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert "REQUEUED" in states and states[-1] == "COMPLETED", states
+    assert metrics["steps"] == reference["steps"] == steps
+    assert metrics["train_loss"] == pytest.approx(reference["train_loss"], abs=1e-6)
+    assert_same_parameters(params, reference_params, atol=1e-6)
+    assert not (out / "resume").exists()

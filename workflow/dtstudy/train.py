@@ -6,21 +6,26 @@ knob comes from the run config, the strategy object does everything strategy-spe
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import submitit
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from . import data as data_module
+from . import resume
 from .config import global_batch_size, per_worker_batch
 from .files import atomic_write, write_json
 from .models import build_model
+from .resume import Preemption
 from .schedule import make_schedule
 from .strategies import DistContext, Strategy, get_strategy
 from .stragglers import Straggler, slow_ranks
@@ -96,9 +101,12 @@ def make_optimizer_factory(train: dict):
     return make_optimizer
 
 
-def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2):
+def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2, skip: int = 0):
     """(inputs, labels) batches: in-memory data sets are indexed directly (no per-image
-    Python work), file-backed ones go through a DataLoader with worker processes."""
+    Python work), file-backed ones go through a DataLoader with worker processes. `skip`:
+    leave out the epoch's first batches (a resumed run), without loading them."""
+    if skip:
+        batch_sampler = list(itertools.islice(batch_sampler, skip, None))
     if getattr(dataset, "is_in_memory", True):
         for indices in batch_sampler:
             yield dataset.batch(torch.as_tensor(indices))
@@ -148,10 +156,95 @@ class Progress:
             print(message, flush=True)
 
 
-def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
-    """Train on one worker; rank 0 returns the run's metrics (and writes its files)."""
+@dataclass
+class LoopState:
+    """Where a worker's training stands: what a resumed run continues from."""
+
+    log: WorkerLog
+    epoch: int = 0  # the epoch the next step belongs to
+    step_in_epoch: int = 0  # its batch within the epoch (the batches before it are done)
+    step: int = 0  # steps done
+    elapsed_s: float = 0.0  # training wall time of earlier attempts
+    saved_losses: list[float] = field(default_factory=list)  # losses of earlier attempts
+    val_history: list[dict] = field(default_factory=list)
+
+
+def rng_states(device: torch.device) -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(_as_tuples(states["python"]))
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def _as_tuples(value):
+    """random.getstate() is nested tuples; make sure it is again after a save and load."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def resumable_state(state: LoopState, losses: list[torch.Tensor], model: nn.Module, strategy: Strategy,
+                    straggler: Straggler, ctx: DistContext, elapsed_s: float) -> dict:
+    """Everything a worker needs to continue exactly where it is (a step boundary)."""
+    log = dataclasses.asdict(state.log)
+    log["loss"] = state.saved_losses + (torch.stack(losses).float().cpu().tolist() if losses else [])
+    return {
+        "position": {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "step": state.step},
+        "elapsed_s": elapsed_s,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": strategy.optimizer.state_dict() if strategy.optimizer is not None else None,
+        "strategy": strategy.state_dict(),
+        "rng": rng_states(ctx.device),
+        "log": log,
+        "val_history": state.val_history,
+        "straggler": {"rng": straggler.rng.getstate(), "total_s": straggler.total_s},
+    }
+
+
+def restore(saved: dict, model: nn.Module, strategy: Strategy, straggler: Straggler, ctx: DistContext) -> LoopState:
+    model.load_state_dict(saved["model"])
+    if saved["optimizer"] is not None:
+        strategy.optimizer.load_state_dict(saved["optimizer"])
+    strategy.load_state_dict(saved["strategy"])
+    straggler.rng.setstate(_as_tuples(saved["straggler"]["rng"]))
+    straggler.total_s = saved["straggler"]["total_s"]
+    set_rng_states(saved["rng"], ctx.device)
+    log = WorkerLog(**saved["log"])
+    losses, log.loss = log.loss, []
+    position = saved["position"]
+    return LoopState(log=log, epoch=position["epoch"], step_in_epoch=position["step_in_epoch"],
+                     step=position["step"], elapsed_s=saved["elapsed_s"], saved_losses=losses,
+                     val_history=saved["val_history"])
+
+
+def throwaway_step(module: nn.Module, strategy: Strategy, criterion, inputs, labels) -> None:
+    """One forward/backward whose gradients are dropped, before a resumed run loads its state:
+    the set-up a strategy does on its first step (DDP rebuilds its gradient buckets in the
+    order gradients became ready) is then the interrupted run's, so the resumed steps reduce
+    the same buckets in the same order (PowerSGD's memory is per bucket)."""
+    strategy.backward(criterion(module(inputs), labels))
+    for parameter in module.parameters():
+        parameter.grad = None
+    strategy.meter.take()
+
+
+def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None = None) -> dict | None:
+    """Train on one worker; rank 0 returns the run's metrics (and writes its files).
+
+    With a `preemption` installed, a preempted run saves its state at a step boundary and
+    is requeued (resumable strategies), or is requeued to start again (the others); a run
+    that finds its saved state continues from it (see dtstudy.resume).
+    """
     cfg, train = spec.config, spec.config["train"]
     strategy: Strategy = get_strategy(spec.strategy)(ctx, spec.strategy_params())
+    if preemption is None:  # nothing installed: never preempted
+        preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device,
+                                train["preempt_check_every"], lockstep=strategy.resumable)
     if not ctx.is_worker:
         strategy.serve()
         return None
@@ -172,22 +265,44 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
     total_steps = schedule.total_steps
 
     straggler = Straggler(cfg["stragglers"], spec.workers, ctx.rank)
-    log = WorkerLog(rank=ctx.rank)
-    val_history: list[dict] = []
     progress = Progress(ctx, train["log_every"], steps_per_epoch, train["epochs"])
     progress.say(
         f"{spec.run_name}: {len(train_set)} training images, batch {batch_size}/worker, "
         f"{steps_per_epoch} steps/epoch, peak lr {schedule.peak_lr:.4g}, device {ctx.device} ({ctx.backend})"
     )
+    identity = resume.run_identity(spec)
+    state = LoopState(log=WorkerLog(rank=ctx.rank))
+    saved = None
+    if strategy.resumable:
+        saved = resume.load_agreed(spec.out_dir, identity, ctx.rank, spec.workers, ctx.worker_group, progress.say)
+    if saved is not None:
+        if saved["position"]["step"] > 0 and strategy.replays_first_step and spec.workers > 1:
+            batches = epoch_batches(train_set, batch_sampler)
+            inputs, labels = next(batches)
+            batches.close()
+            throwaway_step(module, strategy, criterion, inputs.to(ctx.device), labels.to(ctx.device))
+        state = restore(saved, model, strategy, straggler, ctx)
+        del saved
+        progress.say(f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
+                     f"with the state in {resume.resume_dir(spec.out_dir)}")
+    log, val_history = state.log, state.val_history
     losses: list[torch.Tensor] = []
-    step = 0
-    start = time.perf_counter()
-    for epoch in range(train["epochs"]):
+    step = state.step
+    start = time.perf_counter() - state.elapsed_s
+    for epoch in range(state.epoch, train["epochs"]):
         sampler.set_epoch(epoch)
-        batches = epoch_batches(train_set, batch_sampler)
-        for step_in_epoch in range(steps_per_epoch):
+        first = state.step_in_epoch if epoch == state.epoch else 0
+        batches = epoch_batches(train_set, batch_sampler, skip=first)
+        for step_in_epoch in range(first, steps_per_epoch):
             if step >= total_steps:
                 break
+            if preemption.requested(step):  # a step boundary, outside the timed step
+                if not strategy.resumable:
+                    requeue_from_scratch(spec, strategy, preemption, progress)
+                state.epoch, state.step_in_epoch, state.step = epoch, step_in_epoch, step
+                elapsed = time.perf_counter() - start
+                save_and_requeue(spec, ctx, preemption, progress, identity,
+                                 resumable_state(state, losses, model, strategy, straggler, ctx, elapsed))
             t_data = time.perf_counter()
             inputs, labels = next(batches)
             inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
@@ -215,10 +330,11 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
         progress.say(f"epoch {epoch + 1}/{train['epochs']} done: val top-1 {top1:.4f} at {val_history[-1]['wall_s']:.1f}s")
         if step >= total_steps:
             break
+    preemption.drain()
     wall_time = time.perf_counter() - start
     final_model = strategy.eval_model()  # collective; before finish(), which may stop servers
     strategy.finish()
-    log.loss = torch.stack(losses).float().cpu().tolist() if losses else []
+    log.loss = state.saved_losses + (torch.stack(losses).float().cpu().tolist() if losses else [])
     log.injected_delay_s = straggler.total_s
 
     logs: list[WorkerLog] = [None] * spec.workers  # type: ignore[list-item]
@@ -230,7 +346,33 @@ def train_worker(spec: RunSpec, ctx: DistContext) -> dict | None:
         return None
     metrics = summarize(spec, ctx, logs, val_history, wall_time, schedule.describe(), strategy.summary())
     write_run(spec, metrics, final_model, meta)
+    resume.clear(spec.out_dir)  # the run is complete: nothing to resume any more
     return metrics
+
+
+def save_and_requeue(spec: RunSpec, ctx: DistContext, preemption: Preemption, progress: Progress,
+                     identity: dict, saved: dict) -> None:
+    """The workers agreed to stop here (a preemption): each saves its state, then rank 0
+    requeues the job and the others wait until it is gone. Does not return."""
+    preemption.stopping = True
+    step = saved["position"]["step"]
+    path = resume.save_rank(spec.out_dir, ctx.rank, identity, step, saved)
+    if spec.workers > 1:
+        dist.barrier(group=ctx.worker_group)  # every rank's file is written
+    if ctx.rank == 0:
+        progress.say(f"preempted at step {step} after {saved['elapsed_s']:.2f} s of training: "
+                     f"state saved in {path.parent}; requeueing the job")
+        preemption.requeue()
+    preemption.wait_for_rank0()
+
+
+def requeue_from_scratch(spec: RunSpec, strategy: Strategy, preemption: Preemption, progress: Progress) -> None:
+    """Rank 0 of a preempted run whose strategy cannot resume: requeue the job without any
+    state (the requeued run starts from step 0). Does not return."""
+    progress.say(f"preempted: strategy {spec.strategy} cannot resume exactly ({strategy.not_resumable_because}); "
+                 "the job is requeued and training starts again from step 0")
+    strategy.abandon()
+    preemption.requeue()
 
 
 def summarize(spec, ctx, logs, val_history, wall_time, lr_schedule, strategy_summary) -> dict:
@@ -301,8 +443,13 @@ def write_run(spec: RunSpec, metrics: dict, eval_model: nn.Module, meta: dict) -
     write_json(out / METRICS_FILE, metrics)
 
 
-class TrainingJob:
-    """The callable that submitit runs in each task (worker or extra process) of a run."""
+class TrainingJob(submitit.helpers.Checkpointable):
+    """The callable that submitit runs in each task (worker or extra process) of a run.
+
+    Checkpointable: on SIGUSR2 (time-out or preemption) the run saves its state at a step
+    boundary and rank 0 requeues the job through submitit, which pickles `checkpoint()`;
+    the requeued job resumes from the saved state (dtstudy.resume).
+    """
 
     def __init__(self, spec: RunSpec):
         self.spec = spec
@@ -312,7 +459,22 @@ class TrainingJob:
         from .distributed import init_from_submitit
 
         ctx = init_from_submitit(self.spec.workers, launcher["device"], launcher["timeout_min"])
+        if ctx is None:  # an idle slot of the job's task layout
+            return None
+        preemption = Preemption(ctx.rank, self.spec.workers, ctx.worker_group, ctx.device,
+                                self.spec.config["train"]["preempt_check_every"],
+                                lockstep=get_strategy(self.spec.strategy).resumable).install()
         try:
-            return train_worker(self.spec, ctx)
+            return train_worker(self.spec, ctx, preemption)
+        except Exception as error:
+            if preemption.ends_quietly():  # rank 0 requeues the job (its exchanges fail once it is gone)
+                raise SystemExit(f"rank {ctx.rank}: preempted; stopped "
+                                 f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
+            raise
         finally:
             dist.destroy_process_group()
+
+    def checkpoint(self) -> submitit.helpers.DelayedSubmission:
+        """What submitit pickles for the requeued job: the job itself. The training state is
+        in the run's resume folder, written by every worker before rank 0 requeues."""
+        return submitit.helpers.DelayedSubmission(TrainingJob(self.spec))

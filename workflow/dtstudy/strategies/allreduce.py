@@ -26,6 +26,9 @@ class AllReduce(Strategy):
 
     name = "allreduce"
     defaults = {"bucket_cap_mb": 25}
+    resumable = True  # the same update on every worker; DDP holds no state between steps
+    # DDP rebuilds its buckets after the first step: a resumed run replays that first
+    replays_first_step = True
 
     @classmethod
     def validate(cls, params, workers):

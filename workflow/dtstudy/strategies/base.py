@@ -14,6 +14,10 @@ The training loop (dtstudy.train) runs, on each of the N workers:
 and `strategy.serve()` on the extra processes a strategy asks for with `extra_processes`
 (parameter-server shards), which are ranks N..N+extra-1 of the same job. The loop never
 branches on the strategy's name.
+
+Preemption (dtstudy.resume): a `resumable` strategy's workers save the model, the optimizer
+and `state_dict()` at a step boundary, and a requeued run continues after `load_state_dict`;
+any other strategy's run is requeued after `abandon()` (rank 0) and starts again from step 0.
 """
 
 from __future__ import annotations
@@ -90,6 +94,14 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: the knobs of `strategy_params.<name>` with their defaults; others are rejected
     defaults: ClassVar[dict[str, Any]] = {}
+    #: a preempted run can save its state at a step boundary and continue exactly from it:
+    #: the workers are in lockstep (they agree on stopping by a collective) and all the
+    #: state lives on them (model, optimizer, `state_dict()`). False: requeued from step 0
+    resumable: ClassVar[bool] = False
+    #: why not (printed when a preempted run starts again from step 0)
+    not_resumable_because: ClassVar[str] = "it declares no resumable state"
+    #: a resumed run first does one throwaway forward/backward (see dtstudy.train.throwaway_step)
+    replays_first_step: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, params: dict[str, Any]):
         self.ctx = ctx
@@ -159,6 +171,20 @@ class Strategy(ABC):
         rank 0 alone, after the other workers are done: no collectives here. Numeric
         entries also become MLflow metrics."""
         return {}
+
+    # ----- preemption (dtstudy.resume) ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the model's and the optimizer's state for an
+        exact continuation (step counters, error-feedback residuals, generators...); tensors,
+        numbers, strings, lists and dicts of them only (loaded with weights_only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what `state_dict` returned, after `setup` (tensors arrive on the CPU)."""
+
+    def abandon(self) -> None:
+        """Rank 0 of a preempted, non-resumable run, just before the job is requeued: let the
+        extra processes end once rank 0 is gone (the other workers' exchanges then fail)."""
 
     def serve(self) -> None:
         """Body of an extra process (rank >= N)."""

@@ -105,6 +105,38 @@ class AllReducePowerSGD(CompressedAllReduce):
             return {}
         return {"powersgd_compression_rate": self.powersgd.compression_stats()[0]}
 
+    # PowerSGD's memory (error feedback, warm-started Q) is kept per DDP bucket index, in
+    # the bucket's order of gradients; the resumed run replays DDP's first step
+    # (replays_first_step) so that its buckets are the interrupted run's.
+    _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
+
+    def state_dict(self):
+        if self.ctx.workers == 1:
+            return {}
+        state = self.powersgd
+        _, keys, position, has_gauss, cached_gaussian = state.rng.get_state()
+        return {
+            **{name: getattr(state, name) for name in self._COUNTERS},
+            "error": {index: t.detach().cpu() for index, t in state.error_dict.items()},
+            "p": {index: t.detach().cpu() for index, t in state.p_memory_dict.items()},
+            "q": {index: t.detach().cpu() for index, t in state.q_memory_dict.items()},
+            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "position": int(position),
+                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        }
+
+    def load_state_dict(self, saved):
+        if self.ctx.workers == 1:
+            return
+        state, device = self.powersgd, self.ctx.device
+        for name in self._COUNTERS:
+            setattr(state, name, saved[name])
+        state.error_dict = {int(i): t.to(device) for i, t in saved["error"].items()}
+        state.p_memory_dict = {int(i): t.to(device) for i, t in saved["p"].items()}
+        state.q_memory_dict = {int(i): t.to(device) for i, t in saved["q"].items()}
+        rng = saved["rng"]
+        state.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["position"],
+                             rng["has_gauss"], rng["cached_gaussian"]))
+
 
 # ----- 1-bit SGD: pure functions on flat tensors split into segments (one per parameter) -----
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
@@ -169,6 +201,18 @@ class AllReduceOneBit(CompressedAllReduce):
         self.residuals = {p: torch.zeros(p.numel(), device=p.device) for p in self.model.parameters()
                           if p.requires_grad}
         return super().comm_hook()
+
+    def state_dict(self):
+        if self.ctx.workers == 1:
+            return {}
+        return {"residuals": [residual.detach().cpu() for residual in self.residuals.values()]}  # model order
+
+    def load_state_dict(self, saved):
+        if self.ctx.workers == 1:
+            return
+        with torch.no_grad():
+            for residual, value in zip(self.residuals.values(), saved["residuals"], strict=True):
+                residual.copy_(value)
 
     def exchange(self, bucket):
         buffer, parameters = bucket.buffer(), bucket.parameters()

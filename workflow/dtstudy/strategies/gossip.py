@@ -77,6 +77,17 @@ class Gossip(LocalTraining):
             return ring_neighbours(self.ctx.rank, self.ctx.workers)
         return pair_partner(self.ctx.rank, torch.randperm(self.ctx.workers, generator=self.pairing).tolist())
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if hasattr(self, "pairing"):
+            state["pairing"] = self.pairing.get_state()  # where the random pairs' draws are
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if hasattr(self, "pairing"):
+            self.pairing.set_state(state["pairing"])
+
     def update(self, lr: float) -> None:
         super().update(lr)
         peers = self.neighbours()

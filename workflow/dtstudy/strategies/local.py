@@ -46,6 +46,8 @@ class LocalTraining(Strategy):
     distance of a worker's parameters to that average), reported per evaluation in `summary`.
     """
 
+    resumable = True  # the workers exchange in lockstep; all the state is on them
+
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model.to(self.ctx.device)
         self.model = model
@@ -87,6 +89,15 @@ class LocalTraining(Strategy):
 
     def summary(self) -> dict:
         return {"consensus_distance": [{"step": s, "distance": d} for s, d in sorted(self._consensus.items())]}
+
+    # every worker's model and optimizer are saved by the training loop; here: the step
+    # counter (the exchange period counts from it) and the consensus record
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "consensus": [[s, d] for s, d in sorted(self._consensus.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self._consensus = {int(s): float(d) for s, d in state["consensus"]}
 
 
 class LocalSGD(LocalTraining):
@@ -172,6 +183,13 @@ class EASGD(LocalTraining):
             self.centre += elastic
             self.ctx.synchronize()
         self.meter.bytes_sent += ring_allreduce_bytes(elastic.numel() * elastic.element_size(), self.ctx.workers)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "centre": self.centre.detach().cpu()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.centre.copy_(state["centre"])
 
     @torch.no_grad()
     def eval_model(self) -> nn.Module:

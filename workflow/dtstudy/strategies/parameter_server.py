@@ -142,6 +142,10 @@ class ParameterServer(Strategy):
     """What the four parameter-server strategies share; each gives its `update_policy`."""
 
     defaults = {"shards": 1}
+    # parameters and optimizer state live on the shards (and with ps_async/ssp, in-flight
+    # gradients and staleness): a preempted run is requeued and starts again from step 0
+    resumable = False
+    not_resumable_because = "its parameters and optimizer state live on the parameter-server shards"
 
     def __init__(self, ctx, params):
         super().__init__(ctx, params)
@@ -190,6 +194,10 @@ class ParameterServer(Strategy):
                 dist.broadcast(buffer, src=0, group=self.ctx.worker_group)
         self.client.pull()
         return self.model
+
+    def abandon(self) -> None:
+        for piece in self.client.slices:
+            dist.send(request(Kind.STOP), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
 
     def finish(self) -> None:
         self.client.done()

@@ -6,7 +6,7 @@ the workers use NCCL). Tensors in messages live on the CPU.
 
     rank 0 -> shard   TAG_SETUP       float64 [numel, momentum, dampening, weight_decay, nesterov]
     rank 0 -> shard   TAG_PARAMETERS  float32 [numel]: the initial values of the shard's slice
-    worker -> shard   TAG_REQUEST     float64 [kind, step, read_version, lr]   (kind: PUSH/PULL/DONE)
+    worker -> shard   TAG_REQUEST     float64 [kind, step, read_version, lr]   (kind: PUSH/PULL/DONE/STOP)
     worker -> shard   TAG_GRADIENT    float32 [numel]: follows every PUSH request
     shard -> worker   TAG_VERSION     float64 [version]      } the reply to a PULL, and to a PUSH
     shard -> worker   TAG_PARAMETERS  float32 [numel]        } once the shard's policy allows it
@@ -37,6 +37,7 @@ class Kind(enum.IntEnum):
     PUSH = 0  # a gradient follows; the reply carries the parameters for the next step
     PULL = 1  # the current parameters, at once
     DONE = 2  # this worker sends nothing more
+    STOP = 3  # rank 0 only: the job is preempted and requeued; the shard ends once rank 0 is gone
 
 
 def request(kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0) -> torch.Tensor:

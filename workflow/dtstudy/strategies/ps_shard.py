@@ -113,10 +113,22 @@ class ShardServer:
                 self._push(worker, int(step), int(read_version), lr)
             elif kind == Kind.PULL:
                 self._reply(worker)
+            elif kind == Kind.STOP:
+                self._end_with_rank0()
             else:
                 done += 1
         self.stats.wall_s = time.perf_counter() - start
         self.stats.send(dst=0, group=self.group)
+
+    def _end_with_rank0(self) -> None:
+        """The job is requeued (preemption): wait until rank 0 has gone, then end. A receive
+        from rank 0 (which sends nothing more) fails once its process is gone; the workers'
+        waits on this shard then fail in turn, and every task of the job ends."""
+        try:
+            dist.recv(torch.empty(REQUEST_SIZE, dtype=torch.float64), src=0, group=self.group, tag=TAG_REQUEST)
+        except Exception:
+            pass
+        raise SystemExit("parameter-server shard: the job was preempted and rank 0 requeued it; ending")
 
     def _receive_setup(self) -> None:
         setup = torch.empty(len(SETUP_FIELDS), dtype=torch.float64)

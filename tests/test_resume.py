@@ -1,0 +1,256 @@
+"""Preemption-safe training: SIGUSR2 to a running job's tasks (what SLURM and submitit's local
+controller send ahead of a time limit) saves the run's state at a step boundary, rank 0
+requeues the job, and the requeued job continues exactly where it stopped."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_parameters, tiny_study, validated
+from dtstudy import resume
+from dtstudy.train import CHECKPOINT_FILE, METRICS_FILE, RunSpec
+
+JOB_DEADLINE_S = 180  # a hung job must fail the test, not stall the suite
+PROGRESS = re.compile(r"^epoch (\d+)/\d+ step (\d+)/(\d+) ", re.M)
+
+
+def make_spec(root: Path, data_dir, strategy="allreduce", workers=2, batch_size=32, steps=60, epochs=3,
+              stragglers=None, **train) -> RunSpec:
+    """conftest.train_run's run (lr_scaling none, base_lr 0.1) over several epochs, with
+    progress every 5 steps and the preemption check every 5 steps (28 steps per epoch at
+    N=2, batch 32: a stop is never at an epoch boundary)."""
+    from dtstudy.config import run_config
+
+    study = validated(tiny_study(
+        strategies=[strategy],
+        workers=[workers],
+        stragglers=stragglers or {},
+        train={"epochs": epochs, "batch_size": batch_size, "max_steps": steps, "lr_scaling": "none",
+               "base_lr": 0.1, "log_every": 5, "preempt_check_every": 5, **train},
+    ))
+    out = root / f"{strategy}-n{workers}"
+    return RunSpec(strategy=strategy, workers=workers, seed=0, config=run_config(study, strategy),
+                   data_dir=str(data_dir), out_dir=str(out))
+
+
+def submit(spec: RunSpec):
+    """The launcher's submission (submitit LocalExecutor, one task per process), returning
+    the job so that the test can signal its tasks. Unlike launcher.run it leaves the resume
+    folder alone."""
+    from dtstudy.launcher import free_port, make_executor
+    from dtstudy.train import TrainingJob
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    return make_executor(spec, Path(spec.out_dir) / "submitit").submit(TrainingJob(spec))
+
+
+def task_pids(job) -> list[int]:
+    """The job's task processes: the children of its local controller (job id = its pid)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == int(job.job_id):  # the field after the state is the parent pid
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def log_of(job) -> str:
+    path = Path(job.paths.stdout)  # task 0 (rank 0), every attempt appended
+    return path.read_text() if path.exists() else ""
+
+
+def wait_until(condition, what: str, job, timeout_s: float = JOB_DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        ended = job.done()
+        if ended or time.monotonic() > deadline:
+            if not ended:
+                job.cancel(check=False)
+            errors = "".join(path.read_text()[-2000:] for path in sorted(Path(job.paths.folder).glob("*_log.err")))
+            pytest.fail(f"{'job ended' if ended else 'timed out'} waiting for {what}; rank 0's log:\n{log_of(job)}"
+                        f"\ntasks' stderr:\n{errors}")
+        time.sleep(0.02)
+
+
+def preempt_after_progress(job, lines: int = 1) -> None:
+    """Once rank 0 has printed `lines` progress lines, SIGUSR2 to every task, as SLURM does."""
+    wait_until(lambda: len(PROGRESS.findall(log_of(job))) >= lines, "training progress", job)
+    pids = task_pids(job)
+    assert pids, "no task processes found"
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR2)
+
+
+def finish(job, spec: RunSpec):
+    """Wait for the job; (metrics, final parameters, rank 0's log)."""
+    wait_until(job.done, "the job to end", job)
+    metrics = job.results()[0]
+    out = Path(spec.out_dir)
+    assert (out / METRICS_FILE).exists()
+    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], log_of(job)
+
+
+def global_steps(log: str) -> list[int]:
+    """The global step (1-based) of each progress line in `log`."""
+    return [(int(epoch) - 1) * int(per_epoch) + int(step) for epoch, step, per_epoch in PROGRESS.findall(log)]
+
+
+# uniform random delays on rank 1: the straggler's generator is state to resume, and the
+# slower steps leave time to signal the job part-way
+SLOW = {"ranks": [1], "delay_ms": 30, "distribution": "uniform", "seed": 3}
+
+
+@pytest.mark.parametrize("strategy, lines", [
+    ("allreduce", 1),
+    # PowerSGD compresses from step 10 on, with error feedback and warm-started Q kept per
+    # DDP bucket: stopping after step 15 saves that memory, and the resumed run must reduce
+    # the same buckets (it replays DDP's first step) for it to stay right
+    ("allreduce_powersgd", 3),
+])
+def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines):
+    steps = 60
+    reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy=strategy, steps=steps, stragglers=SLOW)
+    reference_job = submit(reference_spec)  # alongside: only the numbers are compared
+    spec = make_spec(tmp_path / "preempted", tiny_data, strategy=strategy, steps=steps, stragglers=SLOW)
+    job = submit(spec)
+    preempt_after_progress(job, lines)
+    metrics, params, log = finish(job, spec)
+    reference, reference_params, _ = finish(reference_job, reference_spec)
+
+    # the run really stopped part-way and the requeued job went on from the saved step
+    stopped = re.search(r"preempted at step (\d+) after ([\d.]+) s", log)
+    resumed = re.search(r"^resumed from step (\d+) ", log, re.M)
+    assert stopped and resumed, log
+    k = int(resumed.group(1))
+    assert int(stopped.group(1)) == k and 5 * lines <= k < steps and k % 5 == 0
+    after = global_steps(log[resumed.end():])
+    assert after and min(after) > k, "steps done before the preemption were run again"
+
+    # ... and ended where the uninterrupted run ended, step for step
+    assert metrics["steps"] == reference["steps"] == steps
+    assert metrics["images"] == reference["images"]  # no step counted twice
+    assert metrics["train_loss"] == reference["train_loss"]
+    assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in reference["val"]]
+    assert metrics["stragglers"] == reference["stragglers"]  # the delays drawn after the resume too
+    assert metrics["strategy_metrics"] == reference["strategy_metrics"]
+    assert_same_parameters(params, reference_params, atol=1e-7)
+    # wall time adds up over the attempts
+    assert metrics["wall_time_s"] > float(stopped.group(2))
+    assert [v["wall_s"] for v in metrics["val"]] == sorted(v["wall_s"] for v in metrics["val"])
+    # the state is gone once metrics.json is written
+    assert not resume.resume_dir(spec.out_dir).exists()
+
+
+def test_preempted_parameter_server_run_starts_again(tmp_path, tiny_data):
+    """ps_sync is not resumable: requeued, it trains from step 0 again and still completes."""
+    steps = 30
+    spec = make_spec(tmp_path, tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW)
+    job = submit(spec)
+    preempt_after_progress(job)
+    metrics, _, log = finish(job, spec)
+    assert "cannot resume exactly" in log and "training starts again from step 0" in log, log
+    assert "resumed from" not in log
+    restart = log.index("training starts again from step 0")
+    assert min(global_steps(log[restart:])) == 5  # the progress lines start over
+    assert metrics["steps"] == steps and len(metrics["train_loss"]) == steps
+    assert not resume.resume_dir(spec.out_dir).exists()
+
+
+def test_unusable_resume_state_is_reported_and_not_used(tmp_path, tiny_data):
+    """A run finding rank files it cannot trust trains from step 0, says why, removes them."""
+    spec = make_spec(tmp_path, tiny_data, steps=10, epochs=1)
+    folder = resume.resume_dir(spec.out_dir)
+    folder.mkdir(parents=True)
+    resume.save_rank(spec.out_dir, 0, {**resume.run_identity(spec), "seed": 7}, 5, {})
+    (folder / "rank1.pt").write_bytes(b"not a torch file")
+    metrics, _, log = finish(submit(spec), spec)
+    assert re.search(r"resume state in \S+ not used \(rank 0: rank0.pt was written by another run: seed 7 "
+                     r"\(this run: 0\); rank 1: rank1.pt is unreadable", log), log
+    assert "resumed from" not in log
+    assert metrics["steps"] == 10 and len(metrics["train_loss"]) == 10
+    assert not folder.exists()
+
+
+# ----- the resume files themselves (no job) ------------------------------------------------
+def _say():
+    said = []
+    return said, said.append
+
+
+def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny_data):
+    spec = make_spec(tmp_path, tiny_data, workers=1)
+    identity = resume.run_identity(spec)
+    said, say = _say()
+    assert resume.load_agreed(spec.out_dir, identity, 0, 1, None, say) is None and said == []  # nothing there
+
+    resume.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.arange(3)})
+    state = resume.load_agreed(spec.out_dir, identity, 0, 1, None, say)
+    assert torch.equal(state["x"], torch.arange(3)) and said == []
+
+    other = make_spec(tmp_path, tiny_data, workers=1, base_lr=0.2)  # same run name, other config
+    assert resume.load_agreed(other.out_dir, resume.run_identity(other), 0, 1, None, say) is None
+    assert "written by another run: config_sha256" in said[-1] and "starts from step 0" in said[-1]
+    assert not resume.resume_dir(spec.out_dir).exists()  # removed, never picked up later
+
+    two = resume.run_identity(make_spec(tmp_path, tiny_data, workers=2))
+    resume.save_rank(spec.out_dir, 0, two, 20, {})
+    state, step, why = resume.read_rank(spec.out_dir, 0, two)
+    assert state is None and why == "incomplete set, rank1.pt missing"
+
+    resume.save_rank(spec.out_dir, 1, two, 20, {})
+    resume.rank_file(spec.out_dir, 0).write_bytes(resume.rank_file(spec.out_dir, 0).read_bytes()[:100])  # cut short
+    state, step, why = resume.read_rank(spec.out_dir, 0, two)
+    assert state is None and why.startswith("rank0.pt is unreadable")
+    assert resume.read_rank(spec.out_dir, 1, two)[1] == 20
+
+    resume.clear(spec.out_dir)
+    assert not resume.resume_dir(spec.out_dir).exists()
+
+
+WAITER = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+from dtstudy.resume import Preemption
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=2))
+preemption = Preemption(rank, 2, None, torch.device("cpu"), every=1, lockstep=True).install(wait_on_store=True)
+dist.barrier()
+if rank == 0:
+    time.sleep(0.5)
+    os._exit(144)  # as submitit's local requeue: rank 0's process is gone
+start = time.monotonic()
+try:
+    preemption.wait_for_rank0()
+finally:
+    print(f"waited {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+def test_waiting_on_rank0s_store_ends_when_rank0_is_gone(tmp_path):
+    """The wait of ranks other than 0 with NCCL (no GPUs here: forced on gloo) ends by
+    SystemExit soon after rank 0 exits, and not before."""
+    import subprocess
+    import sys
+
+    from dtstudy.launcher import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([sys.executable, "-c", WAITER, str(rank)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert ranks[0].returncode == 144
+    assert ranks[1].returncode == 1, outputs[1]
+    assert "rank 1: preempted; rank 0 saved the run and requeued the job" in outputs[1][1]
+    waited = float(re.search(r"waited ([\d.]+) s", outputs[1][0]).group(1))
+    assert 0.3 < waited < 30
