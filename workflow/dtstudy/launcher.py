@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from . import resume
 from .layout import TaskLayout
 from .train import METRICS_FILE, RunSpec, TrainingJob
 
@@ -84,7 +85,11 @@ def make_executor(spec: RunSpec, job_dir: Path):
     # a requeue after a time-out counts against max_requeues; preemptions do not (submitit)
     executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"],
                                      slurm_max_num_timeout=launcher["max_requeues"])
-    executor.update_parameters(**job_parameters(spec))
+    parameters = job_parameters(spec)
+    if launcher["cluster"] == "local":  # AutoExecutor would pass signal_delay_s on as slurm_signal_delay_s
+        executor._executor.update_parameters(**parameters)
+    else:
+        executor.update_parameters(**parameters)
     return executor
 
 
@@ -114,6 +119,7 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
     job_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = Path(spec.out_dir) / METRICS_FILE
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
+    resume.clear(spec.out_dir)  # a fresh run never picks up an earlier run's resume state
 
     if spec.config["launcher"]["cluster"] == "local":
         # the tasks inherit it (submitit reads it); on SLURM submitit derives one from the job id

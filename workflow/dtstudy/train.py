@@ -458,7 +458,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
         launcher = self.spec.config["launcher"]
         from .distributed import init_from_submitit
 
-        ctx = init_from_submitit(self.spec.workers, launcher["device"], launcher["timeout_min"])
+        import submitit
+
+        from .layout import TaskLayout
+
+        # the launcher laid the tasks out over the job's nodes in the same way (launcher.task_layout)
+        layout = TaskLayout(self.spec.workers, self.spec.processes() - self.spec.workers,
+                            submitit.JobEnvironment().num_nodes)
+        ctx = init_from_submitit(self.spec.workers, launcher["device"], launcher["timeout_min"], layout=layout)
         if ctx is None:  # an idle slot of the job's task layout
             return None
         preemption = Preemption(ctx.rank, self.spec.workers, ctx.worker_group, ctx.device,
