@@ -270,8 +270,13 @@ def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupt
     log = "".join(path.read_text() for path in (out / "submitit").glob("*_0_log.out"))
     assert "resumed from step" in log, log[-3000:]
     job_id = next((out / "submitit").glob("*_0_log.out")).name.split("_")[0]
-    states = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
-                            capture_output=True, text=True, check=True).stdout.split()
+    deadline = time.monotonic() + 60  # accounting lags the job's end by a few seconds
+    while True:
+        states = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        if states[-1] not in ("RUNNING", "COMPLETING") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert "REQUEUED" in states and states[-1] == "COMPLETED", states
     assert metrics["steps"] == reference["steps"] == steps
     assert metrics["train_loss"] == pytest.approx(reference["train_loss"], abs=1e-6)
