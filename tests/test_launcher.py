@@ -6,7 +6,7 @@ import pytest
 
 from conftest import tiny_study, validated
 from dtstudy.config import ConfigError, run_config
-from dtstudy.launcher import job_parameters, task_layout
+from dtstudy.launcher import job_parameters
 from dtstudy.train import RunSpec
 
 
@@ -51,7 +51,7 @@ def test_parameter_server_shards_ride_along_on_multi_node_jobs():
     spec = spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}, strategy="ps_sync", strategy_params={"shards": 3})
     parameters = job_parameters(spec)
     assert (parameters["nodes"], parameters["tasks_per_node"], parameters["gpus_per_node"]) == (2, 6, 4)
-    layout = task_layout(spec)
+    layout = spec.layout()
     ranks = [layout.rank_of_task(task) for task in range(2 * 6)]
     # workers 0-3 on node 0's first slots and 4-7 on node 1's (one per GPU), shards 8-10 after them
     assert ranks == [0, 1, 2, 3, 8, 9, 4, 5, 6, 7, 10, None]

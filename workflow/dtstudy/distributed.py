@@ -25,6 +25,13 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now ("" = every interface of this node)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
     """MASTER_PORT of this attempt of a SLURM job: the master task binds a port free on its
     node and leaves it in the job folder (a shared file system, as submitit requires); the
@@ -33,9 +40,7 @@ def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
     attempt = os.environ.get("SLURM_RESTART_COUNT", "0")  # a requeued job rendezvouses anew
     path = Path(job_env.paths.folder) / f"{job_env.job_id}.attempt{attempt}.port"
     if is_master:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        port = free_port("")
         write_text(path, str(port))
         return port
     deadline = time.monotonic() + timeout_s
@@ -46,19 +51,17 @@ def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
     return int(path.read_text())
 
 
-def init_from_submitit(workers: int, device_preference: str, timeout_min: int = 30,
-                       layout: TaskLayout | None = None) -> DistContext | None:
+def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: int = 30) -> DistContext | None:
     """Join the job's process group: gloo on CPU (one torch thread per worker), NCCL on GPU.
 
-    `layout` maps the job's tasks to ranks (workers first, then a strategy's extra
-    processes); None = the tasks are the ranks. Returns None in an idle task (a spare slot
-    of a multi-node layout), which then has nothing to do.
+    `layout` (RunSpec.layout) maps the job's tasks to ranks: workers first, then a
+    strategy's extra processes. Returns None in an idle task (a spare slot of a multi-node
+    layout), which then has nothing to do.
     """
     import submitit
 
     job_env = submitit.JobEnvironment()
-    if layout is None:
-        layout = TaskLayout(workers, job_env.num_tasks - workers)
+    workers = layout.workers
     rank = layout.rank_of_task(job_env.global_rank)
     if rank is None:
         return None

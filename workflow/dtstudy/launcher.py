@@ -7,17 +7,14 @@ as Snakemake does on Ctrl-C) cancels the job.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError
 from . import resume
-from .layout import TaskLayout
+from .distributed import free_port
 from .train import METRICS_FILE, RunSpec, TrainingJob
 
 
@@ -25,36 +22,11 @@ class TrainingJobFailed(RuntimeError):
     """A run's job ended without its metrics; the message names the job's stderr file."""
 
 
-def free_port() -> int:
-    """A TCP port free right now, so that two jobs on one host do not share MASTER_PORT."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def task_layout(spec: RunSpec) -> TaskLayout:
-    """How the run's N workers and its strategy's extra processes spread over nodes."""
-    launcher = spec.config["launcher"]
-    extras = spec.processes() - spec.workers
-    if launcher["cluster"] == "local":
-        return TaskLayout(spec.workers, extras)
-    per_node = launcher["gpus_per_node"] or launcher["workers_per_node"]
-    try:
-        return TaskLayout.over_nodes(spec.workers, extras, per_node)
-    except ValueError:
-        raise ConfigError(
-            f"config key 'workers': N={spec.workers} does not spread evenly over "
-            f"{math.ceil(spec.workers / per_node)} nodes of "
-            f"{per_node} workers (launcher.gpus_per_node / launcher.workers_per_node); "
-            "use N <= that or a multiple of it"
-        ) from None
-
-
 def job_parameters(spec: RunSpec) -> dict:
     """submitit parameters of a run's job: the N workers (one per GPU on a GPU cluster) plus
     the strategy's extra processes as further tasks, over the fewest nodes that hold them."""
     launcher = spec.config["launcher"]
-    layout = task_layout(spec)
+    layout = spec.layout()
     parameters = {
         "name": spec.run_name,
         "timeout_min": launcher["timeout_min"],
@@ -86,7 +58,9 @@ def make_executor(spec: RunSpec, job_dir: Path):
     executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"],
                                      slurm_max_num_timeout=launcher["max_requeues"])
     parameters = job_parameters(spec)
-    if launcher["cluster"] == "local":  # AutoExecutor would pass signal_delay_s on as slurm_signal_delay_s
+    if launcher["cluster"] == "local":
+        # AutoExecutor knows signal_delay_s only as a SLURM parameter (it would rename it
+        # slurm_signal_delay_s and leave the local controller at its default)
         executor._executor.update_parameters(**parameters)
     else:
         executor.update_parameters(**parameters)
@@ -122,7 +96,8 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
     resume.clear(spec.out_dir)  # a fresh run never picks up an earlier run's resume state
 
     if spec.config["launcher"]["cluster"] == "local":
-        # the tasks inherit it (submitit reads it); on SLURM submitit derives one from the job id
+        # the tasks inherit it (submitit reads it); a SLURM job picks one on its first node
+        # (distributed.rendezvous_port)
         os.environ["MASTER_PORT"] = str(free_port())
     job = None
 

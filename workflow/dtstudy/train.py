@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from . import data as data_module
 from . import resume
-from .config import global_batch_size, per_worker_batch
+from .config import ConfigError, global_batch_size, per_worker_batch
 from .files import atomic_write, write_json
+from .layout import TaskLayout
 from .models import build_model
 from .resume import Preemption
 from .schedule import make_schedule
@@ -56,6 +58,24 @@ class RunSpec:
 
     def processes(self) -> int:
         return self.workers + get_strategy(self.strategy).extra_processes(self.strategy_params(), self.workers)
+
+    def layout(self) -> TaskLayout:
+        """How the N workers and the strategy's extra processes spread over the job's nodes
+        (the launcher submits this layout; every task maps itself to its rank with it)."""
+        launcher = self.config["launcher"]
+        extras = self.processes() - self.workers
+        if launcher["cluster"] == "local":
+            return TaskLayout(self.workers, extras)
+        per_node = launcher["gpus_per_node"] or launcher["workers_per_node"]
+        try:
+            return TaskLayout.over_nodes(self.workers, extras, per_node)
+        except ValueError:
+            raise ConfigError(
+                f"config key 'workers': N={self.workers} does not spread evenly over "
+                f"{math.ceil(self.workers / per_node)} nodes of "
+                f"{per_node} workers (launcher.gpus_per_node / launcher.workers_per_node); "
+                "use N <= that or a multiple of it"
+            ) from None
 
 
 @dataclass
@@ -458,14 +478,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         launcher = self.spec.config["launcher"]
         from .distributed import init_from_submitit
 
-        import submitit
-
-        from .layout import TaskLayout
-
-        # the launcher laid the tasks out over the job's nodes in the same way (launcher.task_layout)
-        layout = TaskLayout(self.spec.workers, self.spec.processes() - self.spec.workers,
-                            submitit.JobEnvironment().num_nodes)
-        ctx = init_from_submitit(self.spec.workers, launcher["device"], launcher["timeout_min"], layout=layout)
+        ctx = init_from_submitit(self.spec.layout(), launcher["device"], launcher["timeout_min"])
         if ctx is None:  # an idle slot of the job's task layout
             return None
         preemption = Preemption(ctx.rank, self.spec.workers, ctx.worker_group, ctx.device,
