@@ -208,11 +208,16 @@ def _as_tuples(value):
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+def losses_so_far(state: LoopState, losses: list[torch.Tensor]) -> list[float]:
+    """This worker's loss per step: earlier attempts' and this attempt's (still on the device)."""
+    return state.saved_losses + (torch.stack(losses).float().cpu().tolist() if losses else [])
+
+
 def resumable_state(state: LoopState, losses: list[torch.Tensor], model: nn.Module, strategy: Strategy,
                     straggler: Straggler, ctx: DistContext, elapsed_s: float) -> dict:
     """Everything a worker needs to continue exactly where it is (a step boundary)."""
     log = dataclasses.asdict(state.log)
-    log["loss"] = state.saved_losses + (torch.stack(losses).float().cpu().tolist() if losses else [])
+    log["loss"] = losses_so_far(state, losses)
     return {
         "position": {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "step": state.step},
         "elapsed_s": elapsed_s,
@@ -354,7 +359,7 @@ def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None 
     wall_time = time.perf_counter() - start
     final_model = strategy.eval_model()  # collective; before finish(), which may stop servers
     strategy.finish()
-    log.loss = state.saved_losses + (torch.stack(losses).float().cpu().tolist() if losses else [])
+    log.loss = losses_so_far(state, losses)
     log.injected_delay_s = straggler.total_s
 
     logs: list[WorkerLog] = [None] * spec.workers  # type: ignore[list-item]
