@@ -72,4 +72,4 @@ def test_every_rank_has_exactly_one_task_and_workers_fill_the_first_slots(worker
 
 def test_slurm_job_carries_the_requeue_settings():
     parameters = job_parameters(spec_for(2, {"cluster": "slurm", "signal_delay_s": 45}))
-    assert parameters["signal_delay_s"] == 45
+    assert parameters["slurm_signal_delay_s"] == 45

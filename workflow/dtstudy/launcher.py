@@ -32,11 +32,13 @@ def job_parameters(spec: RunSpec) -> dict:
         "timeout_min": launcher["timeout_min"],
         "nodes": layout.nodes,
         "tasks_per_node": layout.tasks_per_node,
-        # SIGUSR2 this long before the time limit: the run checkpoints and is requeued
-        "signal_delay_s": launcher["signal_delay_s"],
     }
+    # SIGUSR2 this long before the time limit: the run checkpoints and is requeued
     if launcher["cluster"] == "local":
+        # AutoExecutor knows this key only for SLURM; make_executor hands it to the local one
+        parameters["signal_delay_s"] = launcher["signal_delay_s"]
         return parameters
+    parameters["slurm_signal_delay_s"] = launcher["signal_delay_s"]
     parameters["cpus_per_task"] = launcher["cpus_per_task"]
     if launcher["gpus_per_node"]:
         parameters["gpus_per_node"] = launcher["gpus_per_node"]
@@ -59,8 +61,8 @@ def make_executor(spec: RunSpec, job_dir: Path):
                                      slurm_max_num_timeout=launcher["max_requeues"])
     parameters = job_parameters(spec)
     if launcher["cluster"] == "local":
-        # AutoExecutor knows signal_delay_s only as a SLURM parameter (it would rename it
-        # slurm_signal_delay_s and leave the local controller at its default)
+        # AutoExecutor would rename signal_delay_s to slurm_signal_delay_s (and it rejects
+        # local_signal_delay_s), leaving the local controller at its default
         executor._executor.update_parameters(**parameters)
     else:
         executor.update_parameters(**parameters)
