@@ -56,6 +56,7 @@ def test_schema_errors_name_key_value_and_allowed(override, words):
         ({"dataset": {"name": "cifar10"}}, ["dataset.root", "cifar10"]),
         ({"train": {"batch_size": 1500}}, ["train.batch_size", "3000", "1800"]),
         ({"train": {"scaling": "strong", "batch_size": 63}}, ["train.batch_size", "63", "strong"]),
+        ({"launcher": {"timeout_min": 2, "signal_delay_s": 60}}, ["launcher.signal_delay_s", "60 s after", "timeout_min"]),
     ],
 )
 def test_checks_beyond_the_schema(override, words):

@@ -254,3 +254,34 @@ def test_waiting_on_rank0s_store_ends_when_rank0_is_gone(tmp_path):
     assert "rank 1: preempted; rank 0 saved the run and requeued the job" in outputs[1][1]
     waited = float(re.search(r"waited ([\d.]+) s", outputs[1][0]).group(1))
     assert 0.3 < waited < 30
+
+
+FINISHED_TASK = r"""
+import sys, torch
+from dtstudy.resume import Preemption
+
+preemption = Preemption(0, 1, None, torch.device("cpu"), every=1, lockstep=False).install(wait_on_store=False)
+if sys.argv[1] == "over":
+    preemption.ignore_late_signals()
+print("ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize("run_over, survives", [(False, False), (True, True)])
+def test_a_signal_while_a_finished_task_exits_does_not_kill_it(run_over, survives):
+    """SLURM's coarse signal timer can send SIGUSR2 while a finished task exits; Python's
+    finalization restores the signal's default action (terminate), which failed the job.
+    The task is sent the signal over and over until it is gone."""
+    import subprocess
+    import sys
+
+    task = subprocess.Popen([sys.executable, "-c", FINISHED_TASK, "over" if run_over else "running"],
+                            stdout=subprocess.PIPE, text=True)
+    assert task.stdout.readline().strip() == "ready"
+    while task.poll() is None:
+        try:
+            os.kill(task.pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0005)
+    assert (task.wait() == 0) is survives, task.returncode

@@ -246,9 +246,10 @@ def release_requeued_jobs(name: str, stop) -> None:
 
 
 def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupted(tmp_path, tiny_data, slurm_cluster):
-    """Time limit 1 min, SIGUSR2 45 s before it; a straggler delay stretches the run beyond it
-    (sleeping changes no number). The requeued job resumes from its checkpoint and ends with
-    the parameters and losses of an uninterrupted run."""
+    """Time limit 2 min, SIGUSR2 45 s before it (SLURM sends it 45-75 s after the start: its
+    time-limit checks are 30 s apart); a straggler delay stretches the run to about 100 s of
+    training (sleeping changes no number). The requeued job resumes from its checkpoint and
+    ends with the parameters and losses of an uninterrupted run."""
     import threading
 
     from conftest import assert_same_parameters
@@ -260,9 +261,9 @@ def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupt
     releaser = threading.Thread(target=release_requeued_jobs, args=("allreduce-n2-seed0", stop), daemon=True)
     releaser.start()
     try:
-        launcher = {"cluster": "slurm", "timeout_min": 1, "signal_delay_s": 45, "max_requeues": 5, "device": "cpu"}
+        launcher = {"cluster": "slurm", "timeout_min": 2, "signal_delay_s": 45, "max_requeues": 5, "device": "cpu"}
         metrics, params, out = slurm_run(tmp_path, tiny_data, launcher, steps,
-                                         stragglers={"ranks": [0], "delay_ms": 100})
+                                         stragglers={"ranks": [0], "delay_ms": 200})
     finally:
         stop.set()
         releaser.join()

@@ -62,6 +62,9 @@ def validate_schema(config: dict) -> dict:
     return config
 
 
+EARLY_SIGNAL_S = 60  # how early SLURM may send a job's --signal (its time-limit checks are 30 s apart)
+
+
 def check_config(config: dict) -> None:
     """The checks a schema cannot do; raises ConfigError naming the key."""
     from . import data, stragglers
@@ -82,7 +85,18 @@ def check_config(config: dict) -> None:
     for name in config["strategies"]:
         for workers in config["workers"]:
             get_strategy(name).check_params(config["strategy_params"].get(name, {}), workers)
-    if config["launcher"]["cluster"] != "local":  # the job layout must fit the nodes
+    launcher = config["launcher"]
+    signal_after_s = launcher["timeout_min"] * 60 - launcher["signal_delay_s"]
+    if signal_after_s <= EARLY_SIGNAL_S:
+        # SLURM checks time limits every 30 s and may send the signal up to 60 s early (sbatch
+        # --signal); one that comes before submitit's handler is installed kills the task
+        raise ConfigError(
+            f"config key 'launcher.signal_delay_s': {launcher['signal_delay_s']} s before a time limit of "
+            f"{launcher['timeout_min']} min comes {signal_after_s} s after the job starts; SLURM may send it "
+            f"up to {EARLY_SIGNAL_S} s early, so it must be due more than {EARLY_SIGNAL_S} s after the start: "
+            "lower signal_delay_s or raise launcher.timeout_min"
+        )
+    if launcher["cluster"] != "local":  # the job layout must fit the nodes
         from .launcher import job_parameters
         from .train import RunSpec
 

@@ -218,6 +218,13 @@ class Preemption:
             pass
         raise SystemExit(f"rank {self.rank}: preempted; rank 0 saved the run and requeued the job")
 
+    def ignore_late_signals(self) -> None:
+        """The run is over (metrics written): a signal now changes nothing. SLURM's signal timer
+        is coarse, so SIGUSR2 may come while the task exits; Python's finalization restores the
+        default action (terminate) of every signal it handles, which would kill the finished
+        task and mark the job FAILED. An ignored signal stays ignored."""
+        signal.signal(self.signum, signal.SIG_IGN)
+
     def ends_quietly(self) -> bool:
         """After a preemption, a rank other than 0 whose communication fails (rank 0 is gone)
         ends by SystemExit rather than as a failed task."""

@@ -490,7 +490,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
                                 self.spec.config["train"]["preempt_check_every"],
                                 lockstep=get_strategy(self.spec.strategy).resumable).install()
         try:
-            return train_worker(self.spec, ctx, preemption)
+            metrics = train_worker(self.spec, ctx, preemption)
+            preemption.ignore_late_signals()
+            return metrics
         except Exception as error:
             if preemption.ends_quietly():  # rank 0 requeues the job (its exchanges fail once it is gone)
                 raise SystemExit(f"rank {ctx.rank}: preempted; stopped "
