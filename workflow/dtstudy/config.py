@@ -88,8 +88,7 @@ def check_config(config: dict) -> None:
     launcher = config["launcher"]
     signal_after_s = launcher["timeout_min"] * 60 - launcher["signal_delay_s"]
     if signal_after_s <= EARLY_SIGNAL_S:
-        # SLURM checks time limits every 30 s and may send the signal up to 60 s early (sbatch
-        # --signal); one that comes before submitit's handler is installed kills the task
+        # a signal that comes before submitit's handler is installed kills the task
         raise ConfigError(
             f"config key 'launcher.signal_delay_s': {launcher['signal_delay_s']} s before a time limit of "
             f"{launcher['timeout_min']} min comes {signal_after_s} s after the job starts; SLURM may send it "
