@@ -18,6 +18,15 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/aggregate.smk"
 
 
+# The study's warm pool (local runs) is not needed once Snakemake is done.
+onsuccess:
+    stop_warm_pool()
+
+
+onerror:
+    stop_warm_pool()
+
+
 rule all:
     input:
         rules.aggregate.output,

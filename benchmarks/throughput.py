@@ -25,9 +25,9 @@ from torch import nn
 
 from dtstudy.config import run_config, validate_schema
 from dtstudy.data import load_split, prepare
-from dtstudy.launcher import run
+from dtstudy.launcher import run_training_job
 from dtstudy.models import build_model
-from dtstudy.train import RunSpec
+from dtstudy.runspec import RunSpec
 
 
 def plain_loop(data_dir: Path, batch_size: int, steps: int, skip: int) -> float:
@@ -63,7 +63,7 @@ def plain_job(data_dir: Path, batch_size: int, steps: int, skip: int, job_dir: P
 
 def study_loop(study: dict, data_dir: Path, workers: int, out: Path) -> float:
     spec = RunSpec("allreduce", workers, 0, run_config(study, "allreduce"), str(data_dir), str(out))
-    return run(spec, out / "submitit", poll_s=0.2)["throughput"]
+    return run_training_job(spec, out / "submitit")["throughput"]
 
 
 def main() -> None:

@@ -57,8 +57,8 @@ def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strateg
     import torch
 
     from dtstudy.config import run_config
-    from dtstudy.launcher import run
-    from dtstudy.train import CHECKPOINT_FILE, RunSpec
+    from dtstudy.launcher import run_training_job
+    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
 
     study = validated(tiny_study(
         strategies=[strategy],
@@ -70,7 +70,7 @@ def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strateg
     out = tmp_path / f"{strategy}-n{workers}-b{batch_size}-s{seed}"
     spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
                    data_dir=str(data_dir), out_dir=str(out))
-    metrics = run(spec, out / "submitit", poll_s=0.2)
+    metrics = run_training_job(spec, out / "submitit")
     return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
 
 

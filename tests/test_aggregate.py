@@ -294,7 +294,7 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
         run_dirs.append(run_dir)
 
-    summary = aggregate.run(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
+    summary = aggregate.aggregate_study(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
                             "study-test", strategies_order=["allreduce"],
                             study_params={"model": "lenet5", "train": {"epochs": 3}})
 

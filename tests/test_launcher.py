@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_study, validated
 from dtstudy.config import ConfigError, run_config
 from dtstudy.launcher import job_parameters
-from dtstudy.train import RunSpec
+from dtstudy.runspec import RunSpec
 
 
 def spec_for(workers, launcher, strategy="allreduce", strategy_params=None):
@@ -60,7 +60,7 @@ def test_parameter_server_shards_ride_along_on_multi_node_jobs():
 
 @pytest.mark.parametrize("workers, extras, nodes", [(1, 0, 1), (2, 1, 1), (8, 1, 2), (64, 4, 16), (12, 5, 3)])
 def test_every_rank_has_exactly_one_task_and_workers_fill_the_first_slots(workers, extras, nodes):
-    from dtstudy.layout import TaskLayout
+    from dtstudy.task_layout import TaskLayout
 
     layout = TaskLayout(workers, extras, nodes)
     ranks = [layout.rank_of_task(task) for task in range(nodes * layout.tasks_per_node)]

@@ -15,7 +15,7 @@ import torch
 
 from conftest import assert_same_parameters, tiny_study, validated
 from dtstudy import resume
-from dtstudy.train import CHECKPOINT_FILE, METRICS_FILE, RunSpec
+from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE, RunSpec
 
 JOB_DEADLINE_S = 180  # a hung job must fail the test, not stall the suite
 PROGRESS = re.compile(r"^epoch (\d+)/\d+ step (\d+)/(\d+) ", re.M)
@@ -45,7 +45,7 @@ def submit(spec: RunSpec):
     the job so that the test can signal its tasks. Unlike launcher.run it leaves the resume
     folder alone."""
     from dtstudy.launcher import free_port, make_executor
-    from dtstudy.train import TrainingJob
+    from dtstudy.job import TrainingJob
 
     os.environ["MASTER_PORT"] = str(free_port())
     return make_executor(spec, Path(spec.out_dir) / "submitit").submit(TrainingJob(spec))

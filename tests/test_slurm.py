@@ -222,8 +222,8 @@ def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
 
     from conftest import validated
     from dtstudy.config import run_config
-    from dtstudy.launcher import run
-    from dtstudy.train import CHECKPOINT_FILE, RunSpec
+    from dtstudy.launcher import run_training_job
+    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
 
     study = validated(tiny_study(
         workers=[2], stragglers=stragglers or {}, launcher=launcher,
@@ -231,7 +231,7 @@ def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
     ))
     out = tmp_path / launcher["cluster"]
     spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(data_dir), str(out))
-    metrics = run(spec, out / "submitit", poll_s=0.5)
+    metrics = run_training_job(spec, out / "submitit", poll_s=0.5)
     return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
 
 

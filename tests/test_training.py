@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import assert_same_parameters, read_json, train_run
-from dtstudy.train import METRICS_FILE
+from dtstudy.runspec import METRICS_FILE
 
 
 def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny_data):
@@ -100,4 +101,15 @@ def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
         time.sleep(0.2)
     else:
         pytest.fail(f"job process {job_pid} still runs after the launcher was stopped")
+    # the run's processes (forked by the warm pool, not children of the job) are gone too
+    ranks = read_json(out / "submitit" / f"{job_pid}_ranks.json")
+    assert sorted(ranks) == ["0", "1"]
+    for _ in range(100):
+        alive = [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()
+                 and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+        if not alive:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"rank processes {alive} still run after the launcher was stopped")
     assert not (out / METRICS_FILE).exists()

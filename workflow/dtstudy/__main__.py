@@ -52,9 +52,8 @@ def cmd_init_tracking(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .launcher import TrainingJobFailed, run
-    from .tracking import resolve_uri
-    from .train import RunSpec
+    from .launcher import TrainingJobFailed, run_training_job
+    from .runspec import RunSpec
 
     cfg = _config(args)
     if "strategies" in cfg:  # a whole study config: keep what this run depends on
@@ -66,11 +65,11 @@ def cmd_train(args) -> None:
         config=cfg,
         data_dir=args.data,
         out_dir=args.out,
-        tracking_uri=None if args.no_tracking else resolve_uri(cfg["tracking"]["uri"]),
+        tracking_uri=None if args.no_tracking else config_module.tracking_uri(cfg["tracking"]["uri"]),
     )
     job_dir = args.job_dir or str(Path(args.out) / "submitit")
     try:
-        metrics = run(spec, job_dir)
+        metrics = run_training_job(spec, job_dir)
     except TrainingJobFailed as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -81,17 +80,35 @@ def cmd_train(args) -> None:
 
 
 def cmd_evaluate(args) -> None:
+    if args.via_pool:  # the study's warm pool evaluates: no torch import here
+        from . import pool
+
+        try:
+            result = pool.request_evaluation(pool.pool_address(), args.run, args.data, args.out)
+        except pool.PoolError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
+        print(f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} "
+              f"on {result['test_images']} images (in the warm pool)")
+        return
     from .evaluate import evaluate_run
 
     evaluate_run(args.run, args.data, args.out)
 
 
+def cmd_pool_stop(args) -> None:
+    from . import pool
+
+    stopped = pool.stop(pool.pool_address(args.study_dir))
+    print("warm pool: asked to stop" if stopped else "warm pool: none running")
+
+
 def cmd_aggregate(args) -> None:
-    from .aggregate import run
+    from .aggregate import aggregate_study
     from .tracking import resolve_uri
 
     cfg = _config(args)
-    run(
+    aggregate_study(
         args.runs,
         args.tables,
         args.plots,
@@ -135,7 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run folder")
     p.add_argument("--data", required=True, help="prepared data folder")
     p.add_argument("--out", required=True, help="eval.json to write")
+    p.add_argument("--via-pool", action="store_true", help="evaluate in the study's warm pool (local studies)")
     p.set_defaults(func=cmd_evaluate)
+
+    p = commands.add_parser("pool-stop", help="stop the study's warm pool (it also stops when idle)")
+    p.add_argument("--study-dir", default=None, help="the study folder (default: the working directory)")
+    p.set_defaults(func=cmd_pool_stop)
 
     p = commands.add_parser("aggregate", help="scaling/accuracy tables, plots and the MLflow study run")
     _add_config_args(p)

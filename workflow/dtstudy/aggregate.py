@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from . import tracking
-from .files import atomic_write, write_text
+from .atomic_files import atomic_write, write_text
 
 BASELINE_STRATEGY = "allreduce"
 SCALING_COLUMNS = ["strategy", "workers", "seeds", "throughput", "throughput_std", "speedup",
@@ -352,7 +352,7 @@ def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_d
 
 # --- the whole step -------------------------------------------------------------------
 
-def run(run_dirs: Iterable[str | Path], tables_dir: str | Path, plots_dir: str | Path,
+def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plots_dir: str | Path,
         tracking_uri: str | None, experiment: str,
         strategies_order: Sequence[str] | None = None,
         study_params: Mapping | None = None) -> dict:

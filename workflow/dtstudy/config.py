@@ -17,11 +17,14 @@ from typing import Any
 import jsonschema
 import yaml
 
+from . import data, stragglers
+from .errors import ConfigError
+from .runspec import RunSpec
+from .strategy_specs import SPECS as STRATEGIES
+
+__all__ = ["ConfigError", "check_config", "load_config", "run_config", "validate_schema"]
+
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-
-
-class ConfigError(ValueError):
-    """A config value that cannot be used; the message says which key and what is allowed."""
 
 
 def _validator_filling_defaults(validator_class):
@@ -67,9 +70,6 @@ EARLY_SIGNAL_S = 60  # how early SLURM may send a job's --signal (its time-limit
 
 def check_config(config: dict) -> None:
     """The checks a schema cannot do; raises ConfigError naming the key."""
-    from . import data, stragglers
-    from .strategies import STRATEGIES, get_strategy
-
     for i, name in enumerate(config["strategies"]):
         if name not in STRATEGIES:
             raise ConfigError(
@@ -84,7 +84,7 @@ def check_config(config: dict) -> None:
             )
     for name in config["strategies"]:
         for workers in config["workers"]:
-            get_strategy(name).check_params(config["strategy_params"].get(name, {}), workers)
+            STRATEGIES[name].check_params(config["strategy_params"].get(name, {}), workers)
     launcher = config["launcher"]
     signal_after_s = launcher["timeout_min"] * 60 - launcher["signal_delay_s"]
     if signal_after_s <= EARLY_SIGNAL_S:
@@ -96,12 +96,9 @@ def check_config(config: dict) -> None:
             "lower signal_delay_s or raise launcher.timeout_min"
         )
     if launcher["cluster"] != "local":  # the job layout must fit the nodes
-        from .launcher import job_parameters
-        from .train import RunSpec
-
         for name in config["strategies"]:
             for workers in config["workers"]:
-                job_parameters(RunSpec(name, workers, 0, run_config(config, name), "", ""))
+                RunSpec(name, workers, 0, run_config(config, name), "", "").layout()
 
     try:
         stragglers.check(config["stragglers"], config["workers"])
@@ -167,6 +164,13 @@ def run_config(config: dict, strategy: str) -> dict:
     selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
     return selected
+
+
+def tracking_uri(uri: str | None, results_dir: str | Path = "results") -> str:
+    """The MLflow tracking URI to use: `uri` unchanged, or SQLite at <results_dir>/mlflow.db."""
+    if uri is not None:
+        return uri
+    return f"sqlite:///{(Path(results_dir) / 'mlflow.db').resolve()}"
 
 
 def to_json(config: dict) -> str:

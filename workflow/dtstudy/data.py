@@ -20,7 +20,7 @@ import os
 import struct
 from pathlib import Path
 
-from .files import atomic_write, write_json
+from .atomic_files import atomic_write, write_json
 
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_FILES = {

@@ -1,18 +1,18 @@
-"""Process-group set-up inside one task of a submitit job."""
+"""Process-group set-up of a run's processes: submitit tasks (one per GPU) or a warm pool's forked workers."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .files import write_text
-from .layout import TaskLayout
+from .atomic_files import write_text
+from .ports import free_port
+from .task_layout import TaskLayout
 from .strategies import DistContext
 
 
@@ -23,13 +23,6 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("launcher.device is 'cuda' but this task sees no GPU")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now ("" = every interface of this node)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
@@ -61,16 +54,22 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
     import submitit
 
     job_env = submitit.JobEnvironment()
-    workers = layout.workers
     rank = layout.rank_of_task(job_env.global_rank)
     if rank is None:
         return None
-    timeout = datetime.timedelta(minutes=timeout_min)
     if job_env.cluster == "slurm":
-        os.environ["MASTER_PORT"] = str(rendezvous_port(job_env, job_env.global_rank == 0, timeout.total_seconds()))
+        os.environ["MASTER_PORT"] = str(rendezvous_port(job_env, job_env.global_rank == 0, timeout_min * 60))
     # MASTER_ADDR (the first node), and locally MASTER_PORT as the launcher pinned it
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    workers_device = pick_device(device_preference, env.local_rank)
+    return join_process_group(layout, rank, env.local_rank, device_preference, timeout_min)
+
+
+def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_preference: str,
+                       timeout_min: float) -> DistContext:
+    """Join the run's process group as `rank` (MASTER_ADDR/MASTER_PORT in the environment):
+    gloo on CPU (one torch thread per worker), NCCL on GPU."""
+    workers = layout.workers
+    workers_device = pick_device(device_preference, local_rank)
     # every rank must name the same backend; a strategy's extra processes (parameter-server
     # shards) still compute on the CPU and talk over a gloo group of their own
     backend = "nccl" if workers_device.type == "cuda" else "gloo"
@@ -81,6 +80,7 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
         # a CPU worker stands for one GPU: one thread each, so N workers use N cores
         torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world_size))
+    timeout = datetime.timedelta(minutes=timeout_min)
     dist.init_process_group(backend, rank=rank, world_size=layout.world_size, timeout=timeout)
     worker_group = None
     if layout.world_size > workers:  # strategies with extra processes get a workers-only group
@@ -89,7 +89,7 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
         rank=rank,
         world_size=layout.world_size,
         workers=workers,
-        local_rank=env.local_rank,
+        local_rank=local_rank,
         device=device,
         backend=backend,
         worker_group=worker_group,

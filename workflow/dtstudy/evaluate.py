@@ -10,8 +10,9 @@ import torch
 
 from . import data as data_module
 from .models import build_model
-from .files import write_json
-from .train import CHECKPOINT_FILE, METRICS_FILE
+from .atomic_files import write_json
+from .tracking import log_test_metrics
+from .runspec import CHECKPOINT_FILE, METRICS_FILE
 
 
 @torch.no_grad()
@@ -55,8 +56,6 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, out: str | Path) -> 
         "mlflow_run_id": (metrics.get("mlflow") or {}).get("run_id"),
     }
     if result["mlflow_run_id"]:
-        from .tracking import log_test_metrics
-
         log_test_metrics(metrics["mlflow"]["tracking_uri"], result["mlflow_run_id"], result)
     print(f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} on {len(test_set)} images")
     write_json(out, result)

@@ -1,37 +1,50 @@
-"""Submit one training run as a submitit job and block until it ends.
+"""Submit one training run as a submitit job and block until it ends. Torch-free: on a SLURM
+login node one waiting launcher per run costs a small Python process, not a torch import.
 
-Locally (launcher.cluster: local) submitit's LocalExecutor starts one process per task:
-the N workers plus a strategy's extra processes. Interrupting the caller (SIGINT/SIGTERM,
-as Snakemake does on Ctrl-C) cancels the job.
+Locally (launcher.cluster: local) the job is one light task that has the study's warm pool
+(dtstudy.pool) fork the run's N workers and a strategy's extra processes; on SLURM it is one
+task per process (one per GPU). Interrupting the caller (SIGINT/SIGTERM, as Snakemake does
+on Ctrl-C) cancels the job.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
 
-from . import resume
-from .distributed import free_port
-from .train import METRICS_FILE, RunSpec, TrainingJob
+from . import pool
+from .job import PooledTrainingJob, TrainingJob
+from .ports import free_port
+from .run_tracker import RUN_ID_FILE, recorded_run
+from .runspec import RunSpec
 
 
 class TrainingJobFailed(RuntimeError):
     """A run's job ended without its metrics; the message names the job's stderr file."""
 
 
-def job_parameters(spec: RunSpec) -> dict:
+def uses_pool(spec: RunSpec) -> bool:
+    """Local runs go through the warm pool (launcher.local_processes: pool, the default);
+    `tasks` starts one submitit task per process instead, as on SLURM."""
+    launcher = spec.config["launcher"]
+    return launcher["cluster"] == "local" and launcher["local_processes"] == "pool"
+
+
+def job_parameters(spec: RunSpec, pooled: bool = False) -> dict:
     """submitit parameters of a run's job: the N workers (one per GPU on a GPU cluster) plus
-    the strategy's extra processes as further tasks, over the fewest nodes that hold them."""
+    the strategy's extra processes as further tasks, over the fewest nodes that hold them;
+    `pooled`: one task, the pool forks the processes."""
     launcher = spec.config["launcher"]
     layout = spec.layout()
     parameters = {
         "name": spec.run_name,
         "timeout_min": launcher["timeout_min"],
-        "nodes": layout.nodes,
-        "tasks_per_node": layout.tasks_per_node,
+        "nodes": 1 if pooled else layout.nodes,
+        "tasks_per_node": 1 if pooled else layout.tasks_per_node,
     }
     # SIGUSR2 this long before the time limit: the run checkpoints and is requeued
     if launcher["cluster"] == "local":
@@ -52,14 +65,14 @@ def job_parameters(spec: RunSpec) -> dict:
     return parameters
 
 
-def make_executor(spec: RunSpec, job_dir: Path):
+def make_executor(spec: RunSpec, job_dir: Path, pooled: bool = False):
     import submitit
 
     launcher = spec.config["launcher"]
     # a requeue after a time-out counts against max_requeues; preemptions do not (submitit)
     executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"],
                                      slurm_max_num_timeout=launcher["max_requeues"])
-    parameters = job_parameters(spec)
+    parameters = job_parameters(spec, pooled)
     if launcher["cluster"] == "local":
         # AutoExecutor would rename signal_delay_s to slurm_signal_delay_s (and it rejects
         # local_signal_delay_s), leaving the local controller at its default
@@ -87,17 +100,23 @@ class _LogFollower:
             sys.stdout.flush()
 
 
-def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
-    """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent)."""
+def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -> dict:
+    """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
+    the run's MLflow run marked FAILED)."""
+    import shutil
+
     import submitit
 
+    submitted_at = time.time()
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = Path(spec.out_dir) / METRICS_FILE
+    metrics_path = spec.metrics_path
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
-    resume.clear(spec.out_dir)  # a fresh run never picks up an earlier run's resume state
+    shutil.rmtree(spec.resume_dir, ignore_errors=True)  # a fresh run never resumes an earlier one
+    (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # nor marks an earlier MLflow run
+    pooled = uses_pool(spec)
 
-    if spec.config["launcher"]["cluster"] == "local":
+    if spec.config["launcher"]["cluster"] == "local" and not pooled:
         # the tasks inherit it (submitit reads it); a SLURM job picks one on its first node
         # (distributed.rendezvous_port)
         os.environ["MASTER_PORT"] = str(free_port())
@@ -116,9 +135,14 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
     # disposition even where ours was inherited as "ignored" (a shell's `&`), and cancel works.
     previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = make_executor(spec, job_dir).submit(TrainingJob(spec))
-        print(f"{spec.run_name}: submitted job {job.job_id} with {spec.processes()} tasks; logs in {job_dir}",
-              flush=True)
+        timings = {"submitted": submitted_at}
+        if pooled:
+            callable_ = PooledTrainingJob(spec, pool.pool_address(), timings)
+        else:
+            callable_ = TrainingJob(spec, timings)
+        job = make_executor(spec, job_dir, pooled).submit(callable_)
+        what = f"1 task (the warm pool forks its {spec.processes()} processes)" if pooled else f"{spec.processes()} tasks"
+        print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
         follower = _LogFollower(Path(job.paths.stdout))
         while not job.done():
             follower.pump()
@@ -127,6 +151,7 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
         try:
             results = job.results()
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as error:
+            mark_failed(spec, f"job {job.job_id} failed (state {job.state}): {_cause(str(error))}")
             raise TrainingJobFailed(
                 f"{spec.run_name}: job {job.job_id} failed (state {job.state}); its stderr: {job.paths.stderr}\n"
                 f"{error}"
@@ -136,6 +161,30 @@ def run(spec: RunSpec, job_dir: str | Path, poll_s: float = 1.0) -> dict:
             signal.signal(sig, handler)
     metrics = results[0]
     if metrics is None or not metrics_path.exists():
+        mark_failed(spec, f"job {job.job_id} ended without writing {metrics_path}")
         raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
                                 f"its stderr: {job.paths.stderr}")
     return metrics
+
+
+def _cause(job_error: str) -> str:
+    """The line of a failed job's error that says what went wrong (the exception's message)."""
+    lines = [line.strip() for line in job_error.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line):
+            return line
+    return lines[0] if lines else "unknown"
+
+
+def mark_failed(spec: RunSpec, reason: str) -> None:
+    """Record why the attempt failed on its MLflow run (when it got as far as creating one),
+    and end it as FAILED if its rank 0 could not (a killed process). Imports MLflow only here."""
+    record = recorded_run(spec.out_dir)
+    if record is None:
+        return
+    try:
+        from . import tracking
+
+        tracking.end_run(record["tracking_uri"], record["run_id"], "FAILED", reason)
+    except Exception as error:  # the training failure is what the user must see
+        print(f"{spec.run_name}: could not mark MLflow run {record['run_id']} FAILED: {error}", flush=True)

@@ -24,21 +24,25 @@ before a fresh submission (`clear`), so stale state is never picked up.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .files import atomic_write
+from .atomic_files import atomic_write
+from .measurements import WorkerLog
+from .runspec import RESUME_DIR
 
-RESUME_DIR = "resume"
 FORMAT = 1  # of the rank files; a file of another format is not used
 
 
@@ -126,6 +130,81 @@ def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, gr
             clear(out_dir)
     return None
 
+
+# ----- a worker's place in training, as saved and restored ----------------------------
+
+@dataclass
+class LoopState:
+    """Where a worker's training stands: what a resumed run continues from."""
+
+    log: WorkerLog
+    epoch: int = 0  # the epoch the next step belongs to
+    step_in_epoch: int = 0  # its batch within the epoch (the batches before it are done)
+    step: int = 0  # steps done
+    elapsed_s: float = 0.0  # training wall time of earlier attempts
+    saved_losses: list[float] = field(default_factory=list)  # losses of earlier attempts
+    val_history: list[dict] = field(default_factory=list)
+    losses: list = field(default_factory=list)  # this attempt's losses, still tensors on the device
+
+    def losses_so_far(self) -> list[float]:
+        """This worker's loss per step: earlier attempts' and this attempt's."""
+        return self.saved_losses + (torch.stack(self.losses).float().cpu().tolist() if self.losses else [])
+
+
+def rng_states(device: torch.device) -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(_as_tuples(states["python"]))
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def _as_tuples(value):
+    """random.getstate() is nested tuples; make sure it is again after a save and load."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def resumable_state(state: LoopState, model, strategy, straggler, device: torch.device, elapsed_s: float) -> dict:
+    """Everything a worker needs to continue exactly where it is (a step boundary)."""
+    log = dataclasses.asdict(state.log)
+    log["loss"] = state.losses_so_far()
+    return {
+        "position": {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "step": state.step},
+        "elapsed_s": elapsed_s,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": strategy.optimizer.state_dict() if strategy.optimizer is not None else None,
+        "strategy": strategy.state_dict(),
+        "rng": rng_states(device),
+        "log": log,
+        "val_history": state.val_history,
+        "straggler": {"rng": straggler.rng.getstate(), "total_s": straggler.total_s},
+    }
+
+
+def restore(saved: dict, model, strategy, straggler, device: torch.device) -> LoopState:
+    """Load what `resumable_state` saved into the model, strategy and straggler; the loop's state."""
+    model.load_state_dict(saved["model"])
+    if saved["optimizer"] is not None:
+        strategy.optimizer.load_state_dict(saved["optimizer"])
+    strategy.load_state_dict(saved["strategy"])
+    straggler.rng.setstate(_as_tuples(saved["straggler"]["rng"]))
+    straggler.total_s = saved["straggler"]["total_s"]
+    set_rng_states(saved["rng"], device)
+    log = WorkerLog(**saved["log"])
+    losses, log.loss = log.loss, []
+    position = saved["position"]
+    return LoopState(log=log, epoch=position["epoch"], step_in_epoch=position["step_in_epoch"],
+                     step=position["step"], elapsed_s=saved["elapsed_s"], saved_losses=losses,
+                     val_history=saved["val_history"])
+
+
+# ----- the preemption signal ------------------------------------------------------------
 
 def preemption_signal() -> signal.Signals:
     """The signal submitit treats as time-out/preemption (SUBMITIT_PREEMPT_SIGNAL, default USR2)."""

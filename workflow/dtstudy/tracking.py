@@ -6,28 +6,26 @@ nothing (active run, global tracking URI) leaks from one call to the next.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.utils.time import get_current_time_millis
 
+from .config import tracking_uri as resolve_uri
+from .errors import ConfigError
+
 STUDY_KIND_TAG = "dtstudy.kind"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3: a model-training experiment
 PARENT_RUN_TAG = "mlflow.parentRunId"
 _SQLITE_PREFIX = "sqlite:///"
 _MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 _MAX_METRICS_PER_BATCH = 1000
-
-
-def resolve_uri(uri: str | None, results_dir: str | Path = "results") -> str:
-    """The tracking URI to use: `uri` unchanged, or SQLite at <results_dir>/mlflow.db."""
-    if uri is not None:
-        return uri
-    db_path = (Path(results_dir) / "mlflow.db").resolve()
-    return f"{_SQLITE_PREFIX}{db_path}"
 
 
 def _sqlite_artifact_root(uri: str) -> str | None:
@@ -52,8 +50,6 @@ def check_server(uri: str, timeout_s: float = 10.0) -> None:
     import urllib.error
     import urllib.request
 
-    from .config import ConfigError
-
     try:
         with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
             response.read()
@@ -74,12 +70,16 @@ def init_store(uri: str, experiment: str) -> str:
     check_server(uri)
     if uri.startswith(_SQLITE_PREFIX):
         Path(uri[len(_SQLITE_PREFIX):]).parent.mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     existing = client.get_experiment_by_name(experiment)
     if existing is not None:
+        if existing.tags.get(EXPERIMENT_KIND_TAG) is None:
+            client.set_experiment_tag(existing.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return existing.experiment_id
     try:
-        return client.create_experiment(experiment, artifact_location=_sqlite_artifact_root(uri))
+        # the kind makes MLflow 3's UI open the experiment on its runs table, not the GenAI overview
+        return client.create_experiment(experiment, artifact_location=_sqlite_artifact_root(uri),
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except MlflowException as error:
         if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
@@ -135,7 +135,7 @@ def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
     """
     uri = resolve_uri(uri)
     experiment_id = init_store(uri, experiment)
-    client = MlflowClient(tracking_uri=uri)
+    client = client_for(uri)
     run_id = client.create_run(experiment_id, run_name="study",
                                tags={STUDY_KIND_TAG: "study"}).info.run_id
     try:
@@ -153,24 +153,45 @@ def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
 
 # --- training and evaluation runs ---------------------------------------------------------
 
-def _training_params(metrics: Mapping) -> dict:
-    """What a training run was asked to do: config values, strategy knobs, derived batch/LR."""
-    return {
-        "strategy": metrics["strategy"],
-        "workers": metrics["workers"],
-        "seed": metrics["seed"],
-        "global_batch": metrics["global_batch"],
-        "per_worker_batch": metrics["per_worker_batch"],
-        "config": metrics["config"],
-        "strategy_params": metrics["strategy_params"],
-        "lr_schedule": metrics["lr_schedule"],
-    }
+TRAINING_KIND = "training"
+SUPERSEDED_TAG = "dtstudy.superseded_by"
 
 
-def _training_metrics(metrics: Mapping) -> list[Metric]:
+@functools.cache
+def client_for(uri: str) -> MlflowClient:
+    """One client (one store, one database engine) per URI and process."""
+    return MlflowClient(tracking_uri=uri)
+
+
+def start_training_run(uri: str, experiment: str, run_name: str, tags: Mapping, params: Mapping) -> dict:
+    """Create the MLflow run of a training run, RUNNING, with its config as params; earlier
+    runs of the same name (a rerun) are marked superseded and moved to MLflow's deleted runs
+    (restorable; nothing is lost). Returns {run_id, experiment_id, tracking_uri}."""
+    experiment_id = init_store(uri, experiment)
+    client = client_for(uri)
+    earlier = client.search_runs([experiment_id], filter_string=(
+        f"attributes.run_name = '{run_name}' and tags.`{STUDY_KIND_TAG}` = '{TRAINING_KIND}'"))
+    run_id = client.create_run(experiment_id, run_name=run_name,
+                               tags={STUDY_KIND_TAG: TRAINING_KIND, **tags}).info.run_id
+    for old in earlier:
+        client.set_tag(old.info.run_id, SUPERSEDED_TAG, run_id)
+        if old.info.status == "RUNNING":  # an attempt that died without ending its run
+            client.set_terminated(old.info.run_id, status="KILLED")
+        client.delete_run(old.info.run_id)
+    _log_params_and_metrics(client, run_id, params, {})
+    return {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri}
+
+
+def log_metric_points(uri: str, run_id: str, points: Iterable[tuple[str, float, int, int]]) -> None:
+    """(key, value, step, timestamp ms) points, in batches."""
+    metrics = [Metric(key, value, timestamp, step) for key, value, step, timestamp in points]
+    for chunk in _chunks(metrics, _MAX_METRICS_PER_BATCH):
+        client_for(uri).log_batch(run_id, metrics=chunk)
+
+
+def _final_metrics(metrics: Mapping) -> list[Metric]:
     now = get_current_time_millis()
-    series = [Metric("train_loss", float(loss), now, step) for step, loss in enumerate(metrics["train_loss"])]
-    series += [Metric("val_top1", float(v["top1"]), now, int(v["epoch"])) for v in metrics["val"]]
+    series = [Metric("train_loss_mean", float(loss), now, step) for step, loss in enumerate(metrics["train_loss"])]
     finals = {
         "throughput": metrics["throughput"],
         "compute_s": metrics["step_time"]["compute_s"],
@@ -179,48 +200,46 @@ def _training_metrics(metrics: Mapping) -> list[Metric]:
         "bytes_per_step": metrics["bytes_per_step"],
         "wall_time_s": metrics["wall_time_s"],
         "time_to_accuracy_s": metrics["time_to_accuracy_s"],
+        "final_val_top1": metrics["final_val_top1"],
         **{key: value for key, value in metrics.get("strategy_metrics", {}).items()
            if isinstance(value, (int, float))},
     }
-    series += [Metric(key, float(value), now, 0) for key, value in finals.items() if value is not None]
-    return series
+    return series + [Metric(key, float(value), now, 0) for key, value in finals.items() if value is not None]
 
 
-def log_training_run(uri: str, experiment: str, metrics: Mapping) -> dict:
-    """One finished training run as an MLflow run holding the same facts as its metrics.json
-    (which is attached as an artifact). Returns {run_id, experiment_id, tracking_uri}."""
+def log_training_results(uri: str, record: Mapping, metrics: Mapping) -> None:
+    """A training run's final figures (the same facts as its metrics.json, which is attached)."""
     import json
     import tempfile
 
-    experiment_id = init_store(uri, experiment)
-    client = MlflowClient(tracking_uri=uri)
-    environment = metrics["environment"]
-    tags = {
-        STUDY_KIND_TAG: "training",
-        "strategy": metrics["strategy"],
-        "workers": str(metrics["workers"]),
-        "seed": str(metrics["seed"]),
-        **{f"env.{key}": str(value) for key, value in flatten_params(environment).items()},
-    }
-    run_id = client.create_run(experiment_id, run_name=metrics["run_name"], tags=tags).info.run_id
-    record = {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri}
-    try:
-        _log_params_and_metrics(client, run_id, _training_params(metrics), {})
-        for chunk in _chunks(_training_metrics(metrics), _MAX_METRICS_PER_BATCH):
-            client.log_batch(run_id, metrics=chunk)
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "metrics.json"
-            path.write_text(json.dumps({**metrics, "mlflow": record}, indent=1))
-            client.log_artifact(run_id, str(path))
-    except BaseException:
-        client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.FAILED))
-        raise
-    client.set_terminated(run_id)
-    return record
+    client, run_id = client_for(uri), record["run_id"]
+    tags = {f"env.{key}": str(value) for key, value in flatten_params(metrics["environment"]).items()}
+    client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+    derived = {"global_batch": metrics["global_batch"], "per_worker_batch": metrics["per_worker_batch"],
+               "lr_schedule": metrics["lr_schedule"]}
+    _log_params_and_metrics(client, run_id, derived, {})
+    for chunk in _chunks(_final_metrics(metrics), _MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=chunk)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "metrics.json"
+        path.write_text(json.dumps({**metrics, "mlflow": dict(record)}, indent=1))
+        client.log_artifact(run_id, str(path))
+
+
+FAILURE_TAG = "dtstudy.failure"  # why the run failed, as the launcher saw it (which rank died)
+RANK0_FAILURE_TAG = "dtstudy.failure.rank0"  # the exception rank 0 itself ended with
+
+
+def end_run(uri: str, run_id: str, status: str, reason: str | None = None, reason_tag: str = FAILURE_TAG) -> None:
+    """FINISHED, FAILED or KILLED; a failure's reason becomes the tag `reason_tag`."""
+    client = client_for(uri)
+    if reason:
+        client.set_tag(run_id, reason_tag, reason[:4000])
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status=status)
 
 
 def log_test_metrics(uri: str, run_id: str, result: Mapping) -> None:
     """Add the evaluation's test top-1/top-5 to the training run."""
     now = get_current_time_millis()
-    client = MlflowClient(tracking_uri=uri)
-    client.log_batch(run_id, metrics=[Metric(f"test_{k}", float(result[k]), now, 0) for k in ("top1", "top5")])
+    client_for(uri).log_batch(run_id, metrics=[Metric(f"test_{k}", float(result[k]), now, 0) for k in ("top1", "top5")])

@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 
 import dtstudy.config as study_config
+from dtstudy.runspec import RunSpec
 
 # The checks a schema cannot do (registry, knobs, data on disk): fail before any job starts.
 study_config.check_config(config)
@@ -15,9 +16,10 @@ DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"
 TRACKING_MARKER = "results/mlflow.ready.json"
 RUN_DIR = "results/runs/{strategy}/n{workers}/seed{seed}"
-# Local training jobs queue on one slot (profiles/default); cluster jobs each get their own nodes.
+# Local runs reserve the cores their processes use; cluster runs get their own nodes.
 TRAIN_ON_THIS_MACHINE = config["launcher"]["cluster"] == "local"
-TRAIN_SLOTS_PER_JOB = 1 if TRAIN_ON_THIS_MACHINE else 0
+# Local evaluations run in the study's warm pool (dtstudy.pool), like the training runs.
+EVALUATE_FLAGS = "--via-pool" if TRAIN_ON_THIS_MACHINE and config["launcher"]["local_processes"] == "pool" else ""
 
 
 wildcard_constraints:
@@ -27,8 +29,13 @@ wildcard_constraints:
 
 
 def train_threads(wildcards):
-    """Cores of this machine a train job takes: its N workers locally, 1 (waiting) on a cluster."""
-    return int(wildcards.workers) if TRAIN_ON_THIS_MACHINE else 1
+    """Cores of this machine a train job reserves: locally one per process, its N workers plus
+    the strategy's extra ones (parameter-server shards; Snakemake caps it at --cores), so that
+    two N=1 runs share 2 cores while an N=2 run has them to itself; on a cluster 1 (it waits)."""
+    if not TRAIN_ON_THIS_MACHINE:
+        return 1
+    spec = RunSpec(wildcards.strategy, int(wildcards.workers), 0, study_config.run_config(config, wildcards.strategy), "", "")
+    return spec.processes()
 
 
 def config_json(section_keys=None):
@@ -61,3 +68,11 @@ def all_runs(filename):
         workers=config["workers"],
         seed=config["seeds"],
     )
+
+
+def stop_warm_pool():
+    """Ask this study's warm pool (dtstudy.pool) to exit; it would after a while idle anyway."""
+    if TRAIN_ON_THIS_MACHINE:
+        from dtstudy import pool
+
+        pool.stop(pool.pool_address())

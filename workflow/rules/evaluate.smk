@@ -10,7 +10,8 @@ rule evaluate:
     params:
         data=folder_of("input", "data"),
         run=folder_of("input", "metrics"),
+        flags=EVALUATE_FLAGS,
     conda:
         "../../envs/study.yaml"
     shell:
-        "python -m dtstudy evaluate --run {params.run} --data {params.data} --out {output.result} > {log} 2>&1"
+        "python -m dtstudy evaluate --run {params.run} --data {params.data} --out {output.result} {params.flags} > {log} 2>&1"

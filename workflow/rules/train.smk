@@ -1,7 +1,7 @@
-# A local rule: it only submits the submitit job (N worker processes locally, or a SLURM
-# job) and blocks until it ends; Ctrl-C cancels the job. Locally, `train_slot` (1 in
-# profiles/default) runs one training job at a time, so that each has its cores to itself;
-# on SLURM the rule is a waiting process of one thread and the job has its own nodes.
+# A local rule: it only submits the submitit job (locally one task that has the warm pool
+# fork the run's processes, or a SLURM job) and blocks until it ends; Ctrl-C cancels the job.
+# Locally it reserves one core per process of the run (train_threads); on SLURM it is a
+# waiting process of one thread and the job has its own nodes.
 localrules:
     train,
 
@@ -21,8 +21,6 @@ rule train:
         out=folder_of("output", "metrics"),
         job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
     threads: train_threads
-    resources:
-        train_slot=TRAIN_SLOTS_PER_JOB,
     conda:
         "../../envs/study.yaml"
     shell:

@@ -1,7 +1,9 @@
-"""The strategy registry: each strategy is one class (one file per family) plus one line here."""
+"""The strategy registry: each strategy is one class (one file per family) plus one line here,
+and its knobs one spec class in dtstudy.strategy_specs (torch-free, for the config check)."""
 
 from __future__ import annotations
 
+from ..strategy_specs import SPECS
 from .allreduce import AllReduce
 from .base import CommMeter, DistContext, Strategy
 from .compressed import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReducePowerSGD
@@ -23,6 +25,11 @@ STRATEGIES: dict[str, type[Strategy]] = {
     AllReducePowerSGD.name: AllReducePowerSGD,
     AllReduceOneBit.name: AllReduceOneBit,
 }
+
+
+# every implementation has its spec (knobs, checks) and every spec its implementation
+if STRATEGIES.keys() != SPECS.keys():
+    raise RuntimeError(f"strategies without both a spec and an implementation: {sorted(STRATEGIES.keys() ^ SPECS.keys())}")
 
 
 def get_strategy(name: str) -> type[Strategy]:

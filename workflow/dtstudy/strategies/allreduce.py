@@ -25,15 +25,9 @@ class AllReduce(Strategy):
     """
 
     name = "allreduce"
-    defaults = {"bucket_cap_mb": 25}
     resumable = True  # the same update on every worker; DDP holds no state between steps
     # DDP rebuilds its buckets after the first step: a resumed run replays that first
     replays_first_step = True
-
-    @classmethod
-    def validate(cls, params, workers):
-        if not isinstance(params["bucket_cap_mb"], (int, float)) or params["bucket_cap_mb"] <= 0:
-            raise cls.bad_knob("bucket_cap_mb", params["bucket_cap_mb"], "a positive number of MiB")
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model.to(self.ctx.device)

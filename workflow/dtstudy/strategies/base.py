@@ -1,6 +1,6 @@
 """The interface every distributed training strategy implements.
 
-The training loop (dtstudy.train) runs, on each of the N workers:
+The training loop (dtstudy.worker) runs, on each of the N workers:
 
     module = strategy.setup(model, make_optimizer)      # once
     every step:  loss = criterion(module(x), y)
@@ -30,11 +30,7 @@ from typing import Any, Callable, ClassVar, Iterable
 import torch
 from torch import nn
 
-from ..config import ConfigError
-
-def is_whole_number(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
+from ..strategy_specs import SPECS, StrategySpec
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -91,16 +87,15 @@ class CommMeter:
 class Strategy(ABC):
     """One distributed training strategy (see the module docstring for the call order)."""
 
+    #: the name in the registry; its knobs and their checks are dtstudy.strategy_specs.SPECS[name]
     name: ClassVar[str]
-    #: the knobs of `strategy_params.<name>` with their defaults; others are rejected
-    defaults: ClassVar[dict[str, Any]] = {}
     #: a preempted run can save its state at a step boundary and continue exactly from it:
     #: the workers are in lockstep (they agree on stopping by a collective) and all the
     #: state lives on them (model, optimizer, `state_dict()`). False: requeued from step 0
     resumable: ClassVar[bool] = False
     #: why not (printed when a preempted run starts again from step 0)
     not_resumable_because: ClassVar[str] = "it declares no resumable state"
-    #: a resumed run first does one throwaway forward/backward (see dtstudy.train.throwaway_step)
+    #: a resumed run first does one throwaway forward/backward (see dtstudy.worker.throwaway_step)
     replays_first_step: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, params: dict[str, Any]):
@@ -109,40 +104,19 @@ class Strategy(ABC):
         self.meter = CommMeter()
         self.optimizer: torch.optim.Optimizer | None = None
 
-    # ----- config checks, run before any job starts -------------------------------------
+    # ----- its knobs: dtstudy.strategy_specs (torch-free, checked before any job starts) ----
+    @classmethod
+    def spec(cls) -> type[StrategySpec]:
+        return SPECS[cls.name]
+
     @classmethod
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
-        """Fill defaults and check the knobs for N=workers; raise ConfigError naming the key."""
-        unknown = sorted(set(params) - set(cls.defaults))
-        if unknown:
-            allowed = ", ".join(sorted(cls.defaults)) or "none"
-            raise ConfigError(
-                f"config key 'strategy_params.{cls.name}.{unknown[0]}': unknown knob for "
-                f"strategy {cls.name!r}; allowed: {allowed}"
-            )
-        merged = {**cls.defaults, **params}
-        cls.validate(merged, workers)
-        return merged
-
-    @classmethod
-    def validate(cls, params: dict[str, Any], workers: int) -> None:
-        """Range checks of the knobs; subclasses raise ConfigError via `cls.bad_knob`."""
-
-    @classmethod
-    def bad_knob(cls, knob: str, value: Any, allowed: str) -> ConfigError:
-        return ConfigError(f"config key 'strategy_params.{cls.name}.{knob}': {value!r} is not allowed; {allowed}")
-
-    @classmethod
-    def require_whole_number(cls, params: dict[str, Any], knob: str, minimum: int) -> None:
-        """Raise `bad_knob` unless strategy_params.<name>.<knob> is an int >= minimum."""
-        value = params[knob]
-        if not is_whole_number(value) or value < minimum:
-            raise cls.bad_knob(knob, value, f"a whole number >= {minimum}")
+        """The knobs with defaults filled in, checked for N=workers (see StrategySpec)."""
+        return cls.spec().check_params(params, workers)
 
     @classmethod
     def extra_processes(cls, params: dict[str, Any], workers: int) -> int:
-        """Processes besides the N workers that this strategy needs in the job (e.g. PS shards)."""
-        return 0
+        return cls.spec().extra_processes(params, workers)
 
     # ----- the training loop's calls ----------------------------------------------------
     @abstractmethod

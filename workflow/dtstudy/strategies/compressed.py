@@ -67,19 +67,6 @@ class AllReducePowerSGD(CompressedAllReduce):
     """
 
     name = "allreduce_powersgd"
-    defaults = {**AllReduce.defaults, "rank": 2, "start_powerSGD_iter": 10, "warm_start": True,
-                "use_error_feedback": True}
-
-    @classmethod
-    def validate(cls, params, workers):
-        super().validate(params, workers)
-        cls.require_whole_number(params, "rank", 1)
-        for knob in ("warm_start", "use_error_feedback"):
-            if not isinstance(params[knob], bool):
-                raise cls.bad_knob(knob, params[knob], "true or false")
-        stateful = params["warm_start"] or params["use_error_feedback"]
-        cls.require_whole_number(params, "start_powerSGD_iter", 2 if stateful else 0)
-
     def comm_hook(self):
         self.powersgd = PowerSGDState(
             process_group=self.ctx.worker_group,

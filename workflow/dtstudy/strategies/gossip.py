@@ -12,7 +12,6 @@ from torch import nn
 from .base import OptimizerFactory
 from .local import LocalTraining, flatten, shaped_like
 
-TOPOLOGIES = ("ring", "random_pairs")
 
 
 def ring_neighbours(rank: int, workers: int) -> list[int]:
@@ -55,13 +54,6 @@ class Gossip(LocalTraining):
     """
 
     name = "gossip"
-    defaults = {"topology": "ring"}
-
-    @classmethod
-    def validate(cls, params, workers):
-        if params["topology"] not in TOPOLOGIES:
-            raise cls.bad_knob("topology", params["topology"], f"allowed: {', '.join(TOPOLOGIES)}")
-
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)
         if self.params["topology"] == "random_pairs" and self.ctx.workers > 1:

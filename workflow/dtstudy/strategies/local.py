@@ -110,13 +110,6 @@ class LocalSGD(LocalTraining):
     """
 
     name = "local_sgd"
-    defaults = {"period": 8, "warmup_steps": 0}
-
-    @classmethod
-    def validate(cls, params, workers):
-        cls.require_whole_number(params, "period", 1)
-        cls.require_whole_number(params, "warmup_steps", 0)
-
     def _warming_up(self) -> bool:
         return self.steps < self.params["warmup_steps"]
 
@@ -149,18 +142,6 @@ class EASGD(LocalTraining):
     """
 
     name = "easgd"
-    defaults = {"period": 8, "beta": 0.9, "alpha": None}
-
-    @classmethod
-    def validate(cls, params, workers):
-        cls.require_whole_number(params, "period", 1)
-        for knob in ("beta", "alpha"):
-            value = params[knob]
-            if knob == "alpha" and value is None:
-                continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-                raise cls.bad_knob(knob, value, "a number in (0, 1]")
-
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)
         alpha = self.params["alpha"]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import OptimizerFactory, Strategy, is_whole_number
+from .base import OptimizerFactory, Strategy
 from .ps_protocol import (
     SETUP_FIELDS,
     TAG_GRADIENT,
@@ -141,7 +141,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class ParameterServer(Strategy):
     """What the four parameter-server strategies share; each gives its `update_policy`."""
 
-    defaults = {"shards": 1}
     # parameters and optimizer state live on the shards (and with ps_async/ssp, in-flight
     # gradients and staleness): a preempted run is requeued and starts again from step 0
     resumable = False
@@ -152,15 +151,6 @@ class ParameterServer(Strategy):
         # NCCL moves no CPU point-to-point messages; every rank creates the group, in this order
         self.group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
         self.shard_stats: list[ShardStats] = []
-
-    @classmethod
-    def validate(cls, params, workers):
-        if not is_whole_number(params["shards"]) or params["shards"] < 1:
-            raise cls.bad_knob("shards", params["shards"], "an integer >= 1 (server processes)")
-
-    @classmethod
-    def extra_processes(cls, params, workers):
-        return params["shards"]
 
     @abstractmethod
     def update_policy(self) -> UpdatePolicy:
@@ -237,17 +227,6 @@ class PsSync(ParameterServer):
 
 class PsBackup(ParameterServer):
     name = "ps_backup"
-    defaults = {"shards": 1, "backup": 1}
-
-    @classmethod
-    def validate(cls, params, workers):
-        super().validate(params, workers)
-        backup = params["backup"]
-        # a single worker has nobody to back it up: N=1 runs as ps_sync, so a study's
-        # workers list may start at 1 with the default k=1
-        if not is_whole_number(backup) or backup < 0 or (workers > 1 and backup >= workers):
-            raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
-
     def update_policy(self) -> UpdatePolicy:
         backup = min(self.params["backup"], self.ctx.workers - 1)
         return UpdatePolicy(quorum=self.ctx.workers - backup)
@@ -262,13 +241,5 @@ class PsAsync(ParameterServer):
 
 class Ssp(ParameterServer):
     name = "ssp"
-    defaults = {"shards": 1, "staleness": 2}
-
-    @classmethod
-    def validate(cls, params, workers):
-        super().validate(params, workers)
-        if not is_whole_number(params["staleness"]) or params["staleness"] < 0:
-            raise cls.bad_knob("staleness", params["staleness"], "an integer >= 0 (steps ahead of the slowest worker)")
-
     def update_policy(self) -> UpdatePolicy:
         return UpdatePolicy(quorum=self.ctx.workers, staleness_bound=self.params["staleness"])

@@ -20,6 +20,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path
     try:
         with open(tmp, "wb") as stream:
             write(stream)
+            stream.flush()
+            os.fsync(stream.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

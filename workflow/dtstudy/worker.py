@@ -1,0 +1,309 @@
+"""The training loop of one worker, in the spirit of torchvision's
+references/classification/train.py: set up, then one epoch function and one validation
+function per epoch; every knob comes from the run config and the strategy object does
+everything strategy-specific (the loop never branches on its name).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from . import data as data_module
+from . import resume
+from .config import global_batch_size, per_worker_batch
+from .measurements import WorkerLog, summarize
+from .models import build_model
+from .provenance import environment
+from .resume import LoopState, Preemption
+from .run_outputs import write_checkpoint, write_metrics
+from .run_tracker import LiveRun, start_live_run
+from .runspec import RunSpec
+from .schedule import LRSchedule, make_schedule
+from .strategies import DistContext, Strategy, get_strategy
+from .stragglers import Straggler
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_optimizer_factory(train: dict):
+    def make_optimizer(parameters):
+        # lr is set by the schedule every step (strategy.update)
+        return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"])
+
+    return make_optimizer
+
+
+def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2, skip: int = 0):
+    """(inputs, labels) batches: in-memory data sets are indexed directly (no per-image
+    Python work), file-backed ones go through a DataLoader with worker processes. `skip`:
+    leave out the epoch's first batches (a resumed run), without loading them."""
+    if skip:
+        batch_sampler = list(itertools.islice(batch_sampler, skip, None))
+    if getattr(dataset, "is_in_memory", True):
+        for indices in batch_sampler:
+            yield dataset.batch(torch.as_tensor(indices))
+    else:
+        yield from DataLoader(dataset, batch_sampler=batch_sampler, num_workers=loader_workers)
+
+
+@torch.no_grad()
+def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = 512) -> float:
+    """Top-1 accuracy of `model` on `dataset`, each worker scoring a 1/N share."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    shard = list(range(ctx.rank, len(dataset), ctx.workers))
+    for inputs, labels in data_module.iterate_batches(dataset, shard, batch_size, drop_last=False):
+        predictions = model(inputs.to(ctx.device)).argmax(dim=1)
+        counts[0] += (predictions == labels.to(ctx.device)).sum()
+        counts[1] += len(labels)
+    if ctx.workers > 1:
+        dist.all_reduce(counts, group=ctx.worker_group)
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+class Progress:
+    """Rank 0 prints an epoch/step line with the rate every `every` steps."""
+
+    def __init__(self, ctx: DistContext, every: int, steps_per_epoch: int, epochs: int):
+        self.enabled = ctx.rank == 0
+        self.every, self.steps_per_epoch, self.epochs = every, steps_per_epoch, epochs
+        self.window_start, self.window_images = time.perf_counter(), 0
+
+    def step(self, epoch: int, step_in_epoch: int, images: int, loss: torch.Tensor, lr: float) -> bool:
+        """Count the step's images; True when this step printed a line (rank 0)."""
+        self.window_images += images
+        if not self.enabled or (step_in_epoch + 1) % self.every:
+            return False
+        now = time.perf_counter()
+        rate = self.window_images / (now - self.window_start)
+        print(
+            f"epoch {epoch + 1}/{self.epochs} step {step_in_epoch + 1}/{self.steps_per_epoch} "
+            f"loss {loss.item():.4f} lr {lr:.4g} {rate:.0f} img/s (this worker)",
+            flush=True,
+        )
+        self.window_start, self.window_images = now, 0
+        return True
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+
+@dataclass
+class WorkerRun:
+    """What one worker trains with: built once by `set_up`, read by the epoch function."""
+
+    spec: RunSpec
+    ctx: DistContext
+    strategy: Strategy
+    model: nn.Module
+    module: nn.Module  # what the forward pass runs on (the strategy may wrap the model)
+    criterion: nn.Module
+    train_set: object
+    val_set: object
+    meta: dict
+    sampler: DistributedSampler
+    batch_sampler: BatchSampler
+    schedule: LRSchedule
+    straggler: Straggler
+    progress: Progress
+    preemption: Preemption
+    tracker: LiveRun
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.batch_sampler)
+
+
+def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Preemption, tracker: LiveRun) -> WorkerRun:
+    cfg, train = spec.config, spec.config["train"]
+    seed_everything(spec.seed)
+    train_set = data_module.load_split(spec.data_dir, "train")
+    val_set = data_module.load_split(spec.data_dir, "val")
+    meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
+    model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
+    module = strategy.setup(model, make_optimizer_factory(train))
+    sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
+    batch_sampler = BatchSampler(sampler, per_worker_batch(train, spec.workers), drop_last=True)
+    schedule = make_schedule(train, global_batch_size(train, spec.workers), len(batch_sampler))
+    progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
+    return WorkerRun(spec, ctx, strategy, model, module, nn.CrossEntropyLoss(), train_set, val_set, meta,
+                     sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),
+                     progress, preemption, tracker)
+
+
+def resume_or_start(run: WorkerRun) -> LoopState:
+    """The saved state of an interrupted attempt of this run when every worker has one, else a fresh start."""
+    spec, ctx, strategy = run.spec, run.ctx, run.strategy
+    fresh = LoopState(log=WorkerLog(rank=ctx.rank))
+    if not strategy.resumable:
+        return fresh
+    saved = resume.load_agreed(spec.out_dir, resume.run_identity(spec), ctx.rank, spec.workers,
+                               ctx.worker_group, run.progress.say)
+    if saved is None:
+        return fresh
+    if saved["position"]["step"] > 0 and strategy.replays_first_step and spec.workers > 1:
+        batches = epoch_batches(run.train_set, run.batch_sampler)
+        inputs, labels = next(batches)
+        batches.close()
+        throwaway_step(run, inputs.to(ctx.device), labels.to(ctx.device))
+    state = resume.restore(saved, run.model, strategy, run.straggler, ctx.device)
+    run.progress.say(f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
+                     f"with the state in {resume.resume_dir(spec.out_dir)}")
+    return state
+
+
+def throwaway_step(run: WorkerRun, inputs, labels) -> None:
+    """One forward/backward whose gradients are dropped, before a resumed run loads its state:
+    the set-up a strategy does on its first step (DDP rebuilds its gradient buckets in the
+    order gradients became ready) is then the interrupted run's, so the resumed steps reduce
+    the same buckets in the same order (PowerSGD's memory is per bucket)."""
+    run.strategy.backward(run.criterion(run.module(inputs), labels))
+    for parameter in run.module.parameters():
+        parameter.grad = None
+    run.strategy.meter.take()
+
+
+def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
+    """The epoch's steps from where `state` stands; `state` advances step by step."""
+    ctx, strategy, log = run.ctx, run.strategy, state.log
+    run.sampler.set_epoch(epoch)
+    first = state.step_in_epoch if epoch == state.epoch else 0
+    batches = epoch_batches(run.train_set, run.batch_sampler, skip=first)
+    for step_in_epoch in range(first, run.steps_per_epoch):
+        if state.step >= run.schedule.total_steps:
+            break
+        if run.preemption.requested(state.step):  # a step boundary, outside the timed step
+            state.epoch, state.step_in_epoch = epoch, step_in_epoch
+            stop_for_preemption(run, state, time.perf_counter() - start)
+        t_data = time.perf_counter()
+        inputs, labels = next(batches)
+        inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
+        t_step = time.perf_counter()
+        lr = run.schedule(state.step)
+        run.straggler.delay()  # a slow worker's extra compute time
+        loss = run.criterion(run.module(inputs), labels)
+        strategy.backward(loss)
+        strategy.update(lr)
+        ctx.synchronize()
+        t_end = time.perf_counter()
+        comm_s, sent = strategy.meter.take()
+        state.losses.append(loss.detach())
+        log.record(t_step - t_data, t_end - t_step, comm_s, sent, len(labels))
+        if run.progress.step(epoch, step_in_epoch, len(labels), loss, lr):
+            run.tracker.log_metric("train_loss", loss.item(), state.step)  # rank 0, as printed
+        state.step += 1
+    batches.close()
+
+
+def validate(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
+    """Validation top-1 of the strategy's evaluation model, appended to the history."""
+    top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx)
+    run.strategy.meter.take()  # evaluation's exchanges are not a training step's
+    entry = {"epoch": epoch + 1, "step": state.step, "top1": top1, "wall_s": time.perf_counter() - start}
+    state.val_history.append(entry)
+    run.tracker.log_metric("val_top1", top1, state.step)
+    run.progress.say(f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
+                     f"val top-1 {top1:.4f} at {entry['wall_s']:.1f}s")
+
+
+def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
+    """The workers agreed to stop here (a preemption). A resumable run: each worker saves its
+    state, then rank 0 requeues the job and the others wait until it is gone. Otherwise rank 0
+    requeues the job without state (it starts from step 0). Does not return."""
+    spec, ctx, strategy, preemption = run.spec, run.ctx, run.strategy, run.preemption
+    if not strategy.resumable:
+        run.progress.say(f"preempted: strategy {spec.strategy} cannot resume exactly "
+                         f"({strategy.not_resumable_because}); the job is requeued and training starts "
+                         "again from step 0")
+        strategy.abandon()
+        preemption.requeue()
+    preemption.stopping = True
+    saved = resume.resumable_state(state, run.model, strategy, run.straggler, ctx.device, elapsed_s)
+    path = resume.save_rank(spec.out_dir, ctx.rank, resume.run_identity(spec), state.step, saved)
+    if spec.workers > 1:
+        dist.barrier(group=ctx.worker_group)  # every rank's file is written
+    if ctx.rank == 0:
+        run.progress.say(f"preempted at step {state.step} after {elapsed_s:.2f} s of training: "
+                         f"state saved in {path.parent}; requeueing the job")
+        preemption.requeue()
+    preemption.wait_for_rank0()
+
+
+def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None = None,
+                 timings: dict | None = None) -> dict | None:
+    """Train on one worker; rank 0 returns the run's metrics (and writes its files).
+
+    With a `preemption` installed, a preempted run saves its state at a step boundary and
+    is requeued (resumable strategies), or is requeued to start again (the others); a run
+    that finds its saved state continues from it (see dtstudy.resume). `timings`: wall-clock
+    stamps of the run so far (the launcher's submission, this process's start), for metrics.json.
+    """
+    timings = dict(timings or {})
+    strategy: Strategy = get_strategy(spec.strategy)(ctx, spec.strategy_params())
+    if preemption is None:  # nothing installed: never preempted
+        preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device,
+                                spec.config["train"]["preempt_check_every"], lockstep=strategy.resumable)
+    if not ctx.is_worker:
+        strategy.serve()
+        return None
+    tracker = start_live_run(spec) if ctx.rank == 0 else LiveRun.disabled()
+    try:
+        return _train(spec, ctx, strategy, preemption, tracker, timings)
+    except BaseException as error:
+        if not preemption.stopping:
+            tracker.close("FAILED", f"{type(error).__name__}: {error}")
+        raise
+
+
+def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
+    run = set_up(spec, ctx, strategy, preemption, tracker)
+    train = spec.config["train"]
+    run.progress.say(
+        f"{spec.run_name}: {len(run.train_set)} training images, batch {run.batch_sampler.batch_size}/worker, "
+        f"{run.steps_per_epoch} steps/epoch, peak lr {run.schedule.peak_lr:.4g}, device {ctx.device} ({ctx.backend})"
+    )
+    state = resume_or_start(run)
+    timings["training_start"] = time.time()
+    start = time.perf_counter() - state.elapsed_s
+    for epoch in range(state.epoch, train["epochs"]):
+        train_one_epoch(run, state, epoch, start)
+        validate(run, state, epoch, start)
+        if state.step >= run.schedule.total_steps:
+            break
+    preemption.drain()
+    wall_time = time.perf_counter() - start
+    timings["training_end"] = time.time()
+    final_model = strategy.eval_model()  # collective; before finish(), which may stop servers
+    strategy.finish()
+    state.log.loss = state.losses_so_far()
+    state.log.injected_delay_s = run.straggler.total_s
+
+    logs: list[WorkerLog] = [state.log]
+    if spec.workers > 1:
+        logs = [None] * spec.workers  # type: ignore[list-item]
+        dist.all_gather_object(logs, state.log, group=ctx.worker_group)
+    if ctx.rank != 0:
+        return None
+    write_checkpoint(spec, final_model, run.meta)
+    metrics = summarize(spec, logs, state.val_history, wall_time, run.schedule.describe(), strategy.summary(),
+                        environment(ctx.device, ctx.backend, ctx.world_size), timings)
+    metrics["mlflow"] = tracker.finish(metrics)  # final metrics logged; the run stays RUNNING
+    write_metrics(spec, metrics)
+    tracker.close("FINISHED")  # only once metrics.json, the rule's output, is on disk
+    resume.clear(spec.out_dir)  # the run is complete: nothing to resume any more
+    return metrics
