@@ -42,8 +42,11 @@ KILL_GRACE_S = 5  # SIGTERM, then SIGKILL, to the ranks of a failed run
 SETTLE_S = 1.0  # after a rank fails, how long its peers may take to fail too, before they are stopped
 RANKS_FILE = "ranks.json"  # <job id>_ranks.json in a pooled job's log folder: {rank: pid}
 PACKAGE_DIR = Path(__file__).resolve().parent
+# imported once by the server; MLflow's SQL store modules load lazily on a client's first
+# call (~0.8 s), so they are named here too
 WARM_MODULES = ("torch", "torch.distributed", "torchvision", "dtstudy.worker_process", "dtstudy.evaluate",
-                "dtstudy.tracking")
+                "dtstudy.tracking", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
+                "sqlalchemy", "alembic")
 
 
 class PoolError(RuntimeError):
@@ -251,8 +254,11 @@ def _serve_request(conn: socket.socket, message: dict) -> int:
 
 
 def _evaluate(conn: socket.socket, message: dict) -> dict:
+    import torch
+
     from .evaluate import evaluate_run
 
+    torch.set_num_threads(1)  # the evaluate rule reserves one core
     return {"result": evaluate_run(message["run_dir"], message["data_dir"], message["out"])}
 
 

@@ -299,10 +299,14 @@ def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
         dist.all_gather_object(logs, state.log, group=ctx.worker_group)
     if ctx.rank != 0:
         return None
+    timings["gathered"] = time.time()
     write_checkpoint(spec, final_model, run.meta)
+    timings["checkpoint_written"] = time.time()
     metrics = summarize(spec, logs, state.val_history, wall_time, run.schedule.describe(), strategy.summary(),
                         environment(ctx.device, ctx.backend, ctx.world_size), timings)
+    timings["summarized"] = time.time()
     metrics["mlflow"] = tracker.finish(metrics)  # final metrics logged; the run stays RUNNING
+    timings["mlflow_logged"] = time.time()
     write_metrics(spec, metrics)
     tracker.close("FINISHED")  # only once metrics.json, the rule's output, is on disk
     resume.clear(spec.out_dir)  # the run is complete: nothing to resume any more
