@@ -3,6 +3,8 @@ registered strategy at N = 1 and 2: tables, plots, MLflow runs, each strategy's 
 
 from __future__ import annotations
 
+import re
+
 import mlflow
 import pandas as pd
 import pytest
@@ -110,6 +112,25 @@ def test_mlflow_holds_every_run_under_the_study_run(study):
         assert row["tags.env.git_commit"] == str(metrics["environment"]["git_commit"])
     artifacts = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(parent_id, "tables")}
     assert {"tables/scaling.csv", "tables/accuracy.csv"} <= artifacts
+
+
+def test_mlflow_ui_opens_on_the_training_runs_with_their_key_metrics(study):
+    """The experiment is a model-training one, and its shared runs view (what the aggregate
+    log's link opens) lists the training runs with columns that the runs really have."""
+    import json
+
+    client = mlflow.MlflowClient(f"sqlite:///{study / 'results/mlflow.db'}")
+    experiment = client.get_experiment_by_name("distributed-training-study")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    view = json.loads(experiment.tags["mlflow.sharedViewState.dtstudy"])
+    training = client.search_runs([experiment.experiment_id], view["searchFilter"])
+    assert len(training) == 2 * len(NAMES) and all(run.info.run_name != "study" for run in training)
+    columns = [re.fullmatch(r"(metrics|params)\.`(.+)`", column).groups() for column in view["selectedColumns"]]
+    for kind, key in columns:  # time_to_accuracy_s only where the target was reached
+        assert any(key in getattr(run.data, kind) for run in training), f"no {kind} {key!r} on the training runs"
+    assert ("metrics", "test_top1") in columns and ("metrics", "throughput") in columns
+    log = (study / "results/logs/aggregate.log").read_text()
+    assert f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=dtstudy" in log
 
 
 def test_rerun_has_nothing_to_do(study):

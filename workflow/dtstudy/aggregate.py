@@ -382,5 +382,7 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     parent_run_id = tracking.log_study_run(uri, experiment, child_run_ids, artifacts,
                                            params=study_params or {})
     log(f"study run {parent_run_id} logged to {uri} with {len(child_run_ids)} child runs")
+    view = tracking.publish_runs_view(uri, tracking.init_store(uri, experiment), parent_run_id)
+    log(f"in the MLflow UI (mlflow ui --backend-store-uri {uri}): open http://localhost:5000/{view}")
     return {"runs": len(df), "tables": table_paths, "plots": plot_paths,
             "parent_run_id": parent_run_id, "tracking_uri": uri}

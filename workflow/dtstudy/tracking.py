@@ -7,6 +7,7 @@ nothing (active run, global tracking URI) leaks from one call to the next.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -151,6 +152,32 @@ def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
     return run_id
 
 
+# --- what the MLflow UI shows first -------------------------------------------------------
+
+RUNS_VIEW_KEY = "dtstudy"  # the UI's shared view ?viewStateShareKey=dtstudy
+_SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's UI reads a shared view's state here
+RUNS_VIEW_METRICS = ("test_top1", "final_val_top1", "throughput", "time_to_accuracy_s", "compute_s", "comm_s",
+                     "bytes_per_step", "wall_time_s")
+RUNS_VIEW_PARAMS = ("strategy", "workers", "seed")
+
+
+def publish_runs_view(uri: str, experiment_id: str, study_run_id: str) -> str:
+    """Store a view of the study's runs table in the experiment (MLflow's shared views): the
+    training runs (the study run's children), the key metrics and parameters as columns.
+    Returns the UI path that opens it, on the runs table of the "model training" UI."""
+    column = lambda kind, key: f"{kind}.`{key}`"  # noqa: E731 - the UI's column ids
+    state = {
+        "selectedColumns": [column("params", key) for key in RUNS_VIEW_PARAMS]
+        + [column("metrics", key) for key in RUNS_VIEW_METRICS],
+        "runsExpanded": {study_run_id: True},
+        "orderByKey": "attributes.start_time",
+        "orderByAsc": False,
+        "searchFilter": f"tags.`{STUDY_KIND_TAG}` = '{TRAINING_KIND}'",
+    }
+    client_for(uri).set_experiment_tag(experiment_id, _SHARED_VIEW_TAG + RUNS_VIEW_KEY, json.dumps(state))
+    return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}"
+
+
 # --- training and evaluation runs ---------------------------------------------------------
 
 TRAINING_KIND = "training"
@@ -209,7 +236,6 @@ def _final_metrics(metrics: Mapping) -> list[Metric]:
 
 def log_training_results(uri: str, record: Mapping, metrics: Mapping) -> None:
     """A training run's final figures (the same facts as its metrics.json, which is attached)."""
-    import json
     import tempfile
 
     client, run_id = client_for(uri), record["run_id"]
