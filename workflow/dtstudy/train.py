@@ -280,13 +280,16 @@ def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None 
     meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
     model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
     module = strategy.setup(model, make_optimizer_factory(train))
+    strategy.use_batch_norm_data(train_set, per_worker_batch(train, spec.workers))  # for averaged models' BN
     criterion = nn.CrossEntropyLoss()
 
     batch_size = per_worker_batch(train, spec.workers)
     sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
     steps_per_epoch = len(batch_sampler)
-    schedule = make_schedule(train, global_batch_size(train, spec.workers), steps_per_epoch)
+    # the rate of the batch one update really averages: the strategy's rule (Strategy.update_batch)
+    schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
+                             steps_per_epoch, strategy.update_batch_rule)
     total_steps = schedule.total_steps
 
     straggler = Straggler(cfg["stragglers"], spec.workers, ctx.rank)
