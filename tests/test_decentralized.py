@@ -223,9 +223,24 @@ def test_bad_knobs_stop_the_study_naming_the_key(name, knob, value):
     assert repr(value) in str(err.value)
 
 
+@pytest.mark.parametrize("alpha, workers, first_bad, bound", [(1, [1, 2], 2, "0.5"), (0.3, [1, 2, 4], 4, "0.25"),
+                                                              (0.6, [2], 2, "0.5")])
+def test_easgd_rejects_n_alpha_above_one_before_any_job(alpha, workers, first_bad, bound):
+    """c <- (1 - N alpha) c + N alpha mean(x): degenerate at N alpha = 2 (alpha 1, N=2), unstable past."""
+    config = tiny_study(strategies=["easgd"], workers=workers, strategy_params={"easgd": {"alpha": alpha}})
+    with pytest.raises(ConfigError, match=r"strategy_params\.easgd\.alpha'") as err:
+        validated(config)
+    message = str(err.value)
+    assert repr(alpha) in message and "N*alpha must be <= 1" in message and bound in message
+    assert f"1/N = {bound} with N={first_bad} in workers" in message
+    # alpha = 1 / N at the largest N is the bound itself: allowed
+    validated(tiny_study(strategies=["easgd"], workers=workers,
+                         strategy_params={"easgd": {"alpha": 1 / max(workers)}}))
+
+
 @pytest.mark.parametrize(
     "name, knobs",
-    [("local_sgd", {"period": 1, "warmup_steps": 5}), ("easgd", {"alpha": 1}), ("easgd", {"beta": 0.5}),
+    [("local_sgd", {"period": 1, "warmup_steps": 5}), ("easgd", {"alpha": 0.5}), ("easgd", {"beta": 0.5}),
      ("gossip", {"topology": "random_pairs"}), ("allreduce_powersgd", {"rank": 1, "warm_start": False,
                                                                        "use_error_feedback": False,
                                                                        "start_powerSGD_iter": 0})],

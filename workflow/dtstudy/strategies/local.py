@@ -141,7 +141,8 @@ class EASGD(LocalTraining):
 
     Every `period` (tau) local steps: d_i = alpha (x_i - c); x_i -= d_i; c += sum_i d_i, the
     sum by an all-reduce so that the centre c stays the same on every worker. The moving
-    rate is alpha = beta / N (the paper's choice, beta = 0.9), or `alpha` when set. The
+    rate is alpha = beta / N (the paper's choice, beta = 0.9), or `alpha` when set, with
+    N alpha <= 1 for every N of the study (checked before any job starts). The
     default period 8 matches local_sgd's, so both exchange a model every 8 steps.
     `eval_model` is a model holding the centre. With one worker there is nothing to couple:
     the centre is the worker's model and training is plain SGD (as STUDY.md asks).
@@ -160,6 +161,12 @@ class EASGD(LocalTraining):
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
                 raise cls.bad_knob(knob, value, "a number in (0, 1]")
+        alpha = params["alpha"]
+        if alpha is not None and workers * alpha > 1:
+            # the centre moves as c <- (1 - N alpha) c + N alpha mean_i(x_i): past N alpha = 1 it
+            # overshoots the mean, past 2 it diverges (Zhang et al. 2015 take alpha = beta / N)
+            raise cls.bad_knob("alpha", alpha, f"N*alpha must be <= 1, i.e. alpha <= 1/N = {1 / workers:.4g} "
+                                               f"with N={workers} in workers (or set beta = N*alpha instead)")
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)
