@@ -64,6 +64,40 @@ def test_easgd_exchanges_every_period(tmp_path, tiny_data):
     assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0
 
 
+def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_data):
+    """An average of models is evaluated with BatchNorm statistics recomputed for it (the
+    mean of the workers' running statistics is not the averaged model's): the checkpoint's
+    statistics are those update_bn computes for its parameters on the first batches."""
+    from dtstudy.data import load_split
+    from dtstudy.models import build_model
+    from dtstudy.strategies import Strategy
+
+    from dtstudy.config import run_config
+    from dtstudy.launcher import run
+    from dtstudy.train import CHECKPOINT_FILE, RunSpec
+
+    batch = 8
+    study = validated(tiny_study(strategies=["local_sgd"], workers=[2], model="resnet18",
+                                 model_options={"small_input": True}, strategy_params={"local_sgd": {"period": 3}},
+                                 train={"batch_size": batch, "max_steps": 4}))
+    spec = RunSpec(strategy="local_sgd", workers=2, seed=0, config=run_config(study, "local_sgd"),
+                   data_dir=str(tiny_data), out_dir=str(tmp_path / "run"))
+    metrics = run(spec, tmp_path / "run" / "submitit", poll_s=0.2)
+    state = torch.load(tmp_path / "run" / CHECKPOINT_FILE, weights_only=True)["state_dict"]
+    assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0  # averaged after 3, apart at 4
+    model = build_model("resnet18", 1, 10, 28, {"small_input": True})
+    model.load_state_dict(state)
+    train_set = load_split(tiny_data, "train")
+    count = Strategy.batch_norm_batches * batch
+    torch.optim.swa_utils.update_bn([train_set.batch(torch.arange(i, i + batch))[0] for i in range(0, count, batch)],
+                                    model)
+    recomputed = model.state_dict()
+    statistics = [name for name in state if name.endswith(("running_mean", "running_var"))]
+    assert len(statistics) == 2 * 20  # every BatchNorm of ResNet-18
+    for name in statistics:
+        torch.testing.assert_close(state[name], recomputed[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("workers, expected", [(1, []), (2, [1]), (3, [1, 2]), (5, [1, 4])])
 def test_ring_neighbours(workers, expected):
     assert ring_neighbours(0, workers) == expected
