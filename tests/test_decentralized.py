@@ -64,6 +64,40 @@ def test_easgd_exchanges_every_period(tmp_path, tiny_data):
     assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0
 
 
+def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_data):
+    """An average of models is evaluated with BatchNorm statistics recomputed for it (the
+    mean of the workers' running statistics is not the averaged model's): the checkpoint's
+    statistics are those update_bn computes for its parameters on the first batches."""
+    from dtstudy.data import load_split
+    from dtstudy.models import build_model
+    from dtstudy.strategies import Strategy
+
+    from dtstudy.config import run_config
+    from dtstudy.launcher import run_training_job
+    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
+
+    batch = 8
+    study = validated(tiny_study(strategies=["local_sgd"], workers=[2], model="resnet18",
+                                 model_options={"small_input": True}, strategy_params={"local_sgd": {"period": 3}},
+                                 train={"batch_size": batch, "max_steps": 4}))
+    spec = RunSpec(strategy="local_sgd", workers=2, seed=0, config=run_config(study, "local_sgd"),
+                   data_dir=str(tiny_data), out_dir=str(tmp_path / "run"))
+    metrics = run_training_job(spec, tmp_path / "run" / "submitit")
+    state = torch.load(tmp_path / "run" / CHECKPOINT_FILE, weights_only=True)["state_dict"]
+    assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0  # averaged after 3, apart at 4
+    model = build_model("resnet18", 1, 10, 28, {"small_input": True})
+    model.load_state_dict(state)
+    train_set = load_split(tiny_data, "train")
+    count = Strategy.batch_norm_batches * batch
+    torch.optim.swa_utils.update_bn([train_set.batch(torch.arange(i, i + batch))[0] for i in range(0, count, batch)],
+                                    model)
+    recomputed = model.state_dict()
+    statistics = [name for name in state if name.endswith(("running_mean", "running_var"))]
+    assert len(statistics) == 2 * 20  # every BatchNorm of ResNet-18
+    for name in statistics:
+        torch.testing.assert_close(state[name], recomputed[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("workers, expected", [(1, []), (2, [1]), (3, [1, 2]), (5, [1, 4])])
 def test_ring_neighbours(workers, expected):
     assert ring_neighbours(0, workers) == expected
@@ -223,9 +257,24 @@ def test_bad_knobs_stop_the_study_naming_the_key(name, knob, value):
     assert repr(value) in str(err.value)
 
 
+@pytest.mark.parametrize("alpha, workers, first_bad, bound", [(1, [1, 2], 2, "0.5"), (0.3, [1, 2, 4], 4, "0.25"),
+                                                              (0.6, [2], 2, "0.5")])
+def test_easgd_rejects_n_alpha_above_one_before_any_job(alpha, workers, first_bad, bound):
+    """c <- (1 - N alpha) c + N alpha mean(x): degenerate at N alpha = 2 (alpha 1, N=2), unstable past."""
+    config = tiny_study(strategies=["easgd"], workers=workers, strategy_params={"easgd": {"alpha": alpha}})
+    with pytest.raises(ConfigError, match=r"strategy_params\.easgd\.alpha'") as err:
+        validated(config)
+    message = str(err.value)
+    assert repr(alpha) in message and "N*alpha must be <= 1" in message and bound in message
+    assert f"1/N = {bound} with N={first_bad} in workers" in message
+    # alpha = 1 / N at the largest N is the bound itself: allowed
+    validated(tiny_study(strategies=["easgd"], workers=workers,
+                         strategy_params={"easgd": {"alpha": 1 / max(workers)}}))
+
+
 @pytest.mark.parametrize(
     "name, knobs",
-    [("local_sgd", {"period": 1, "warmup_steps": 5}), ("easgd", {"alpha": 1}), ("easgd", {"beta": 0.5}),
+    [("local_sgd", {"period": 1, "warmup_steps": 5}), ("easgd", {"alpha": 0.5}), ("easgd", {"beta": 0.5}),
      ("gossip", {"topology": "random_pairs"}), ("allreduce_powersgd", {"rank": 1, "warm_start": False,
                                                                        "use_error_feedback": False,
                                                                        "start_powerSGD_iter": 0})],

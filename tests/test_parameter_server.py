@@ -7,12 +7,18 @@ import os
 import signal
 import threading
 
+import itertools
+import math
+import random
+
 import pytest
+import torch
 
 from conftest import assert_same_parameters, tiny_study, train_run, validated
 from dtstudy.config import ConfigError
 from dtstudy.strategies import STRATEGIES
 from dtstudy.strategies.ps_protocol import split_by_size
+from dtstudy.strategies.ps_shard import ShardServer, UpdatePolicy
 
 STEPS = 12
 TEST_DEADLINE_S = 240  # a hung exchange must not stall the suite until gloo's own timeout
@@ -61,14 +67,19 @@ def test_ps_sync_equals_allreduce_and_one_worker_with_double_batch(run, shards):
     assert metrics["step_time"]["comm_s"] > 0 and metrics["environment"]["processes"] == 2 + shards
 
 
-def test_ps_backup_without_backups_and_ssp_without_staleness_equal_ps_sync(run):
+def test_ps_backup_without_backups_equals_ps_sync(run):
     _, sync = run("ps_sync", shards=1)
     assert_same_parameters(run("ps_backup", backup=0)[1], sync, atol=1e-5)
-    assert_same_parameters(run("ssp", staleness=0)[1], sync, atol=1e-5)
 
-    # one backup worker: each step's update takes the first gradient and drops the other
+    # one backup worker: every push either made an update (alone) or was dropped
     metrics, backup = run("ps_backup", backup=1)
-    assert metrics["strategy_metrics"]["updates"] == metrics["strategy_metrics"]["dropped_gradients"] == STEPS
+    shard_metrics = metrics["strategy_metrics"]
+    assert shard_metrics["updates"] == shard_metrics["gradients_applied"]
+    assert shard_metrics["gradients_applied"] + shard_metrics["dropped_gradients"] == 2 * STEPS
+    assert shard_metrics["dropped_gradients"] > 0
+    assert shard_metrics["images_applied"] == 32 * shard_metrics["gradients_applied"]
+    # the rate of the (N-k) b = 32 images an update averages, not of N b = 64
+    assert metrics["lr_schedule"]["update_batch"] == 32 and metrics["lr_schedule"]["peak_lr"] == pytest.approx(0.1)
     with pytest.raises(AssertionError):
         assert_same_parameters(backup, sync, atol=1e-5)
 
@@ -93,15 +104,157 @@ def test_ps_async_records_staleness(run):
         assert_same_parameters(parameters, run("ps_sync", shards=1)[1], atol=1e-5)
 
 
-def test_ssp_keeps_staleness_within_its_bound(run):
-    shard_metrics = run("ssp", staleness=1)[0]["strategy_metrics"]
-    assert sum(shard_metrics["staleness"].values()) == 2 * STEPS
-    assert shard_metrics["staleness_max"] <= 1
+SLOW_RANK_1 = {"ranks": [1], "delay_ms": 150, "distribution": "fixed"}  # rank 0 steps in ~10 ms
+PLAIN_SGD_LINEAR = {"momentum": 0.0, "weight_decay": 0.0, "lr_scaling": "linear"}
+
+
+def test_ssp_with_a_straggler_reaches_but_never_exceeds_its_clock_bound(tmp_path, tiny_data):
+    """Ho et al. 2013: the fast worker runs up to s clocks ahead of the straggler, never more;
+    the version staleness stays within (N-1)(2s+1). ps_async, unbounded, runs further ahead."""
+    s = 2
+    ssp = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ssp", strategy_params={"staleness": s},
+                    stragglers=SLOW_RANK_1)[0]["strategy_metrics"]
+    assert ssp["updates"] == 2 * STEPS and ssp["dropped_gradients"] == 0
+    assert ssp["clock_ahead_max"] == s  # reached: the fast worker waited at s clocks ahead
+    assert max(int(ahead) for ahead in ssp["clock_ahead"]) == s
+    assert 0 < ssp["staleness_max"] <= (2 - 1) * (2 * s + 1)
+
+    unbounded = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_async",
+                          stragglers=SLOW_RANK_1)[0]["strategy_metrics"]
+    assert unbounded["clock_ahead_max"] > s + 2
+
+
+def test_ssp_without_staleness_equals_ps_sync_with_the_linear_rule(tmp_path, tiny_data):
+    """STUDY.md: ssp with s=0, momentum 0 and the linear rule equals ps_sync: at s=0 every clock
+    is a barrier, and N updates of batch b at the rate of b are one update of N b at its rate."""
+    sync_metrics, sync, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_sync",
+                                      **PLAIN_SGD_LINEAR)
+    ssp_metrics, ssp, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ssp",
+                                    strategy_params={"staleness": 0}, **PLAIN_SGD_LINEAR)
+    assert_same_parameters(ssp, sync, atol=1e-5)
+    # each ssp update is one worker's batch, at that batch's rate: half ps_sync's
+    assert (ssp_metrics["lr_schedule"]["update_batch"], sync_metrics["lr_schedule"]["update_batch"]) == (32, 64)
+    assert ssp_metrics["lr_schedule"]["peak_lr"] == pytest.approx(sync_metrics["lr_schedule"]["peak_lr"] / 2)
+    assert ssp_metrics["strategy_metrics"]["updates"] == 2 * STEPS
+    assert ssp_metrics["strategy_metrics"]["clock_ahead_max"] == 0
+
+
+def test_ps_backup_drops_only_pushes_whose_version_was_updated(tmp_path, tiny_data):
+    """Chen et al. 2016 / SyncReplicas: a push is tagged by the version it read. The straggler's
+    pushes are dropped while the fast worker updates the versions it read; once the fast worker
+    is done (it waits at the evaluation), the straggler reads fresh versions and its gradients
+    count. A worker's own step counter would drop all of the straggler's pushes."""
+    metrics = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_backup",
+                        strategy_params={"backup": 1}, stragglers=SLOW_RANK_1)[0]
+    shard_metrics = metrics["strategy_metrics"]
+    fast, slow = shard_metrics["dropped_by_worker"]
+    assert fast == 0  # never dropped for a version it read fresh
+    assert 1 <= slow < STEPS
+    assert shard_metrics["gradients_applied"] == 2 * STEPS - slow
+    assert shard_metrics["images_applied"] == 32 * (2 * STEPS - slow) < metrics["images"]
+    assert shard_metrics["dropped_fraction"] == pytest.approx(slow / (2 * STEPS))
+
+
+# ----- one shard driven in-process: the update policies on scripted arrival orders -------------
+class ScriptedShard(ShardServer):
+    """A shard whose replies are recorded instead of sent."""
+
+    def __init__(self, workers: int, policy: UpdatePolicy, numel: int = 3):
+        super().__init__(workers, None, policy)
+        self.start(torch.zeros(numel))
+        self.replies: list[tuple[int, int, torch.Tensor]] = []  # worker, version, parameters
+
+    def _reply(self, worker):
+        self.replies.append((worker, self.version, self.parameters.detach().clone()))
+
+
+def gradient_of(worker: int, parameters: torch.Tensor) -> torch.Tensor:
+    """A deterministic gradient that depends on the parameters the worker read."""
+    return (worker + 1.0) * parameters + torch.tensor([1.0, -2.0, 0.5]) * (3 * worker - 1.0)
+
+
+def drive(policy: UpdatePolicy, order: list[int], lr: float, workers: int = 2, even: bool = False) -> ScriptedShard:
+    """Workers push in `order`; a worker still waiting for its reply skips its turn. `even`:
+    then the workers behind push until every worker has pushed as often (a complete clock)."""
+    shard = ScriptedShard(workers, policy)
+    holding = {worker: (0, torch.zeros(3)) for worker in range(workers)}  # what each read
+
+    def behind():
+        return [w for w in sorted(holding) if shard.clocks[w] < max(shard.clocks)] if even else []
+
+    for worker in itertools.chain(order, iter(lambda: (behind() or [None])[0], None)):
+        if worker not in holding:
+            continue
+        version, parameters = holding.pop(worker)
+        answered = len(shard.replies)
+        shard.take(worker, version, lr, gradient_of(worker, parameters))
+        for replied, version, parameters in shard.replies[answered:]:
+            holding[replied] = (version, parameters)
+    return shard
+
+
+def random_order(pushes: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice([0, 1, 1, 0, 0]) for _ in range(pushes)]  # bursts of one worker
+
+
+def test_ssp_unbounded_answers_as_ps_async():
+    for seed in range(3):
+        order = random_order(40, seed)
+        unbounded = drive(UpdatePolicy(quorum=None, clock_bound=math.inf), order, 0.1)
+        ps_async = drive(STRATEGIES["ps_async"].update_policy(_Fake(STRATEGIES["ps_async"], {})), order, 0.1)
+        assert [(w, v) for w, v, _ in unbounded.replies] == [(w, v) for w, v, _ in ps_async.replies]
+        assert torch.equal(unbounded.parameters, ps_async.parameters)
+        bounded = drive(UpdatePolicy(quorum=None, clock_bound=1), order, 0.1)
+        assert len(bounded.replies) < len(unbounded.replies)  # teeth: a bound makes workers wait
+
+
+def test_ssp_reads_include_own_updates_and_wait_at_the_bound():
+    shard = drive(UpdatePolicy(quorum=None, clock_bound=2), [0, 0, 0, 0, 0], 0.1)
+    # worker 0 goes on after its 1st and 2nd push (clock 1, 2 <= 2 ahead of worker 1 at 0), each
+    # reply holding its own updates; its 3rd push (clock 3) waits for worker 1
+    assert [(w, v) for w, v, _ in shard.replies] == [(0, 1), (0, 2)]
+    assert dict(shard.stats.ahead) == {1: 1, 2: 1}
+    shard.take(1, 0, 0.1, gradient_of(1, torch.zeros(3)))
+    assert shard.replies[2][:2] == (0, 4) and shard.replies[3][:2] == (1, 4)  # both see all 4 updates
+    assert shard.stats.staleness == {0: 3, 3: 1}  # worker 1 read version 0, applied at version 3
+
+
+def test_ssp_without_staleness_equals_ps_sync_on_any_arrival_order():
+    for seed in range(3):
+        order = random_order(40, seed)
+        sync = drive(UpdatePolicy(quorum=2), order, 0.2, even=True)
+        ssp = drive(UpdatePolicy(quorum=None, clock_bound=0), order, 0.1, even=True)  # the rate of b: half N b's
+        torch.testing.assert_close(ssp.parameters.data, sync.parameters.data, rtol=1e-6, atol=1e-6)
+        assert ssp.stats.updates == 2 * sync.stats.updates > 0
+        # teeth: at the same rate as ps_sync, ssp would take twice the step
+        doubled = drive(UpdatePolicy(quorum=None, clock_bound=0), order, 0.2, even=True)
+        assert not torch.allclose(doubled.parameters.data, sync.parameters.data, atol=1e-3)
+
+
+def test_ps_backup_tags_pushes_by_the_version_read():
+    """Worker 1 reads version 0 and is slow while worker 0 makes updates 0, 1, 2: its push of
+    version 0 is dropped and it reads version 3; then it is first for version 3 and its
+    gradient makes that update (its own step counter, 1, would have it dropped again), and
+    worker 0, which read version 3 too but came second, is dropped."""
+    shard = drive(UpdatePolicy(quorum=1), [0, 0, 0, 1, 1, 0], 0.1)
+    assert shard.stats.dropped == [1, 1]
+    assert shard.stats.updates == 4 and shard.stats.staleness == {0: 4}
+    assert [(w, v) for w, v, _ in shard.replies] == [(0, 1), (0, 2), (0, 3), (1, 3), (1, 4), (0, 4)]
+
+
+class _Fake:
+    """Just enough of a strategy instance to ask for its update policy."""
+
+    def __init__(self, cls, knobs):
+        self.params = cls.check_params(knobs, 2)
+        self.clock_bound = lambda: cls.clock_bound(self)
 
 
 def test_registry_and_knob_defaults():
+    asynchronous = {"shards": 1, "staleness_lr": False, "momentum": None}
     defaults = {"ps_sync": {"shards": 1}, "ps_backup": {"shards": 1, "backup": 1},
-                "ps_async": {"shards": 1}, "ssp": {"shards": 1, "staleness": 2}}
+                "ps_async": asynchronous, "ssp": {**asynchronous, "staleness": 2}}
     for name, knobs in defaults.items():
         assert STRATEGIES[name].check_params({}, workers=2) == knobs
         assert STRATEGIES[name].extra_processes({**knobs, "shards": 3}, workers=2) == 3
@@ -115,6 +268,9 @@ def test_registry_and_knob_defaults():
         ("ps_backup", {"backup": 2}, [2, 4], ["strategy_params.ps_backup.backup", "2", "N=2"]),
         ("ps_backup", {"backup": -1}, [2], ["strategy_params.ps_backup.backup", "-1"]),
         ("ssp", {"staleness": -1}, [1, 2], ["strategy_params.ssp.staleness", "-1", ">= 0"]),
+        ("ssp", {"staleness": 1.5}, [1, 2], ["strategy_params.ssp.staleness", "1.5", "null"]),
+        ("ps_async", {"momentum": 1.0}, [2], ["strategy_params.ps_async.momentum", "1.0", "[0, 1)"]),
+        ("ps_async", {"staleness_lr": "yes"}, [2], ["strategy_params.ps_async.staleness_lr", "'yes'"]),
     ],
 )
 def test_bad_knobs_are_rejected_before_any_job(strategy, knobs, workers, words):
@@ -128,6 +284,9 @@ def test_bad_knobs_are_rejected_before_any_job(strategy, knobs, workers, words):
 def test_good_knobs_pass():
     validated(tiny_study(strategies=["ps_backup", "ssp"], workers=[2, 4],
                          strategy_params={"ps_backup": {"backup": 1, "shards": 2}, "ssp": {"staleness": 0}}))
+    validated(tiny_study(strategies=["ssp", "ps_async"], workers=[2],
+                         strategy_params={"ssp": {"staleness": None, "momentum": 0.5},
+                                          "ps_async": {"staleness_lr": True, "momentum": 0}}))
     # N=1 has nobody to back up: it runs as ps_sync, so the default k=1 fits workers [1, 2, 4]
     validated(tiny_study(strategies=["ps_backup"], workers=[1, 2, 4]))
 

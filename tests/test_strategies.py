@@ -40,3 +40,22 @@ def test_comm_meter_take_resets():
         meter.bytes_sent += 10
     assert meter.take() == (0.25, 10)
     assert meter.take() == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "name, knobs, workers, expected",
+    [("allreduce", {}, 4, 4 * 64), ("ps_sync", {}, 4, 4 * 64), ("ps_backup", {"backup": 1}, 4, 3 * 64),
+     ("ps_backup", {"backup": 1}, 1, 64), ("ps_async", {}, 4, 64), ("ssp", {"staleness": 0}, 4, 64),
+     ("local_sgd", {}, 4, 4 * 64), ("easgd", {}, 4, 4 * 64), ("gossip", {}, 4, 4 * 64),
+     ("allreduce_onebit", {}, 4, 4 * 64)],
+)
+def test_update_batch_is_the_batch_one_update_averages(name, knobs, workers, expected):
+    """The rate follows the batch one update averages (STUDY.md, Hyper-parameters across scale)."""
+    cls = get_strategy(name)
+    assert cls.update_batch(cls.check_params(knobs, workers), workers, 64) == expected
+    assert cls.update_batch_rule  # described in metrics.json's lr_schedule
+
+
+def test_averaged_models_are_the_local_and_decentralized_strategies():
+    averaging = {name for name, cls in STRATEGIES.items() if cls.averages_models}
+    assert averaging == {"local_sgd", "easgd", "gossip"}

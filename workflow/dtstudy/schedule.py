@@ -27,6 +27,8 @@ class LRSchedule:
     warmup_steps: int
     total_steps: int
     kind: str = "cosine"
+    update_batch: int | None = None  # the images one update averages, whose rate peak_lr is
+    update_batch_rule: str = ""  # the strategy's rule for it (Strategy.update_batch_rule)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -41,10 +43,13 @@ class LRSchedule:
         return asdict(self)
 
 
-def make_schedule(train: dict, global_batch: int, steps_per_epoch: int) -> LRSchedule:
-    peak = scaled_lr(train["base_lr"], global_batch, train["lr_reference_batch"], train["lr_scaling"])
+def make_schedule(train: dict, update_batch: int, steps_per_epoch: int, update_batch_rule: str = "") -> LRSchedule:
+    """The schedule of a run whose updates each average `update_batch` images (N*b for the
+    synchronous strategies, see Strategy.update_batch): the rate is that batch's."""
+    peak = scaled_lr(train["base_lr"], update_batch, train["lr_reference_batch"], train["lr_scaling"])
     total = steps_per_epoch * train["epochs"]
     if train["max_steps"] is not None:
         total = min(total, train["max_steps"])
     warmup = min(total, round(train["warmup_epochs"] * steps_per_epoch))
-    return LRSchedule(peak_lr=peak, warmup_steps=warmup, total_steps=total, kind=train["lr_schedule"])
+    return LRSchedule(peak_lr=peak, warmup_steps=warmup, total_steps=total, kind=train["lr_schedule"],
+                      update_batch=update_batch, update_batch_rule=update_batch_rule)

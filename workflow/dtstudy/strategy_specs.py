@@ -97,8 +97,18 @@ class AllReducePowerSGDSpec(AllReduceSpec):
         cls.require_whole_number(params, "start_powerSGD_iter", 2 if stateful else 0)
 
 
+ONEBIT_QUANTIZERS = ("column", "tensor")
+
+
 class AllReduceOneBitSpec(AllReduceSpec):
     name = "allreduce_onebit"
+    defaults = {**AllReduceSpec.defaults, "quantizer": "column"}
+
+    @classmethod
+    def validate(cls, params, workers):
+        super().validate(params, workers)
+        if params["quantizer"] not in ONEBIT_QUANTIZERS:
+            raise cls.bad_knob("quantizer", params["quantizer"], f"allowed: {', '.join(ONEBIT_QUANTIZERS)}")
 
 
 # ----- parameter servers --------------------------------------------------------------
@@ -134,19 +144,37 @@ class PsBackupSpec(ParameterServerSpec):
             raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
 
 
-class PsAsyncSpec(ParameterServerSpec):
-    name = "ps_async"
+class AsyncParameterServerSpec(ParameterServerSpec):
+    """ps_async and ssp: `staleness_lr` divides an update's rate by its staleness (Zhang et
+    al. 2016); `momentum` is the shards' momentum (null: train.momentum)."""
 
-
-class SspSpec(ParameterServerSpec):
-    name = "ssp"
-    defaults = {"shards": 1, "staleness": 2}
+    defaults = {"shards": 1, "staleness_lr": False, "momentum": None}
 
     @classmethod
     def validate(cls, params, workers):
         super().validate(params, workers)
-        if not is_whole_number(params["staleness"]) or params["staleness"] < 0:
-            raise cls.bad_knob("staleness", params["staleness"], "an integer >= 0 (steps ahead of the slowest worker)")
+        if not isinstance(params["staleness_lr"], bool):
+            raise cls.bad_knob("staleness_lr", params["staleness_lr"], "true or false")
+        momentum = params["momentum"]
+        if momentum is not None and (not is_number(momentum) or not 0 <= momentum < 1):
+            raise cls.bad_knob("momentum", momentum, "null (train.momentum) or a number in [0, 1)")
+
+
+class PsAsyncSpec(AsyncParameterServerSpec):
+    name = "ps_async"
+
+
+class SspSpec(AsyncParameterServerSpec):
+    name = "ssp"
+    defaults = {**AsyncParameterServerSpec.defaults, "staleness": 2}
+
+    @classmethod
+    def validate(cls, params, workers):
+        super().validate(params, workers)
+        staleness = params["staleness"]
+        if staleness is not None and (not is_whole_number(staleness) or staleness < 0):
+            raise cls.bad_knob("staleness", staleness,
+                               "an integer >= 0 (clocks ahead of the slowest worker) or null (unbounded)")
 
 
 # ----- local and decentralized ----------------------------------------------------------
@@ -174,6 +202,12 @@ class EASGDSpec(StrategySpec):
                 continue
             if not is_number(value) or not 0 < value <= 1:
                 raise cls.bad_knob(knob, value, "a number in (0, 1]")
+        alpha = params["alpha"]
+        if alpha is not None and workers * alpha > 1:
+            # the centre moves as c <- (1 - N alpha) c + N alpha mean_i(x_i): past N alpha = 1 it
+            # overshoots the mean, past 2 it diverges (Zhang et al. 2015 take alpha = beta / N)
+            raise cls.bad_knob("alpha", alpha, f"N*alpha must be <= 1, i.e. alpha <= 1/N = {1 / workers:.4g} "
+                                               f"with N={workers} in workers (or set beta = N*alpha instead)")
 
 
 GOSSIP_TOPOLOGIES = ("ring", "random_pairs")

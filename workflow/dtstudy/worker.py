@@ -20,7 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from . import data as data_module
 from . import resume
-from .config import global_batch_size, per_worker_batch
+from .config import per_worker_batch
 from .measurements import WorkerLog, summarize
 from .models import build_model
 from .provenance import environment
@@ -137,9 +137,13 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
     model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
     module = strategy.setup(model, make_optimizer_factory(train))
+    batch_size = per_worker_batch(train, spec.workers)
+    strategy.use_batch_norm_data(train_set, batch_size)  # for averaged models' BatchNorm statistics
     sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
-    batch_sampler = BatchSampler(sampler, per_worker_batch(train, spec.workers), drop_last=True)
-    schedule = make_schedule(train, global_batch_size(train, spec.workers), len(batch_sampler))
+    batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
+    # the rate of the batch one update really averages: the strategy's rule (Strategy.update_batch)
+    schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
+                             len(batch_sampler), strategy.update_batch_rule)
     progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
     return WorkerRun(spec, ctx, strategy, model, module, nn.CrossEntropyLoss(), train_set, val_set, meta,
                      sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),

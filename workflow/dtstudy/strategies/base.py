@@ -97,6 +97,13 @@ class Strategy(ABC):
     not_resumable_because: ClassVar[str] = "it declares no resumable state"
     #: a resumed run first does one throwaway forward/backward (see dtstudy.worker.throwaway_step)
     replays_first_step: ClassVar[bool] = False
+    #: the learning-rate rule: how many images one update averages (see `update_batch`)
+    update_batch_rule: ClassVar[str] = "N*b: one update averages the gradients of the N workers' batches"
+    #: the evaluated model is an average of the workers' models (or a centre variable): its
+    #: BatchNorm statistics are recomputed on training batches (`recompute_batch_norm`)
+    averages_models: ClassVar[bool] = False
+    #: batches of the training set (the same ones on every worker) that recompute them
+    batch_norm_batches: ClassVar[int] = 16
 
     def __init__(self, ctx: DistContext, params: dict[str, Any]):
         self.ctx = ctx
@@ -113,6 +120,12 @@ class Strategy(ABC):
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
         """The knobs with defaults filled in, checked for N=workers (see StrategySpec)."""
         return cls.spec().check_params(params, workers)
+
+    @classmethod
+    def update_batch(cls, params: dict[str, Any], workers: int, per_worker_batch: int) -> int:
+        """The images one update of the parameters averages: the learning rate is that
+        batch's (train.lr_scaling applied to it). Synchronous strategies: N*b."""
+        return workers * per_worker_batch
 
     @classmethod
     def extra_processes(cls, params: dict[str, Any], workers: int) -> int:
@@ -136,6 +149,26 @@ class Strategy(ABC):
     @abstractmethod
     def eval_model(self) -> nn.Module:
         """The model whose parameters are evaluated and checkpointed (a collective call)."""
+
+    def use_batch_norm_data(self, dataset, batch_size: int) -> None:
+        """The training set, given by the loop after `setup`: a strategy that `averages_models`
+        recomputes the averaged model's BatchNorm statistics on its first batches."""
+        self.batch_norm_data = (dataset, batch_size)
+
+    def recompute_batch_norm(self, model: nn.Module) -> None:
+        """Running BatchNorm statistics of `model` recomputed (torch.optim.swa_utils.update_bn)
+        over the first `batch_norm_batches` batches of the training set, in data-set order:
+        the same images on every worker, so every worker gets the same statistics. An average
+        of models is not a model whose statistics are the average of theirs (Izmailov et al.
+        2018). No-op for a model without BatchNorm or before `use_batch_norm_data`."""
+        data = getattr(self, "batch_norm_data", None)
+        if data is None or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            return
+        dataset, batch_size = data
+        count = min(len(dataset), self.batch_norm_batches * batch_size)
+        batches = (dataset.batch(torch.arange(start, min(start + batch_size, count)))[0]
+                   for start in range(0, count, batch_size))
+        torch.optim.swa_utils.update_bn(batches, model, device=self.ctx.device)
 
     def finish(self) -> None:
         """Called once after the last step on every worker (e.g. to stop servers)."""

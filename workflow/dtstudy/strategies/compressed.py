@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from ..strategy_specs import ONEBIT_QUANTIZERS
 from .allreduce import AllReduce, ring_allreduce_bytes
 
 
@@ -125,8 +126,9 @@ class AllReducePowerSGD(CompressedAllReduce):
                              rng["has_gauss"], rng["cached_gaussian"]))
 
 
-# ----- 1-bit SGD: pure functions on flat tensors split into segments (one per parameter) -----
+# ----- 1-bit SGD: pure functions on flat tensors split into quantisation groups -------------------
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
+QUANTIZERS = ONEBIT_QUANTIZERS
 
 
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
@@ -136,50 +138,111 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     return (bits << _BIT_SHIFTS.to(values.device)).sum(dim=1, dtype=torch.uint8)
 
 
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The bits of `pack_signs`' first `numel` values, as booleans (True = non-negative)."""
+    bits = (packed.unsqueeze(1) >> _BIT_SHIFTS.to(packed.device)) & 1
+    return bits.view(-1)[:numel].bool()
+
+
 def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The +1/-1 signs of `pack_signs`' first `numel` values."""
-    bits = (packed.unsqueeze(1) >> _BIT_SHIFTS.to(packed.device)) & 1
-    return bits.view(-1)[:numel].to(torch.float32).mul_(2).sub_(1)
+    return unpack_bits(packed, numel).to(torch.float32).mul_(2).sub_(1)
 
 
-def quantize(values: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signs, packed, and one scale per segment: its mean absolute value (the s minimising
-    |x - s sign(x)|^2)."""
-    scales = torch.stack([segment.abs().mean() for segment in values.split(sizes)]).to(torch.float32)
-    return pack_signs(values), scales
+def quantization_groups(shapes: list[torch.Size], quantizer: str) -> list[int]:
+    """The sizes of the groups that share reconstruction values, tensor after tensor: `tensor`,
+    one group per tensor; `column`, one per slice along a tensor's first dimension (one per
+    output unit: the columns of Seide et al.'s weight matrices), a vector being one column."""
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer: {quantizer!r} is not one of {', '.join(QUANTIZERS)}")
+    groups = []
+    for shape in shapes:
+        numel = shape.numel()
+        if quantizer == "column" and len(shape) >= 2 and numel:
+            groups += [numel // shape[0]] * shape[0]
+        else:
+            groups.append(numel)
+    return groups
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    signs = unpack_signs(packed, sum(sizes))
-    return signs.mul_(scales.repeat_interleave(torch.tensor(sizes, device=scales.device)))
+def group_index(groups: list[int], device=None) -> torch.Tensor:
+    """For every value, the index of its group."""
+    return torch.repeat_interleave(torch.arange(len(groups), device=device), torch.tensor(groups, device=device))
 
 
-def compress_with_feedback(gradient: torch.Tensor, residual: torch.Tensor, sizes: list[int]):
-    """1-bit quantisation of gradient + residual; returns (packed, scales, new residual), the
+def quantize(values: torch.Tensor, groups: list[int], quantizer: str = "column",
+             index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signs, packed, and each group's float32 reconstruction values.
+
+    `column` (Seide et al. 2014): two per group, the mean of its non-negative values and the
+    mean of its negative values (groups x 2), so that the group's sum is kept exactly. A zero
+    has the non-negative bit and counts in that mean: the sum stays exact, and a group of
+    zeros decodes to zeros (an empty side's value is 0 and decodes nothing).
+    `tensor`: one per group, its mean absolute value s (the s minimising |x - s sign(x)|^2),
+    decoded as +s/-s: the sum is not kept."""
+    if quantizer == "tensor":
+        scales = torch.stack([group.abs().mean() for group in values.split(groups)]).to(torch.float32)
+        return pack_signs(values), scales
+    index = group_index(groups, values.device) if index is None else index
+    positive = values >= 0
+    zeros = torch.zeros(len(groups), dtype=values.dtype, device=values.device)
+    positive_sum = zeros.index_add(0, index, torch.where(positive, values, 0.0))
+    total = zeros.index_add(0, index, values)
+    positive_count = zeros.index_add(0, index, positive.to(values.dtype))
+    negative_count = torch.tensor(groups, dtype=values.dtype, device=values.device) - positive_count
+    levels = torch.stack([positive_sum / positive_count.clamp(min=1),
+                          (total - positive_sum) / negative_count.clamp(min=1)], dim=1)
+    return pack_signs(values), levels.to(torch.float32)
+
+
+def dequantize(packed: torch.Tensor, levels: torch.Tensor, groups: list[int],
+               index: torch.Tensor | None = None) -> torch.Tensor:
+    """The values `quantize` encoded: per group, levels (positive, negative) or a scale +s/-s."""
+    numel = sum(groups)
+    if levels.dim() == 1:
+        signs = unpack_signs(packed, numel)
+        return signs.mul_(levels.repeat_interleave(torch.tensor(groups, device=levels.device)))
+    index = group_index(groups, levels.device) if index is None else index
+    return torch.where(unpack_bits(packed, numel), levels[index, 0], levels[index, 1])
+
+
+def compress_with_feedback(gradient: torch.Tensor, residual: torch.Tensor, groups: list[int],
+                           quantizer: str = "column", index: torch.Tensor | None = None):
+    """1-bit quantisation of gradient + residual; returns (packed, levels, new residual), the
     new residual being what the quantisation lost, to be added to the next gradient."""
     corrected = gradient + residual
-    packed, scales = quantize(corrected, sizes)
-    return packed, scales, corrected - dequantize(packed, scales, sizes)
+    if quantizer == "column" and index is None:
+        index = group_index(groups, corrected.device)
+    packed, levels = quantize(corrected, groups, quantizer, index)
+    return packed, levels, corrected - dequantize(packed, levels, groups, index)
 
 
-def encode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One uint8 message: the float32 scales' bytes first (aligned for decoding), then the signs."""
-    return torch.cat([scales.view(torch.uint8), packed])
+def encode(packed: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """One uint8 message: the float32 levels' bytes first (aligned for decoding), then the signs."""
+    return torch.cat([levels.reshape(-1).view(torch.uint8), packed])
 
 
-def decode(message: torch.Tensor, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    scale_bytes = segments * 4
-    return message[scale_bytes:], message[:scale_bytes].view(torch.float32)
+def decode(message: torch.Tensor, groups: int, per_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed signs, levels) of `encode`: `per_group` float32 values for each of `groups`."""
+    level_bytes = groups * per_group * 4
+    levels = message[:level_bytes].view(torch.float32)
+    return message[level_bytes:], levels.view(groups, per_group) if per_group > 1 else levels
 
 
 class AllReduceOneBit(CompressedAllReduce):
     """1-bit SGD with error feedback, per DDP bucket: add each parameter's kept residual to
-    its gradient, send the signs (8 per byte) and one scale per parameter (mean |value|),
-    keep the quantisation error as the new residual; every worker gathers all messages
-    (all-gather) and averages the dequantised gradients, in the same order everywhere, so
-    the replicas stay identical. Residuals are kept per parameter, as DDP reorders its
-    buckets after the first step. Bytes: an all-gather sends this worker's message to the
-    N-1 others: (N-1) (numel/8 + 4 x parameters) per bucket, ~1/32 of `allreduce` at N=2.
+    its gradient, send the signs (8 per byte) and the reconstruction values of each group
+    (`quantizer`: `column`, two per column, the means of its non-negative and of its negative
+    values, Seide et al. 2014; `tensor`, one mean |value| per tensor), keep the quantisation
+    error as the new residual; every worker gathers all messages (all-gather) and averages
+    the dequantised gradients, in the same order everywhere, so the replicas stay identical.
+    Residuals are kept per parameter, as DDP reorders its buckets after the first step.
+
+    Bytes: an all-gather sends this worker's message to the N-1 others: (N-1) (numel/8 + 4 x
+    values) per bucket, against 2 (N-1)/N x 4 numel for the ring all-reduce of fp32: the
+    ratio is N/64, so the all-gather saves nothing from N = 64 workers on (README).
+    `quantization_error` in the summary: the mean over exchanges of |e|/|g|, e the
+    quantisation error of g = gradient + residual.
     """
 
     name = "allreduce_onebit"
@@ -187,6 +250,8 @@ class AllReduceOneBit(CompressedAllReduce):
     def comm_hook(self):
         self.residuals = {p: torch.zeros(p.numel(), device=p.device) for p in self.model.parameters()
                           if p.requires_grad}
+        self._groups: dict[tuple[int, ...], tuple[list[int], torch.Tensor | None]] = {}
+        self._error_sum, self._exchanges = 0.0, 0
         return super().comm_hook()
 
     def state_dict(self):
@@ -201,19 +266,39 @@ class AllReduceOneBit(CompressedAllReduce):
             for residual, value in zip(self.residuals.values(), saved["residuals"], strict=True):
                 residual.copy_(value)
 
+    def summary(self):
+        if self.ctx.workers == 1 or not self._exchanges:
+            return {}
+        return {"quantizer": self.params["quantizer"], "quantization_error": float(self._error_sum) / self._exchanges}
+
+    def _groups_of(self, parameters) -> tuple[list[int], torch.Tensor | None]:
+        key = tuple(id(p) for p in parameters)
+        if key not in self._groups:
+            quantizer = self.params["quantizer"]
+            groups = quantization_groups([p.shape for p in parameters], quantizer)
+            index = group_index(groups, parameters[0].device) if quantizer == "column" else None
+            self._groups[key] = (groups, index)
+        return self._groups[key]
+
     def exchange(self, bucket):
         buffer, parameters = bucket.buffer(), bucket.parameters()
         sizes = [p.numel() for p in parameters]
-        residual = torch.cat([self.residuals[p] for p in parameters])
-        packed, scales, residual = compress_with_feedback(buffer, residual, sizes)
+        groups, index = self._groups_of(parameters)
+        quantizer = self.params["quantizer"]
+        corrected = buffer + torch.cat([self.residuals[p] for p in parameters])
+        packed, levels = quantize(corrected, groups, quantizer, index)
+        residual = corrected - dequantize(packed, levels, groups, index)
+        self._error_sum += (residual.norm() / corrected.norm().clamp(min=1e-30)).detach()  # no host sync here
+        self._exchanges += 1
         self.residuals.update(zip(parameters, residual.split(sizes)))
-        message = encode(packed, scales)
+        message = encode(packed, levels)
         gathered = [torch.empty_like(message) for _ in range(self.ctx.workers)]
         self.meter.bytes_sent += (self.ctx.workers - 1) * message.numel()
         future = dist.all_gather(gathered, message, group=self.ctx.worker_group, async_op=True).get_future()
+        per_group = 1 if quantizer == "tensor" else 2
 
         def average(_):
-            total = sum(dequantize(*decode(m, len(sizes)), sizes) for m in gathered)
+            total = sum(dequantize(*decode(m, len(groups), per_group), groups, index) for m in gathered)
             return buffer.copy_(total.div_(self.ctx.workers))
 
         return future.then(average)

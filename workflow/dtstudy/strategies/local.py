@@ -42,11 +42,14 @@ class LocalTraining(Strategy):
     """Each worker steps its own model with its own optimizer (no DDP); subclasses exchange.
 
     All workers start from rank 0's parameters. `eval_model` is the average of the workers'
-    models; it also records the consensus distance (mean over workers of the squared
-    distance of a worker's parameters to that average), reported per evaluation in `summary`.
+    models, its BatchNorm statistics recomputed on training batches (`recompute_batch_norm`:
+    the mean of the workers' statistics is not the averaged model's); it also records the
+    consensus distance (mean over workers of the squared distance of a worker's parameters
+    to that average), reported per evaluation in `summary`.
     """
 
     resumable = True  # the workers exchange in lockstep; all the state is on them
+    averages_models = True  # the evaluated model's BatchNorm statistics are recomputed
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model.to(self.ctx.device)
@@ -71,8 +74,15 @@ class LocalTraining(Strategy):
             self.ctx.synchronize()
         self.meter.bytes_sent += ring_allreduce_bytes(payload, self.ctx.workers)
 
-    @torch.no_grad()
     def eval_model(self) -> nn.Module:
+        averaged = self.average_and_record()
+        if averaged is not self.model:
+            self.recompute_batch_norm(averaged)
+        return averaged
+
+    @torch.no_grad()
+    def average_and_record(self) -> nn.Module:
+        """The workers' average (this worker's model at N=1); records the consensus distance."""
         if self.ctx.workers == 1:
             self._consensus[self.steps] = 0.0
             return self.model
@@ -110,6 +120,7 @@ class LocalSGD(LocalTraining):
     """
 
     name = "local_sgd"
+
     def _warming_up(self) -> bool:
         return self.steps < self.params["warmup_steps"]
 
@@ -134,7 +145,8 @@ class EASGD(LocalTraining):
 
     Every `period` (tau) local steps: d_i = alpha (x_i - c); x_i -= d_i; c += sum_i d_i, the
     sum by an all-reduce so that the centre c stays the same on every worker. The moving
-    rate is alpha = beta / N (the paper's choice, beta = 0.9), or `alpha` when set. The
+    rate is alpha = beta / N (the paper's choice, beta = 0.9), or `alpha` when set, with
+    N alpha <= 1 for every N of the study (checked before any job starts). The
     default period 8 matches local_sgd's, so both exchange a model every 8 steps.
     `eval_model` is a model holding the centre. With one worker there is nothing to couple:
     the centre is the worker's model and training is plain SGD (as STUDY.md asks).
@@ -142,6 +154,7 @@ class EASGD(LocalTraining):
     """
 
     name = "easgd"
+
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)
         alpha = self.params["alpha"]
@@ -174,11 +187,12 @@ class EASGD(LocalTraining):
 
     @torch.no_grad()
     def eval_model(self) -> nn.Module:
-        super().eval_model()  # records how far the workers are apart
+        self.average_and_record()  # records how far the workers are apart
         if self.ctx.workers == 1:
             return self.model
-        self.centre_model.load_state_dict(self.model.state_dict())  # buffers from this worker
+        self.centre_model.load_state_dict(self.model.state_dict())  # buffers: recomputed below
         parameters = list(self.centre_model.parameters())
         for parameter, c in zip(parameters, shaped_like(self.centre, parameters)):
             parameter.copy_(c)
+        self.recompute_batch_norm(self.centre_model)
         return self.centre_model

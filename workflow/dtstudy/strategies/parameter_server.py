@@ -1,11 +1,13 @@
 """Parameter-server strategies: S shard processes own the parameters and the optimizer state;
 workers push gradients and get parameters back (point-to-point torch.distributed over gloo).
 
-    ps_sync    a shard averages the N gradients of a step, then answers every worker
-    ps_backup  the first N-k gradients of a step make the update; the k late ones are dropped
-    ps_async   every gradient is applied on arrival and answered at once
-    ssp        as ps_sync, but a worker may start step t while t - (steps applied) <= s;
-               its gradient then counts in its own step's update (s = 0 is ps_sync)
+    ps_sync    a shard averages the N gradients that read version v into update v, then
+               answers every worker                                     rate of N*b
+    ps_backup  the first N-k pushes that read version v make update v; a push that read an
+               older version is dropped (Chen et al. 2016, TF SyncReplicas)  rate of (N-k)*b
+    ps_async   every gradient is applied on arrival and answered at once  rate of b
+    ssp        as ps_async, but a worker's clock (gradients pushed) stays at most s ahead of
+               the slowest worker's: the reply to its push waits (Ho et al. 2013)  rate of b
 
 The messages are in ps_protocol, the shard in ps_shard.
 """
@@ -159,6 +161,8 @@ class ParameterServer(Strategy):
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         model.to(self.ctx.device)
         self.model = model
+        self.batch = 0  # images of this worker's last training batch (each push's images)
+        model.register_forward_pre_hook(self._note_batch)
         parameters = [p for p in model.parameters() if p.requires_grad]
         if any(p.dtype != VALUE_DTYPE for p in parameters):
             raise TypeError(f"parameter-server strategies exchange {VALUE_DTYPE} parameters only")
@@ -170,6 +174,10 @@ class ParameterServer(Strategy):
             self.client.send_setup(make_optimizer(parameters))
         self.client.pull()
         return model
+
+    def _note_batch(self, module: nn.Module, args) -> None:
+        if module.training and args:
+            self.batch = len(args[0])
 
     def update(self, lr: float) -> None:
         with self.meter.timed():
@@ -194,22 +202,38 @@ class ParameterServer(Strategy):
         if self.ctx.rank == 0:
             self.shard_stats = self.client.receive_stats()
 
+    @staticmethod
+    def _histogram(counts: Counter) -> dict[str, int]:
+        # JSON keys are strings: the same in metrics.json as in the returned dict
+        return {str(value): counts[value] for value in sorted(counts)}
+
     def summary(self) -> dict[str, Any]:
         if not self.shard_stats:
             return {}
         staleness = sum((stats.staleness for stats in self.shard_stats), start=Counter())
+        ahead = sum((stats.ahead for stats in self.shard_stats), start=Counter())
         gradients = staleness.total()
+        dropped_by_worker = [sum(counts) for counts in zip(*(stats.dropped for stats in self.shard_stats))]
+        dropped = sum(dropped_by_worker)
         busy = [stats.busy_s / stats.wall_s if stats.wall_s else 0.0 for stats in self.shard_stats]
+        shards = len(self.shard_stats)
         return {
-            "shards": len(self.shard_stats),
+            "shards": shards,
             "shard_numel": [piece.numel for piece in self.client.slices],
             "updates": sum(stats.updates for stats in self.shard_stats),  # optimizer steps, all shards
-            "gradients_applied": gradients,
-            "dropped_gradients": sum(stats.dropped for stats in self.shard_stats),
-            # JSON keys are strings: the same in metrics.json as in the returned dict
-            "staleness": {str(value): staleness[value] for value in sorted(staleness)},
+            "gradients_applied": gradients,  # all shards
+            "dropped_gradients": dropped,  # all shards
+            "dropped_by_worker": dropped_by_worker,
+            "dropped_fraction": dropped / max(dropped + gradients, 1),
+            # the images whose gradients made updates (per shard: each shard sees every push;
+            # every worker's batch has the same size, drop_last)
+            "images_applied": gradients * self.batch / shards,
+            "staleness": self._histogram(staleness),
             "staleness_mean": sum(value * count for value, count in staleness.items()) / max(gradients, 1),
             "staleness_max": max(staleness, default=0),
+            # per answered push: how many clocks (gradients pushed) its worker was ahead of the slowest
+            "clock_ahead": self._histogram(ahead),
+            "clock_ahead_max": max(ahead, default=0),
             "shard_busy_fraction": sum(busy) / len(busy),
             "shard_busy_fraction_per_shard": busy,
         }
@@ -227,19 +251,69 @@ class PsSync(ParameterServer):
 
 class PsBackup(ParameterServer):
     name = "ps_backup"
+    update_batch_rule = "(N-k)*b: an update averages the first N-k gradients of the version they read"
+
+    @staticmethod
+    def backups(params, workers) -> int:
+        return min(params["backup"], workers - 1)
+
+    @classmethod
+    def update_batch(cls, params, workers, per_worker_batch):
+        return (workers - cls.backups(params, workers)) * per_worker_batch
+
     def update_policy(self) -> UpdatePolicy:
-        backup = min(self.params["backup"], self.ctx.workers - 1)
-        return UpdatePolicy(quorum=self.ctx.workers - backup)
+        return UpdatePolicy(quorum=self.ctx.workers - self.backups(self.params, self.ctx.workers))
 
 
-class PsAsync(ParameterServer):
+class AsyncParameterServer(ParameterServer):
+    """Every gradient is an update of its own, applied on arrival: the rate is that of one
+    worker's batch b (Dean et al. 2012; Zhang et al. 2016). Knobs shared by ps_async and ssp:
+
+    staleness_lr: divide each update's rate by its staleness (>= 1) at the shard (Zhang et al.
+        2016, staleness-aware async SGD). Default false: the rate of b alone already keeps
+        ps_async within a few points of allreduce on the study (README, Strategies).
+    momentum: the shards' momentum (null: train.momentum, as every other strategy).
+        Asynchrony adds an implicit momentum of about 1 - 1/N (Mitliagkas et al. 2016);
+        a lower explicit momentum compensates.
+    """
+
+    update_batch_rule = "b: every worker's gradient is applied on arrival as an update of its own"
+
+    @classmethod
+    def update_batch(cls, params, workers, per_worker_batch):
+        return per_worker_batch
+
+    def setup(self, model, make_optimizer):
+        if self.params["momentum"] is not None:
+            momentum = self.params["momentum"]
+
+            def make_optimizer(parameters, make=make_optimizer):
+                optimizer = make(parameters)
+                for group in optimizer.param_groups:
+                    group["momentum"] = momentum
+                return optimizer
+        return super().setup(model, make_optimizer)
+
+    def clock_bound(self) -> float:
+        return math.inf
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy(quorum=None, clock_bound=self.clock_bound(), staleness_lr=self.params["staleness_lr"])
+
+
+class PsAsync(AsyncParameterServer):
     name = "ps_async"
 
-    def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy(quorum=None, staleness_bound=math.inf)
 
+class Ssp(AsyncParameterServer):
+    """Stale synchronous parallel (Ho et al. 2013): as ps_async, every gradient is applied on
+    arrival and a worker's reply holds its own update, but a worker's clock (gradients it
+    pushed) stays at most `staleness` s ahead of the slowest worker's: the reply that starts
+    its next step waits until then. s = 0: every clock is a barrier (with momentum 0 and the
+    linear rule, ps_sync's parameters); `staleness: null`: unbounded, ps_async."""
 
-class Ssp(ParameterServer):
     name = "ssp"
-    def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy(quorum=self.ctx.workers, staleness_bound=self.params["staleness"])
+
+    def clock_bound(self) -> float:
+        staleness = self.params["staleness"]
+        return math.inf if staleness is None else staleness

@@ -6,12 +6,14 @@ the workers use NCCL). Tensors in messages live on the CPU.
 
     rank 0 -> shard   TAG_SETUP       float64 [numel, momentum, dampening, weight_decay, nesterov]
     rank 0 -> shard   TAG_PARAMETERS  float32 [numel]: the initial values of the shard's slice
-    worker -> shard   TAG_REQUEST     float64 [kind, step, read_version, lr]   (kind: PUSH/PULL/DONE/STOP)
+    worker -> shard   TAG_REQUEST     float64 [kind, step, read_version, lr]   (kind: PUSH/PULL/DONE/STOP;
+                                      a push is tagged by read_version, the step is informative)
     worker -> shard   TAG_GRADIENT    float32 [numel]: follows every PUSH request
     shard -> worker   TAG_VERSION     float64 [version]      } the reply to a PULL, and to a PUSH
     shard -> worker   TAG_PARAMETERS  float32 [numel]        } once the shard's policy allows it
-    shard -> rank 0   TAG_STATS       float64 [busy_s, wall_s, updates, dropped, histogram length]
-                                      then float64 [histogram length]: updates per staleness
+    shard -> rank 0   TAG_STATS       float64 [busy_s, wall_s, updates, N, staleness length, ahead length]
+                                      then float64 [N + both lengths]: dropped pushes per worker,
+                                      gradients per staleness, answered pushes per clocks ahead
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ TAG_STATS = 106
 
 SETUP_FIELDS = ("numel", "momentum", "dampening", "weight_decay", "nesterov")
 REQUEST_SIZE = 4
-STATS_HEADER_SIZE = 5
+STATS_HEADER_SIZE = 6
 VALUE_DTYPE = torch.float32  # parameters and gradients on the wire
 
 

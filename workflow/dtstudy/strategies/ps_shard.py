@@ -6,6 +6,7 @@ update, and how far ahead of the applied updates a worker may run.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -33,26 +34,39 @@ from .ps_protocol import (
 class UpdatePolicy:
     """How a shard turns pushed gradients into updates.
 
-    quorum: the gradients of one step averaged into that step's update; later gradients of
-        an applied step are dropped. None: every gradient is an update of its own, at once.
-    staleness_bound: a worker may start step t once t - (updates applied) <= bound: the reply
-        to its push of step t-1 waits until then (0: for that step's update; inf: never waits).
-        Pulls are answered at once.
+    quorum: synchronous: a push is tagged by the parameter version its worker read; the first
+        `quorum` pushes that read the current version are averaged into its update, and a push
+        that read an older version (its update was made without it) is dropped (Chen et al.
+        2016; TensorFlow's SyncReplicasOptimizer). The reply to a push waits for the update
+        of the version it read. None: asynchronous: every gradient is an update of its own,
+        applied on arrival.
+    clock_bound: asynchronous only: a worker's clock is the number of gradients it pushed;
+        the reply to its push (which starts its next step) waits until its clock is at most
+        `clock_bound` ahead of the slowest worker's (stale synchronous parallel, Ho et al.
+        2013; inf: never waits, ps_async). Pulls are answered at once.
+    staleness_lr: asynchronous only: divide an update's rate by its staleness (version at
+        apply - version read, when >= 1): the staleness-aware rate of Zhang et al. 2016.
     """
 
     quorum: int | None
-    staleness_bound: float = 0
+    clock_bound: float = math.inf
+    staleness_lr: bool = False
 
 
 @dataclass
 class ShardStats:
     """What one shard measured, sent to rank 0 at the end."""
 
+    workers: int = 0
     busy_s: float = 0.0  # applying updates (summing, averaging, the optimizer step)
     wall_s: float = 0.0
     updates: int = 0
-    dropped: int = 0  # late gradients of steps already applied
+    dropped: list[int] = field(default_factory=list)  # per worker: pushes that read an already-updated version
     staleness: Counter = field(default_factory=Counter)  # version at apply - version the worker read
+    ahead: Counter = field(default_factory=Counter)  # per answered push: its worker's clock - the slowest's
+
+    def __post_init__(self):
+        self.dropped = self.dropped or [0] * self.workers
 
     @contextmanager
     def busy(self):
@@ -60,35 +74,38 @@ class ShardStats:
         yield
         self.busy_s += time.perf_counter() - start
 
-    def histogram(self) -> list[int]:
-        return [self.staleness[value] for value in range(max(self.staleness, default=-1) + 1)]
+    @staticmethod
+    def histogram(counts: Counter) -> list[int]:
+        return [counts[value] for value in range(max(counts, default=-1) + 1)]
 
     def send(self, dst: int, group) -> None:
-        histogram = self.histogram()
-        header = [self.busy_s, self.wall_s, self.updates, self.dropped, len(histogram)]
+        staleness, ahead = self.histogram(self.staleness), self.histogram(self.ahead)
+        header = [self.busy_s, self.wall_s, self.updates, self.workers, len(staleness), len(ahead)]
         dist.send(torch.tensor(header, dtype=torch.float64), dst=dst, group=group, tag=TAG_STATS)
-        if histogram:
-            dist.send(torch.tensor(histogram, dtype=torch.float64), dst=dst, group=group, tag=TAG_STATS)
+        body = torch.tensor([*self.dropped, *staleness, *ahead], dtype=torch.float64)
+        dist.send(body, dst=dst, group=group, tag=TAG_STATS)
 
     @classmethod
     def receive(cls, src: int, group) -> ShardStats:
         header = torch.empty(STATS_HEADER_SIZE, dtype=torch.float64)
         dist.recv(header, src=src, group=group, tag=TAG_STATS)
-        busy_s, wall_s, updates, dropped, length = header.tolist()
-        histogram = torch.zeros(int(length), dtype=torch.float64)
-        if length:
-            dist.recv(histogram, src=src, group=group, tag=TAG_STATS)
-        staleness = Counter({value: int(count) for value, count in enumerate(histogram.tolist()) if count})
-        return cls(busy_s, wall_s, int(updates), int(dropped), staleness)
+        busy_s, wall_s, *counts = header.tolist()
+        updates, workers, stale_length, ahead_length = (int(v) for v in counts)
+        body = torch.zeros(workers + stale_length + ahead_length, dtype=torch.float64)
+        dist.recv(body, src=src, group=group, tag=TAG_STATS)
+        values = [int(v) for v in body.tolist()]
+        dropped, staleness, ahead = values[:workers], values[workers:workers + stale_length], values[workers + stale_length:]
+        as_counter = lambda histogram: Counter({v: c for v, c in enumerate(histogram) if c})  # noqa: E731
+        return cls(workers, busy_s, wall_s, updates, dropped, as_counter(staleness), as_counter(ahead))
 
 
 @dataclass
-class StepGradients:
-    """The gradients of one step summed so far."""
+class VersionGradients:
+    """The gradients that read the current version, summed so far."""
 
     total: torch.Tensor
     lr: float
-    read_versions: list[int]
+    count: int
 
 
 class ShardServer:
@@ -97,9 +114,10 @@ class ShardServer:
     def __init__(self, workers: int, group, policy: UpdatePolicy):
         self.workers, self.group, self.policy = workers, group, policy
         self.version = 0  # updates applied
-        self.pending: dict[int, StepGradients] = {}  # step -> its gradients, until the quorum
-        self.waiting: list[tuple[int, int]] = []  # (worker, the step it wants to start)
-        self.stats = ShardStats()
+        self.pending: VersionGradients | None = None  # synchronous: the current version's gradients
+        self.clocks = [0] * workers  # gradients pushed, per worker
+        self.waiting: list[tuple[int, int]] = []  # (worker, the version it read) until it may go on
+        self.stats = ShardStats(workers)
 
     def serve(self) -> None:
         self._receive_setup()
@@ -108,9 +126,10 @@ class ShardServer:
         done = 0
         while done < self.workers:
             worker = dist.recv(header, group=self.group, tag=TAG_REQUEST)
-            kind, step, read_version, lr = header.tolist()
+            kind, _step, read_version, lr = header.tolist()
             if kind == Kind.PUSH:
-                self._push(worker, int(step), int(read_version), lr)
+                dist.recv(self.incoming, src=worker, group=self.group, tag=TAG_GRADIENT)
+                self.take(worker, int(read_version), lr, self.incoming)
             elif kind == Kind.PULL:
                 self._reply(worker)
             elif kind == Kind.STOP:
@@ -134,37 +153,43 @@ class ShardServer:
         setup = torch.empty(len(SETUP_FIELDS), dtype=torch.float64)
         dist.recv(setup, src=0, group=self.group, tag=TAG_SETUP)
         numel, momentum, dampening, weight_decay, nesterov = setup.tolist()
-        self.parameters = torch.nn.Parameter(torch.empty(int(numel), dtype=VALUE_DTYPE))
+        self.start(torch.empty(int(numel), dtype=VALUE_DTYPE), momentum, dampening, weight_decay, bool(nesterov))
         dist.recv(self.parameters.data, src=0, group=self.group, tag=TAG_PARAMETERS)
+
+    def start(self, initial: torch.Tensor, momentum: float = 0.0, dampening: float = 0.0,
+              weight_decay: float = 0.0, nesterov: bool = False) -> None:
+        self.parameters = torch.nn.Parameter(initial.clone())
         self.incoming = torch.empty_like(self.parameters.data)
         # SGD is elementwise: one flat tensor updates exactly like the workers' per-layer tensors
-        self.optimizer = torch.optim.SGD(
-            [self.parameters], lr=0.0, momentum=momentum, dampening=dampening,
-            weight_decay=weight_decay, nesterov=bool(nesterov),
-        )
+        self.optimizer = torch.optim.SGD([self.parameters], lr=0.0, momentum=momentum, dampening=dampening,
+                                         weight_decay=weight_decay, nesterov=nesterov)
 
-    def _push(self, worker: int, step: int, read_version: int, lr: float) -> None:
-        dist.recv(self.incoming, src=worker, group=self.group, tag=TAG_GRADIENT)
+    def take(self, worker: int, read_version: int, lr: float, gradient: torch.Tensor) -> None:
+        """One pushed gradient (of the parameters at `read_version`): update, then answer
+        every worker that may go on."""
+        self.clocks[worker] += 1
         with self.stats.busy():
             if self.policy.quorum is None:
-                self._apply(self.incoming, lr, [read_version])
-            elif step < self.version:
-                self.stats.dropped += 1
+                staleness = self.version - read_version
+                if self.policy.staleness_lr and staleness > 1:
+                    lr /= staleness
+                self._apply(gradient, lr, [read_version])
+            elif read_version < self.version:
+                self.stats.dropped[worker] += 1  # its version was updated without it
             else:
-                self._collect(step, read_version, lr)
-        self.waiting.append((worker, step + 1))
+                self._collect(read_version, lr, gradient)
+        self.waiting.append((worker, read_version))
         self._answer_allowed()
 
-    def _collect(self, step: int, read_version: int, lr: float) -> None:
-        gathered = self.pending.get(step)
-        if gathered is None:
-            self.pending[step] = StepGradients(self.incoming.clone(), lr, [read_version])
+    def _collect(self, read_version: int, lr: float, gradient: torch.Tensor) -> None:
+        if self.pending is None:
+            self.pending = VersionGradients(gradient.clone(), lr, 1)
         else:
-            gathered.total += self.incoming
-            gathered.read_versions.append(read_version)
-        while (ready := self.pending.get(self.version)) and len(ready.read_versions) >= self.policy.quorum:
-            del self.pending[self.version]
-            self._apply(ready.total.div_(len(ready.read_versions)), ready.lr, ready.read_versions)
+            self.pending.total += gradient
+            self.pending.count += 1
+        if self.pending.count >= self.policy.quorum:
+            ready, self.pending = self.pending, None
+            self._apply(ready.total.div_(ready.count), ready.lr, [read_version] * ready.count)
 
     def _apply(self, gradient: torch.Tensor, lr: float, read_versions: list[int]) -> None:
         self.parameters.grad = gradient
@@ -175,13 +200,19 @@ class ShardServer:
         self.stats.updates += 1
         self.version += 1
 
+    def may_go_on(self, worker: int, read_version: int) -> bool:
+        if self.policy.quorum is not None:
+            return read_version < self.version  # the update of the version it read is made
+        return self.clocks[worker] - min(self.clocks) <= self.policy.clock_bound
+
     def _answer_allowed(self) -> None:
         still_waiting = []
-        for worker, step in self.waiting:
-            if step - self.version <= self.policy.staleness_bound:
+        for worker, read_version in self.waiting:
+            if self.may_go_on(worker, read_version):
+                self.stats.ahead[self.clocks[worker] - min(self.clocks)] += 1
                 self._reply(worker)
             else:
-                still_waiting.append((worker, step))
+                still_waiting.append((worker, read_version))
         self.waiting = still_waiting
 
     def _reply(self, worker: int) -> None:
