@@ -1,0 +1,148 @@
+"""Communication benchmark of this machine: gloo all-reduce and point-to-point time vs message size (2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+DEFAULT_SIZES = [2**k for k in range(10, 22, 2)] + [2**21 + 2**20]  # 1 KiB .. 3 MiB
+REPEATS = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as a training worker
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {"allreduce": [], "p2p": []}
+    for size in sizes:
+        buffer = torch.ones(size // 4, dtype=torch.float32)
+        for _ in range(3):
+            dist.all_reduce(buffer)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            times.append(time.perf_counter() - start)
+        results["allreduce"].append([size, _median(times)])
+        # one-way point-to-point time: half a ping-pong between ranks 0 and 1
+        times = []
+        for i in range(repeats + 3):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            if i >= 3:
+                times.append((time.perf_counter() - start) / 2)
+        results["p2p"].append([size, _median(times)])
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(results)
+
+
+def _kernel_seconds_per_byte(repeats: int) -> dict:
+    """This machine's compression and shard kernels, one thread, per fp32 gradient byte."""
+    import torch
+
+    from .strategies.compressed import compress_with_feedback, decode, dequantize, encode
+
+    torch.set_num_threads(1)
+    numel = 2**18
+    nbytes = numel * 4
+    gradient = torch.randn(numel)
+    residual = torch.zeros(numel)
+    sizes = [numel // 4] * 4
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return _median(samples) / nbytes
+
+    def half(dtype):
+        return lambda: gradient.to(dtype).div_(2).to(torch.float32)
+
+    def onebit():  # quantise once and dequantise one message: the per-message part of 1-bit SGD
+        packed, scales, _ = compress_with_feedback(gradient, residual, sizes)
+        dequantize(*decode(encode(packed, scales), len(sizes)), sizes)
+
+    total = torch.zeros(numel)
+    momentum = torch.zeros(numel)
+
+    def server_pass():  # one accumulate pass of a shard
+        total.add_(gradient)
+
+    def sgd_update():
+        momentum.mul_(0.9).add_(gradient)
+        total.add_(momentum, alpha=-0.1)
+
+    return {
+        "allreduce_fp16": timed(half(torch.float16)),
+        "allreduce_bf16": timed(half(torch.bfloat16)),
+        "allreduce_onebit": timed(onebit),
+        "server_pass": timed(server_pass),
+        "server_update": timed(sgd_update),
+    }
+
+
+def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2) -> dict:
+    """Median gloo all-reduce and one-way send times per message size across `processes`
+    local processes, the fitted (alpha, beta) of each, and this machine's kernels."""
+    import torch.multiprocessing as mp
+
+    from .calibration import fit_allreduce, fit_p2p
+
+    sizes = sizes or DEFAULT_SIZES
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = _free_port()
+    workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, queue))
+               for rank in range(processes)]
+    for worker in workers:
+        worker.start()
+    results = queue.get()
+    for worker in workers:
+        worker.join()
+    return {
+        "processes": processes,
+        "backend": "gloo",
+        "repeats": repeats,
+        "allreduce": results["allreduce"],
+        "p2p": results["p2p"],
+        "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
+        "kernels_s_per_byte": _kernel_seconds_per_byte(repeats),
+        "host": socket.gethostname(),
+        "cores": os.cpu_count(),
+    }
+
+
+def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS) -> dict:
+    result = measure(sizes, repeats)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    return result
