@@ -16,9 +16,11 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/project.smk"
 
 
 rule all:
     input:
         rules.aggregate.output,
+        rules.project.output,
     default_target: True

@@ -335,7 +335,8 @@ def ps_phase_time(workload: Workload, machine: Machine, workers: int, shards: in
     takes M. Across nodes, `dedicated` shards have a NIC each (N M / S per shard NIC; a
     worker node's NIC carries its g workers' M each); `colocated` shards sit on the worker
     nodes, ceil(S / nodes) on the busiest, whose NIC carries the other nodes' slices for its
-    shards, (N - g) M s/S, besides its workers' slices for remote shards, g M (1 - s/S)."""
+    shards, (N - g) M s/S, and sends its workers' slices for remote shards, g M (1 - s/S);
+    links are full duplex, so the larger of the two counts."""
     m, n = workload.model_bytes, workers
     nodes, local = machine.nodes(n), machine.local(n)
     if nodes == 1 and placement == "colocated":
@@ -348,7 +349,7 @@ def ps_phase_time(workload: Workload, machine: Machine, workers: int, shards: in
     link = machine.p2p_inter
     on_busiest = math.ceil(shards / nodes)
     share = min(on_busiest / shards, 1.0)
-    nic = max((n - local) * m * share + local * m * (1 - share), local * m * (1 - share))
+    nic = max((n - local) * m * share, local * m * (1 - share))  # in and out: full duplex
     return link.time(nic, messages=n)
 
 
