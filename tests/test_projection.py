@@ -338,3 +338,17 @@ def test_model_predicts_measured_n2_on_this_machine(tmp_path):
     misses = [line for line in report if abs(line[3]) > TOLERANCE]
     assert len(report) == len(ON_MACHINE)
     assert not misses, f"predicted vs measured beyond {TOLERANCE:.0%}: {misses}"
+
+
+def test_natural_jitter_and_shared_cores():
+    # E[max of 2 standard normals] = 1/sqrt(pi); of 3: 3/(2 sqrt(pi))
+    assert pm.expected_normal_order_statistic(2, 2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert pm.expected_normal_order_statistic(3, 3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-4)
+    # a measured skew of 10% of the step at N=2 costs exactly that at N=2, more at N=3,
+    # nothing to the asynchronous workers; 2 busy workers at half a core each: compute x 2
+    machine = Machine(4, MACHINE.intra, MACHINE.inter, skew_fraction=0.1, compute_scale={2: 2.0})
+    base = step_time("allreduce", 2)
+    jittery = step_time("allreduce", 2, machine=machine)
+    assert jittery.step_s == pytest.approx(2 * 0.1 + (base.step_s - 0.1) + 0.1 * 0.2, rel=1e-4)
+    assert step_time("allreduce", 3, machine=machine).straggler_s == pytest.approx(0.1 * 0.1 * 1.5, rel=1e-4)
+    assert step_time("ps_async", 2, machine=machine).straggler_s == pytest.approx(0, abs=1e-12)

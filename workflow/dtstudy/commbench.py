@@ -56,9 +56,57 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, qu
             if i >= 3:
                 times.append((time.perf_counter() - start) / 2)
         results["p2p"].append([size, _median(times)])
+    results["bursts"] = _bursts(rank, world)
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
+
+
+def _bursts(rank: int, world: int, count: int = 40) -> dict:
+    """Identical compute bursts (about a LeNet-5 step) on every process at once, between
+    barriers: the spread of their times is the natural jitter a synchronous step waits out."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(160, 160)
+    samples = []
+    for i in range(count + 5):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(120):
+            a @ a
+        if i >= 5:
+            samples.append(time.perf_counter() - start)
+    mine = torch.tensor(samples, dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    every = torch.stack(gathered)  # world x count
+    mean = every.mean().item()
+    skew = (every.max(dim=0).values - every.mean(dim=0)).mean().item()
+    return {"mean_s": mean, "max_minus_mean_s": skew, "skew_fraction": skew / mean}
+
+
+def _spin(seconds: float, queue) -> None:
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        pass
+    queue.put((time.process_time() - cpu) / (time.perf_counter() - start))
+
+
+def cpu_share(processes: int, seconds: float = 0.5) -> float:
+    """The mean share of a core each of `processes` busy processes gets now (1.0: a core
+    each; less: the cores are shared with other work)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+    spinners = [context.Process(target=_spin, args=(seconds, queue)) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    shares = [queue.get() for _ in spinners]
+    for spinner in spinners:
+        spinner.join()
+    return sum(shares) / len(shares)
 
 
 def _kernel_seconds_per_byte(repeats: int) -> dict:
@@ -136,6 +184,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
         "p2p": results["p2p"],
         "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
         "kernels_s_per_byte": _kernel_seconds_per_byte(repeats),
+        "jitter": results["bursts"],
+        "cpu_share": {str(k): cpu_share(k) for k in range(1, processes + 1)},
         "host": socket.gethostname(),
         "cores": os.cpu_count(),
     }

@@ -134,6 +134,11 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         kernels = commbench["kernels_s_per_byte"]
         kwargs["compression_s_per_byte"] = {k: v for k, v in kernels.items() if k.startswith("allreduce_")}
         kwargs["server_bandwidth"] = 1.0 / kernels["server_pass"]
+        kwargs["skew_fraction"] = commbench["jitter"]["skew_fraction"]
+        shares = {int(k): v for k, v in commbench["cpu_share"].items()}
+        kwargs["compute_scale"] = {k: shares[1] / v for k, v in shares.items()}
+        source.update(jitter="measured (identical bursts on 2 processes, this machine)",
+                      compute_scale="measured (core share of 1 vs k busy processes, this machine)")
         source.update(intra_node="measured (gloo all-reduce and send/recv fits, this machine)",
                       compression="measured (kernels, this machine)", server="measured (kernels, this machine)")
     elif intra_section is None:

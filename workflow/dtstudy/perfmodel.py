@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,12 @@ class Machine:
     server_bandwidth: float | None = None
     #: measured seconds per gradient byte of each strategy's compression (overrides passes)
     compression_s_per_byte: dict = field(default_factory=dict)
+    #: natural step-time jitter: E[max of 2 workers' step] - mean, as a share of the step
+    #: (measured on this machine; 0 = identical workers). Other N: Gaussian order statistics
+    skew_fraction: float = 0.0
+    #: {k: factor}: compute time with k busy workers on a node over that of 1 (shared cores
+    #: of this machine: the share of a core one process gets over the share each of k get)
+    compute_scale: dict = field(default_factory=dict)
 
     @property
     def p2p_intra(self) -> Link:
@@ -191,6 +198,33 @@ def _window_cdf(distribution: str, mean_s: float, window: int, x: float) -> floa
     if y >= window:
         return 1.0
     return sum((-1) ** i * math.comb(window, i) * (y - i) ** window for i in range(int(y) + 1)) / math.factorial(window)
+
+
+def expected_normal_order_statistic(j: int, k: int) -> float:
+    """E of the j-th smallest of k standard normal draws (numerically; j = k: the maximum)."""
+    if k <= 1:
+        return 0.0
+    coefficient = math.factorial(k) / (math.factorial(j - 1) * math.factorial(k - j))
+    total, points, low, high = 0.0, 4000, -9.0, 9.0
+    dx = (high - low) / points
+    for i in range(points):
+        x = low + (i + 0.5) * dx
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * coefficient * cdf ** (j - 1) * (1 - cdf) ** (k - j) * pdf * dx
+    return total
+
+
+def natural_wait(machine: Machine, compute_s: float, participants: int, window: int = 1,
+                 waits_for: int | None = None) -> float:
+    """What a barrier over `participants` identical workers waits for their natural jitter:
+    sigma = skew_fraction sqrt(pi) compute (E[max of 2] - mean = sigma / sqrt(pi)), the
+    mean over `window` steps (sigma / sqrt(window)), Gaussian order statistics."""
+    if machine.skew_fraction <= 0 or participants <= 1:
+        return 0.0
+    sigma = machine.skew_fraction * math.sqrt(math.pi) * compute_s / math.sqrt(window)
+    j = participants if waits_for is None else waits_for
+    return max(0.0, sigma * expected_normal_order_statistic(j, participants))
 
 
 def synchronous_wait(stragglers: Stragglers, workers: int, window: int = 1, waits_for: int | None = None) -> float:
@@ -534,4 +568,29 @@ def step(strategy: str, workload: Workload, machine: Machine, workers: int, para
          stragglers: Stragglers = NO_STRAGGLERS) -> Step:
     """The modelled step of `strategy` at N=workers; `params` are its knobs (defaults filled
     by the caller, see knob_defaults) plus `placement` for the parameter servers."""
-    return MODELS[strategy](workload, machine, workers, params or {}, stragglers)
+    params = params or {}
+    scale = machine.compute_scale.get(machine.local(workers), 1.0) if machine.compute_scale else 1.0
+    if scale != 1.0:
+        workload = dataclasses.replace(workload, compute_s=workload.compute_s * scale)
+    result = MODELS[strategy](workload, machine, workers, params, stragglers)
+    jitter = natural_wait(machine, workload.compute_s, *JITTER_BARRIER[strategy](workers, params))
+    if jitter <= 0:
+        return result
+    if strategy == "ps_async":  # no barrier: nothing to wait for
+        return result
+    step_s = result.step_s + jitter
+    return dataclasses.replace(result, step_s=step_s, straggler_s=result.straggler_s + jitter,
+                               throughput=workers * workload.batch / step_s)
+
+
+#: (participants, window, waits_for) of each strategy's barrier, for the natural jitter
+JITTER_BARRIER = {
+    **{name: (lambda n, p: (n, 1, None)) for name in ("allreduce", "allreduce_fp16", "allreduce_bf16",
+                                                      "allreduce_powersgd", "allreduce_onebit", "ps_sync")},
+    "ps_backup": lambda n, p: (n, 1, max(1, n - min(p.get("backup", 1), n - 1))),
+    "ssp": lambda n, p: (n, p.get("staleness", 2) + 1, None),
+    "ps_async": lambda n, p: (1, 1, None),
+    "local_sgd": lambda n, p: (n, p.get("period", 8), None),
+    "easgd": lambda n, p: (n, p.get("period", 8), None),
+    "gossip": lambda n, p: (gossip_degree(p.get("topology", "ring"), n) + 1 if n > 1 else 1, 1, None),
+}
