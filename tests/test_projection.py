@@ -299,15 +299,22 @@ def test_profiles_load_and_say_where_values_came_from():
 
 # ----- this machine: N=1 and the benchmark predict N=2 --------------------------------------
 
-# one strategy of each family: all-reduce, compressed all-reduce, parameter server, local, gossip
-ON_MACHINE = ["allreduce", "allreduce_fp16", "ps_sync", "local_sgd", "gossip"]
+# one strategy of each family whose N=2 run has a core per process on 2 cores: all-reduce,
+# compressed all-reduce, local SGD, gossip. The parameter-server strategies need a third
+# process (the shard): oversubscribed on 2 cores, their throughput says nothing about the
+# model (README "Throughput needs the cores to itself"); they are left out here.
+ON_MACHINE = ["allreduce", "allreduce_fp16", "local_sgd", "gossip"]
 TOLERANCE = 0.15
+MIN_CORE_SHARE = 0.8  # each of 2 busy processes must get this much of a core
 
 
 def test_model_predicts_measured_n2_on_this_machine(tmp_path):
     from dtstudy import commbench
 
     bench = commbench.measure(repeats=15)
+    if bench["cpu_share"]["2"] < MIN_CORE_SHARE:
+        pytest.skip(f"the 2 cores are shared with other work (2 busy processes get {bench['cpu_share']['2']:.2f} "
+                    f"of a core each): a throughput comparison would measure that contention")
     study = tiny_study(strategies=ON_MACHINE, workers=[1, 2],
                        dataset={"subset": 6000},
                        train={"epochs": 1, "batch_size": 64, "max_steps": 60, "steady_state_skip": 10})
@@ -320,6 +327,9 @@ def test_model_predicts_measured_n2_on_this_machine(tmp_path):
     finally:
         os.environ["PYTHONPATH"] = env_path
     assert done.returncode == 0, done.stderr[-3000:]
+    after = commbench.cpu_share(2)
+    if after < MIN_CORE_SHARE:
+        pytest.skip(f"other work took the cores during the runs (2 busy processes got {after:.2f} of a core each)")
     runs = calibration.read_runs([tmp_path / t for t in targets])
     parameters = calibration.parameters_from_runs(runs)
     workload, _ = calibration.workload_from_runs([r for r in runs if r["workers"] == 1], parameters)
@@ -330,9 +340,11 @@ def test_model_predicts_measured_n2_on_this_machine(tmp_path):
     for r in runs:
         if r["workers"] != 2:
             continue
+        assert not r["oversubscribed"]
         predicted = pm.step(r["strategy"], workload, machine, 2, params[r["strategy"]]).throughput
         report.append((r["strategy"], predicted, r["throughput"], predicted / r["throughput"] - 1))
-    print("\nstrategy, predicted, measured images/s at N=2, error")
+    print(f"\nN=1 compute {workload.compute_s * 1e3:.2f} ms; skew {machine.skew_fraction:.3f}; "
+          f"core share {bench['cpu_share']}; strategy, predicted, measured images/s at N=2, error")
     for line in report:
         print(f"{line[0]:16s} {line[1]:8.0f} {line[2]:8.0f} {100 * line[3]:+6.1f}%")
     misses = [line for line in report if abs(line[3]) > TOLERANCE]
