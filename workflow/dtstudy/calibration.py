@@ -127,10 +127,14 @@ def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> t
     unwrapped at N=1: their step is forward, backward, update and batch assembly); PowerSGD's
     byte share from its measured bytes at N>1. Returns the workload and what it came from."""
     single = [r for r in runs if r["workers"] == 1 and r["comm_s"] == 0]
-    if not single:
-        raise ConfigError("projection: no N=1 run without exchange to calibrate the compute time on "
-                          "(workers must include 1)")
-    compute = sum(r["total_s"] + r["data_s"] for r in single) / len(single)
+    if single:
+        compute = sum(r["total_s"] + r["data_s"] for r in single) / len(single)
+        what = f"mean step (total + data) of {len(single)} N=1 run(s) without exchange"
+    else:  # no N=1: the per-worker compute (exchange excluded) at the smallest N that ran
+        smallest = min(r["workers"] for r in runs)
+        single = [r for r in runs if r["workers"] == smallest]
+        compute = sum(r["compute_s"] + r["data_s"] for r in single) / len(single)
+        what = f"mean per-worker compute + data of {len(single)} run(s) at N={smallest} (no N=1 ran)"
     batch = single[0]["per_worker_batch"]
     ratio = None
     powersgd = [r for r in runs if r["strategy"] == "allreduce_powersgd" and r["workers"] > 1]
@@ -140,9 +144,18 @@ def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> t
         ratio = r["bytes_per_step"] / ring
     workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=compute,
                         tensors=tensors, powersgd_ratio=ratio)
-    source = {"compute_s": f"mean step (total + data) of {len(single)} N=1 run(s)",
+    source = {"compute_s": what,
               "powersgd_ratio": "measured bytes_per_step" if ratio is not None else "not measured"}
     return workload, source
+
+
+def parameters_from_checkpoint(path: str | Path) -> int:
+    """Trainable-looking values of a run's model.pt (floating tensors, batch-norm statistics
+    left out); torch is imported here only."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return sum(t.numel() for k, t in state.items() if t.is_floating_point() and "running_" not in k)
 
 
 def parameters_from_runs(runs: list[dict]) -> int | None:

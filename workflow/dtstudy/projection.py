@@ -212,9 +212,10 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     settings = config["projection"]
     runs = calibration.read_runs(metrics)
     parameters = calibration.parameters_from_runs(runs)
-    if parameters is None:
-        raise ConfigError("projection: no run with N>1 recorded the bytes of a plain exchange; the model's size "
-                          "is unknown (the study needs allreduce, easgd or a parameter-server strategy)")
+    counted = "from the bytes a run sent per step"
+    if parameters is None:  # no plain exchange ran: count the checkpoint's values
+        parameters = calibration.parameters_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
+        counted = "counted in a run's model.pt"
     workload, provenance = calibration.workload_from_runs(runs, parameters)
     commbench = hardware.load_commbench(commbench_path)
     profile = hardware.load_profile(settings["hardware"])
@@ -227,7 +228,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
         raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
                           f"needs it, or 'measured')")
     provenance.update(machine_source)
-    provenance["model_parameters"] = f"{parameters} (from the bytes a run sent per step)"
+    provenance["model_parameters"] = f"{parameters} ({counted})"
     measured = {}
     for r in runs:
         measured.setdefault((r["strategy"], r["workers"]), []).append(r["throughput"])
