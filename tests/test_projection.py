@@ -232,7 +232,8 @@ def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
     ("unknown_strategy", ["--strategies", "'allreduse'", "allowed:", "ps_sync"]),
     ("negative_bandwidth", ["inter_node", "bandwidth_gbit_s", "-10", "positive"]),
     ("missing_key", ["per_worker_batch", "missing"]),
-    ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "colocated, dedicated"]),
+    ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "colocated or dedicated"]),
+    ("bad_period", ["strategy_params.local_sgd.period", "0", "whole number >= 1"]),
 ])
 def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
     measured = {"model": {"name": "x", "parameters": 1000, "bytes_per_parameter": 4}, "per_worker_batch": 8,
@@ -249,6 +250,9 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
         del measured["per_worker_batch"]
     elif case == "bad_placement":
         profile["strategy_params"] = {"ps_sync": {"placement": "everywhere"}}
+    elif case == "bad_period":
+        profile["strategy_params"] = {"local_sgd": {"period": 0}}
+        strategies = "local_sgd"
     m, h = write_inputs(tmp_path, measured, profile)
     out = tmp_path / "p.csv"
     assert run_main(project_args(m, h, str(out), strategies)) == 2
@@ -364,3 +368,54 @@ def test_natural_jitter_and_shared_cores():
     assert jittery.step_s == pytest.approx(2 * 0.1 + (base.step_s - 0.1) + 0.1 * 0.2, rel=1e-4)
     assert step_time("allreduce", 3, machine=machine).straggler_s == pytest.approx(0.1 * 0.1 * 1.5, rel=1e-4)
     assert step_time("ps_async", 2, machine=machine).straggler_s == pytest.approx(0, abs=1e-12)
+
+
+def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step):
+    import json
+
+    folder.mkdir(parents=True)
+    step = 64 * workers / throughput
+    metrics = {"strategy": strategy, "workers": workers, "seed": 0, "throughput": throughput,
+               "step_time": {"total_s": step, "compute_s": step - comm_s, "comm_s": comm_s, "data_s": 0.0},
+               "bytes_per_step": bytes_per_step, "per_worker_batch": 64, "environment": {"oversubscribed": False},
+               "strategy_params": {}}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    return str(folder / "metrics.json")
+
+
+def test_project_rule_on_recorded_runs(tmp_path):
+    # what the rule reads: metrics.json files and the benchmark's JSON; 61706 parameters
+    ring = 2 * (2 - 1) / 2 * 61706 * 4
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
+               fake_run(tmp_path / "g2", "gossip", 2, 13000.0, 0.0008, 61706 * 4)]
+    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+             "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
+             "jitter": {"skew_fraction": 0.05}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    import json
+
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"strategies": ["allreduce", "gossip"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [1, 2, 64, 1024], "hardware": "this_machine"}}
+    out = tmp_path / "tables/projection.csv"
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(out),
+                                str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
+    assert (tmp_path / "plots/projection.png").stat().st_size > 10_000
+    with open(out) as handle:
+        written = list(csv.DictReader(handle))
+    assert [(r["strategy"], int(r["workers"])) for r in written] == [
+        (s, n) for s in ("allreduce", "gossip") for n in (1, 2, 64, 1024)]
+    first = {(r["strategy"], r["workers"]): r for r in rows}
+    # compute = the N=1 step 64/8000 s; allreduce at N=2: + the fitted all-reduce of the
+    # 246824-byte gradient over 2 processes (2 x 1e-4 + 246824/2e9) + 5% jitter
+    t_c = 64 / 8000
+    expected = t_c + 2e-4 + 246824 / 2e9 + 0.05 * t_c
+    assert first[("allreduce", 2)]["throughput"] == pytest.approx(128 / expected, rel=1e-3)
+    assert first[("allreduce", 2)]["measured_throughput"] == 14000.0
+    assert first[("gossip", 2)]["measured_exchange_s"] == 0.0008
+    assert first[("allreduce", 1024)]["bound"] in {"network", "straggler"}
+    assert "measured (gloo" in (tmp_path / "tables/projection.md").read_text()
+    # without an N=1 run: the per-worker compute (exchange excluded) at the smallest N, both runs
+    workload, source = calibration.workload_from_runs(calibration.read_runs(metrics[1:]), 61706)
+    assert workload.compute_s == pytest.approx(((128 / 14000 - 0.0005) + (128 / 13000 - 0.0008)) / 2)
+    assert "N=2" in source["compute_s"]

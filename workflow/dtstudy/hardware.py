@@ -69,6 +69,25 @@ def _link_any_unit(section, where: str) -> Link:
     return _link(section, where, unit)
 
 
+#: the knobs' ranges (the strategy classes check the same for a study; these classes import torch)
+KNOB_CHECKS = {
+    "shards": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "backup": (lambda v: _whole(v) and v >= 0, "a whole number >= 0 (and < N)"),
+    "staleness": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "period": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "warmup_steps": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "rank": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "bucket_cap_mb": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                      "a positive number of MiB"),
+    "topology": (lambda v: v in ("ring", "random_pairs"), "ring or random_pairs"),
+    "placement": (lambda v: v in PLACEMENTS, "colocated or dedicated"),
+}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[str, dict]) -> dict[str, dict]:
     """Each strategy's knobs: its class's defaults, the profile's strategy_params, placement."""
     where = f"hardware profile {profile.get('path', profile.get('name'))}"
@@ -88,15 +107,14 @@ def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[s
             raise ConfigError(f"{where}: key 'strategy_params.{name}.{unknown[0]}': unknown knob; allowed: {allowed}")
         if "shards" in defaults[name]:
             knobs.setdefault("placement", "colocated")
-            if knobs["placement"] not in PLACEMENTS:
-                raise ConfigError(f"{where}: key 'strategy_params.{name}.placement': {knobs['placement']!r} is not "
-                                  f"allowed; allowed: {', '.join(PLACEMENTS)}")
-            if isinstance(knobs["shards"], bool) or not isinstance(knobs["shards"], int) or knobs["shards"] < 1:
-                raise ConfigError(f"{where}: key 'strategy_params.{name}.shards': {knobs['shards']!r} is not "
-                                  f"allowed; a whole number >= 1")
         elif "placement" in knobs:
             raise ConfigError(f"{where}: key 'strategy_params.{name}.placement': only parameter-server strategies "
                               f"have shards to place")
+        for knob, value in knobs.items():
+            check, allowed = KNOB_CHECKS.get(knob, (lambda v: True, ""))
+            if not check(value):
+                raise ConfigError(f"{where}: key 'strategy_params.{name}.{knob}': {value!r} is not allowed; "
+                                  f"allowed: {allowed}")
         params[name] = knobs
     return params
 

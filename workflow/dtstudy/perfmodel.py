@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,9 @@ def _window_cdf(distribution: str, mean_s: float, window: int, x: float) -> floa
             term *= y / i
             acc += term
         return 1.0 - math.exp(-y) * acc
+    if window > 20:  # Irwin-Hall's alternating sum loses all precision: its normal limit
+        mean, sd = window * mean_s, math.sqrt(window / 3) * mean_s
+        return 0.5 * math.erfc(-(x - mean) / (sd * math.sqrt(2)))
     # Irwin-Hall of `window` uniforms on [0, 2 mean]
     y = x / (2 * mean_s)
     if y >= window:
@@ -200,18 +204,23 @@ def _window_cdf(distribution: str, mean_s: float, window: int, x: float) -> floa
     return sum((-1) ** i * math.comb(window, i) * (y - i) ** window for i in range(int(y) + 1)) / math.factorial(window)
 
 
+@functools.lru_cache(maxsize=None)
 def expected_normal_order_statistic(j: int, k: int) -> float:
-    """E of the j-th smallest of k standard normal draws (numerically; j = k: the maximum)."""
+    """E of the j-th smallest of k standard normal draws (numerically, in logs so that large
+    k stays finite; j = k: the maximum)."""
     if k <= 1:
         return 0.0
-    coefficient = math.factorial(k) / (math.factorial(j - 1) * math.factorial(k - j))
+    log_coefficient = math.lgamma(k + 1) - math.lgamma(j) - math.lgamma(k - j + 1)
     total, points, low, high = 0.0, 4000, -9.0, 9.0
     dx = (high - low) / points
     for i in range(points):
         x = low + (i + 0.5) * dx
-        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
-        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-        total += x * coefficient * cdf ** (j - 1) * (1 - cdf) ** (k - j) * pdf * dx
+        cdf = 0.5 * math.erfc(-x / math.sqrt(2))
+        survival = 0.5 * math.erfc(x / math.sqrt(2))
+        if cdf <= 0 or survival <= 0:
+            continue
+        log_density = log_coefficient + (j - 1) * math.log(cdf) + (k - j) * math.log(survival) - x * x / 2
+        total += x * math.exp(log_density) / math.sqrt(2 * math.pi) * dx
     return total
 
 

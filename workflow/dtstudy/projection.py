@@ -12,7 +12,7 @@ from .config import ConfigError
 from .perfmodel import Link, Machine, Stragglers, Workload
 
 COLUMNS = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
-           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput"]
+           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s"]
 
 
 def parse_list(text: str, what: str, allowed: list[str] | None = None, kind=str) -> list:
@@ -64,11 +64,14 @@ def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict,
 
 
 def project(workload: Workload, machine: Machine, strategies: list[str], workers: list[int], params: dict,
-            profile: str, stragglers: Stragglers = perfmodel.NO_STRAGGLERS, measured: dict | None = None) -> list[dict]:
+            profile: str, stragglers: Stragglers = perfmodel.NO_STRAGGLERS, measured: dict | None = None,
+            measured_exchange: dict | None = None) -> list[dict]:
     """One row per strategy and N (COLUMNS); efficiency and speedup against the same strategy's
-    modelled N=1. `measured`: {(strategy, N): images/s} to put beside."""
+    modelled N=1. `measured` / `measured_exchange`: {(strategy, N): images/s / comm seconds
+    per step} to put beside."""
     rows = []
     measured = measured or {}
+    measured_exchange = measured_exchange or {}
     for name in strategies:
         single = perfmodel.step(name, workload, machine, 1, params[name], stragglers).throughput
         for n in workers:
@@ -79,6 +82,7 @@ def project(workload: Workload, machine: Machine, strategies: list[str], workers
                 "step_compute_s": s.compute_s, "step_exchange_s": s.exposed_s, "bound": s.bound, "profile": profile,
                 "step_s": s.step_s, "exchange_total_s": s.exchange_s, "server_s": s.server_s,
                 "straggler_s": s.straggler_s, "measured_throughput": measured.get((name, n), ""),
+                "measured_exchange_s": measured_exchange.get((name, n), ""),
             })
     return rows
 
@@ -100,7 +104,7 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
 
 def write_markdown(rows: list[dict], path: str | Path, provenance: dict) -> None:
     shown = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
-             "bound", "measured_throughput"]
+             "bound", "measured_throughput", "measured_exchange_s"]
     lines = ["# Projected throughput (alpha-beta model)", "", f"Profile: {rows[0]['profile'] if rows else '-'}", "",
              "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     for row in rows:
@@ -229,13 +233,14 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
                           f"needs it, or 'measured')")
     provenance.update(machine_source)
     provenance["model_parameters"] = f"{parameters} ({counted})"
-    measured = {}
+    by_run: dict[tuple, list[dict]] = {}
     for r in runs:
-        measured.setdefault((r["strategy"], r["workers"]), []).append(r["throughput"])
-    measured = {key: sum(v) / len(v) for key, v in measured.items()}
+        by_run.setdefault((r["strategy"], r["workers"]), []).append(r)
+    measured = {key: sum(r["throughput"] for r in v) / len(v) for key, v in by_run.items()}
+    measured_exchange = {key: sum(r["comm_s"] for r in v) / len(v) for key, v in by_run.items()}
     workers = sorted(set(settings["workers"]))
     rows = project(workload, machine, strategies, workers, params, profile["name"],
-                   stragglers_from_config(config.get("stragglers", {})), measured)
+                   stragglers_from_config(config.get("stragglers", {})), measured, measured_exchange)
     write_csv(rows, table)
     write_markdown(rows, table_md, provenance)
     plot(rows, plot_path)
