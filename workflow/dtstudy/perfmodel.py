@@ -281,11 +281,10 @@ def model(name: str):
     return register
 
 
-def _finish(strategy, workload, workers, compute, exchange, exposed, server=0.0, straggler=0.0,
-            step=None, throughput=None) -> Step:
-    step_s = step if step is not None else compute + exposed + server + straggler
-    if throughput is None:
-        throughput = workers * workload.batch / step_s
+def _finish(strategy, workload, workers, compute, exchange, exposed, server=0.0, straggler=0.0) -> Step:
+    """A synchronous step: compute + exposed exchange + shard work + waiting; bound = the largest."""
+    step_s = compute + exposed + server + straggler
+    throughput = workers * workload.batch / step_s
     parts = {"compute": compute, "network": exposed, "server": server, "straggler": straggler}
     bound = max(parts, key=parts.get)
     return Step(strategy, workers, step_s, compute, exchange, exposed, server, straggler, throughput, bound)
@@ -336,6 +335,7 @@ def allreduce_fp16(workload, machine, workers, params, stragglers):
 
 @model("allreduce_bf16")
 def allreduce_bf16(workload, machine, workers, params, stragglers):
+    """As allreduce_fp16, with bfloat16 casts."""
     return _allreduce_family("allreduce_bf16", workload.parameters * 2.0, workload, machine, workers, params,
                              stragglers)
 
