@@ -3,8 +3,9 @@
 Each case is projected from its source's own single-GPU (and, where published, single-node)
 throughput and the hardware the source documents; nothing is fitted to the multi-node
 figure. The same model settings apply to every case: overlap 0 (the model's default),
-fp32 gradients, one all-reduce per fusion buffer / bucket. Prints published vs projected
-side by side with the source of each.
+fp32 gradients, one all-reduce per fusion buffer / bucket; a second column repeats every
+case with overlap 0.5 (sensitivity, not a fit). Prints published vs projected side by side
+with the source of each.
 
     python3 benchmarks/projection_validation.py
 """
@@ -55,16 +56,26 @@ TF_EC2 = {
 EC2_INTER = Link(50e-6, 10e9 / 8)  # documented: 10 Gigabit; latency assumed (TCP/gRPC, ~50 us)
 
 
-def horovod_cases() -> list[dict]:
-    published = {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.68}
+# Horovod's earlier README (2017; kept in forks of uber/horovod, e.g. github.com/bobohuang/horovod):
+# "32 servers with 4 Pascal GPUs each connected by RoCE-capable 25 Gbit/s network": 90%
+# for Inception V3 and ResNet-101, 79% for VGG-16 (128 GPUs)
+HOROVOD_2017 = "https://github.com/bobohuang/horovod (Horovod README of 2017, 128 GPUs)"
+HOROVOD_PUBLISHED = {512: (HOROVOD, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.68}),
+                     128: (HOROVOD_2017, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.79})}
+
+
+def horovod_cases(overlap: float = 0.0) -> list[dict]:
+    machine = dataclasses.replace(HOROVOD_MACHINE, overlap=overlap)
     rows = []
-    for name, efficiency in published.items():
-        workload = Workload(PARAMETERS[name], 4, 64, compute_s=64 / P100_SINGLE[name])
-        params = {"bucket_cap_mb": HOROVOD_FUSION_MB}
-        single = pm.step("allreduce", workload, HOROVOD_MACHINE, 1, params).throughput
-        s = pm.step("allreduce", workload, HOROVOD_MACHINE, 512, params)
-        rows.append({"source": HOROVOD, "case": f"Horovod {name}, 512 GPUs (128 x 4 Pascal, 25 Gbit/s RoCE)",
-                     "published": efficiency, "projected": s.throughput / (512 * single), "bound": s.bound})
+    for gpus, (source, published) in HOROVOD_PUBLISHED.items():
+        for name, efficiency in published.items():
+            workload = Workload(PARAMETERS[name], 4, 64, compute_s=64 / P100_SINGLE[name])
+            params = {"bucket_cap_mb": HOROVOD_FUSION_MB}
+            single = pm.step("allreduce", workload, machine, 1, params).throughput
+            s = pm.step("allreduce", workload, machine, gpus, params)
+            rows.append({"source": source,
+                         "case": f"Horovod {name}, {gpus} GPUs ({gpus // 4} x 4 Pascal, 25 Gbit/s RoCE)",
+                         "published": efficiency, "projected": s.throughput / (gpus * single), "bound": s.bound})
     return rows
 
 
@@ -81,18 +92,19 @@ def hierarchical_ps_exchange(workload: Workload, machine: Machine, workers: int,
     return inside + 2 * pm.ps_phase_time(workload, per_node, nodes, shards, "colocated")
 
 
-def tf_ec2_cases() -> list[dict]:
+def tf_ec2_cases(overlap: float = 0.0) -> list[dict]:
     rows = []
     for name, figures in TF_EC2.items():
         batch = figures["batch"]
         workload = Workload(PARAMETERS[name], 4, batch, compute_s=batch / figures[1])
         # inside the instance: the bandwidth with which the ring inside makes the published 8-GPU rate
-        machine = Machine(8, Link(0.0, float("inf")), EC2_INTER)
+        machine = Machine(8, Link(0.0, float("inf")), EC2_INTER, overlap=overlap)
         machine = dataclasses.replace(machine, intra=fit_intra(workload, machine, "allreduce", {}, figures[8]))
         for n in (16, 32, 64):
             nodes = n // 8
             shards = figures["shards_at_64"] if n == 64 else nodes
-            step = workload.compute_s + hierarchical_ps_exchange(workload, machine, n, shards)
+            exchange = hierarchical_ps_exchange(workload, machine, n, shards)
+            step = workload.compute_s + max(0.0, exchange - overlap * workload.compute_s)
             throughput = n * batch / step
             rows.append({"source": TF_BENCH, "case": f"TF EC2 {name}, {n} GPUs ({nodes} x p2.8xlarge, {shards} PS)",
                          "published": figures[n] / (n * figures[1]), "projected": throughput / (n * figures[1]),
@@ -100,20 +112,30 @@ def tf_ec2_cases() -> list[dict]:
     return rows
 
 
+#: the sensitivity column: the exchange hides behind half of the compute (backward is about
+#: 2/3 of it and its gradients become ready through it), the same for every case
+OVERLAP_SENSITIVITY = 0.5
+
+
 def main() -> int:
     rows = horovod_cases() + tf_ec2_cases()
-    print(f"{'case':62s} {'published':>9s} {'projected':>9s} {'diff':>7s}  bound")
-    misses = 0
-    for row in rows:
+    other = horovod_cases(OVERLAP_SENSITIVITY) + tf_ec2_cases(OVERLAP_SENSITIVITY)
+    print(f"{'case':62s} {'published':>9s} {'projected':>9s} {'diff':>7s}  bound    | overlap {OVERLAP_SENSITIVITY}")
+    misses = misses_other = 0
+    for row, alt in zip(rows, other):
         diff = row["projected"] / row["published"] - 1
+        diff_other = alt["projected"] / alt["published"] - 1
         misses += abs(diff) > 0.10
-        flag = "" if abs(diff) <= 0.10 else "  MISS (>10%)"
+        misses_other += abs(diff_other) > 0.10
+        flag = "     " if abs(diff) <= 0.10 else " MISS"
         print(f"{row['case']:62s} {100 * row['published']:8.1f}% {100 * row['projected']:8.1f}% "
-              f"{100 * diff:+6.1f}%  {row['bound']}{flag}")
-    print("\nefficiency = throughput(N) / (N x throughput(1)); diff = projected / published - 1")
-    print("sources:", HOROVOD, ";", TF_BENCH, ";", AWS_P2)
-    print("settings for every case: overlap 0, fp32 gradients; assumptions in each case's comment")
-    print(f"{len(rows) - misses} of {len(rows)} within 10%")
+              f"{100 * diff:+6.1f}%  {row['bound']:7s}{flag}| {100 * alt['projected']:5.1f}% {100 * diff_other:+6.1f}%")
+    print("\nefficiency = throughput(N) / (N x throughput(1)); diff = projected / published - 1; MISS: beyond 10%")
+    print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2)
+    print("settings for every case: overlap 0 (the model's default), fp32 gradients; assumptions in each case's "
+          f"comment; last columns: the same with overlap {OVERLAP_SENSITIVITY} for every case")
+    print(f"{len(rows) - misses} of {len(rows)} within 10% (overlap 0); "
+          f"{len(rows) - misses_other} of {len(rows)} with overlap {OVERLAP_SENSITIVITY}")
     return 0
 
 
