@@ -320,7 +320,7 @@ def test_model_predicts_measured_n2_on_this_machine(tmp_path):
         pytest.skip(f"the 2 cores are shared with other work (2 busy processes get {bench['cpu_share']['2']:.2f} "
                     f"of a core each): a throughput comparison would measure that contention")
     study = tiny_study(strategies=ON_MACHINE, workers=[1, 2],
-                       dataset={"subset": 6000},
+                       dataset={"subset": 9000},  # 8100 training images: 63 steps of 2 x 64
                        train={"epochs": 1, "batch_size": 64, "max_steps": 60, "steady_state_skip": 10})
     targets = ["results/runs/allreduce/n1/seed0/metrics.json"] + [
         f"results/runs/{s}/n2/seed0/metrics.json" for s in ON_MACHINE]
