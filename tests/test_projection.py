@@ -391,7 +391,7 @@ def test_project_rule_on_recorded_runs(tmp_path):
                fake_run(tmp_path / "g2", "gossip", 2, 13000.0, 0.0008, 61706 * 4)]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
-             "jitter": {"skew_fraction": 0.05}, "cpu_share": {"1": 1.0, "2": 1.0}}
+             "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
     import json
 
     (tmp_path / "bench.json").write_text(json.dumps(bench))

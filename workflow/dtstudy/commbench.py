@@ -62,21 +62,50 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, qu
         queue.put(results)
 
 
+def _burst_net():
+    """A LeNet-5-sized conv net and a batch of 64 28x28 images: a burst is one forward and
+    backward, the kind of work (memory traffic, not only arithmetic) a training step does."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84),
+                        nn.ReLU(), nn.Linear(84, 10))
+    images = torch.randn(64, 1, 28, 28)
+
+    def burst() -> float:
+        start = time.perf_counter()
+        net(images).sum().backward()
+        net.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return burst
+
+
+def burst_mean(count: int = 40) -> float:
+    """Mean time of one burst on one process alone (this process, one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    burst = _burst_net()
+    samples = [burst() for _ in range(count + 5)][5:]
+    return sum(samples) / len(samples)
+
+
 def _bursts(rank: int, world: int, count: int = 40) -> dict:
-    """Identical compute bursts (about a LeNet-5 step) on every process at once, between
-    barriers: the spread of their times is the natural jitter a synchronous step waits out."""
+    """The same burst on every process at once, between barriers: the mean gives the compute
+    slowdown of `world` busy workers, the spread the natural jitter a barrier waits out."""
     import torch
     import torch.distributed as dist
 
-    a = torch.randn(160, 160)
+    burst = _burst_net()
     samples = []
     for i in range(count + 5):
         dist.barrier()
-        start = time.perf_counter()
-        for _ in range(120):
-            a @ a
+        elapsed = burst()
         if i >= 5:
-            samples.append(time.perf_counter() - start)
+            samples.append(elapsed)
     mine = torch.tensor(samples, dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
@@ -176,6 +205,7 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     results = queue.get()
     for worker in workers:
         worker.join()
+    alone = burst_mean()
     return {
         "processes": processes,
         "backend": "gloo",
@@ -185,6 +215,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
         "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
         "kernels_s_per_byte": _kernel_seconds_per_byte(repeats),
         "jitter": results["bursts"],
+        "burst_alone_s": alone,
+        "compute_scale": {"1": 1.0, str(processes): results["bursts"]["mean_s"] / alone},
         "cpu_share": {str(k): cpu_share(k) for k in range(1, processes + 1)},
         "host": socket.gethostname(),
         "cores": os.cpu_count(),

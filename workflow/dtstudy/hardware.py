@@ -153,10 +153,9 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         kwargs["compression_s_per_byte"] = {k: v for k, v in kernels.items() if k.startswith("allreduce_")}
         kwargs["server_bandwidth"] = 1.0 / kernels["server_pass"]
         kwargs["skew_fraction"] = commbench["jitter"]["skew_fraction"]
-        shares = {int(k): v for k, v in commbench["cpu_share"].items()}
-        kwargs["compute_scale"] = {k: shares[1] / v for k, v in shares.items()}
-        source.update(jitter="measured (identical bursts on 2 processes, this machine)",
-                      compute_scale="measured (core share of 1 vs k busy processes, this machine)")
+        kwargs["compute_scale"] = {int(k): v for k, v in commbench["compute_scale"].items()}
+        source.update(jitter="measured (identical conv-net bursts on 2 processes, this machine)",
+                      compute_scale="measured (conv-net burst time with 2 busy processes over 1 alone, this machine)")
         source.update(intra_node="measured (gloo all-reduce and send/recv fits, this machine)",
                       compression="measured (kernels, this machine)", server="measured (kernels, this machine)")
     elif intra_section is None:
