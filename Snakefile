@@ -16,6 +16,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/project.smk"
 
 
 # The study's warm pool (local runs) is not needed once Snakemake is done.
@@ -30,4 +31,5 @@ onerror:
 rule all:
     input:
         rules.aggregate.output,
+        rules.project.output,
     default_target: True

@@ -31,7 +31,7 @@ def test_default_study_dag_runs_every_strategy():
     assert default["strategies"] == list(STRATEGIES) and default["workers"] == [1, 2, 4]
     runs = len(STRATEGIES) * 3
     assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
-                                         "aggregate": 1, "all": 1}
+                                         "aggregate": 1, "commbench": 1, "project": 1, "all": 1}
 
 
 @pytest.mark.parametrize("workers, seeds", [([1, 2, 4, 8], [0, 1, 2]), ([3], [7])])

@@ -119,6 +119,45 @@ def cmd_aggregate(args) -> None:
     )
 
 
+def cmd_project(args) -> None:
+    """Projection of throughput and efficiency (dtstudy.projection): a measurement file and
+    a hardware profile, or (--study) the project rule's study runs and comm benchmark."""
+    from . import projection
+
+    if args.study:
+        projection.run_study(args.metrics, args.commbench, _config(args), args.out, args.out_md, args.plot)
+        print(f"projection written to {args.out}, {args.out_md}, {args.plot}")
+        return
+    if args.commbench_out:
+        from . import commbench
+
+        commbench.write(args.commbench_out)
+        print(f"communication benchmark written to {args.commbench_out}")
+        return
+    for flag in ("measured", "hardware", "strategies", "workers"):
+        if getattr(args, flag) is None:
+            raise config_module.ConfigError(f"project: --{flag} is required (or --study / --commbench-out)")
+    rows = projection.run_command(args.measured, args.hardware, args.strategies, args.workers, args.out)
+    print(f"{len(rows)} projections written to {args.out}")
+
+
+def _add_project_parser(commands) -> None:
+    p = commands.add_parser("project", help="project throughput and efficiency to many GPUs (alpha-beta model)")
+    p.add_argument("--measured", help="measurement file: model, per_worker_batch, throughput {N: images/s}")
+    p.add_argument("--hardware", help="hardware profile: a path or a name in config/hardware/")
+    p.add_argument("--strategies", help="comma-separated strategy names")
+    p.add_argument("--workers", help="comma-separated worker counts N")
+    p.add_argument("--out", default="projection.csv", help="CSV to write (a .md beside it)")
+    p.add_argument("--study", action="store_true", help="the project rule: --metrics, --commbench, --config-json")
+    p.add_argument("--metrics", nargs="*", default=[], help="with --study: the runs' metrics.json files")
+    p.add_argument("--commbench", help="with --study: this machine's communication benchmark (JSON)")
+    p.add_argument("--out-md", help="with --study: the Markdown table")
+    p.add_argument("--plot", help="with --study: the plot (PNG)")
+    p.add_argument("--commbench-out", help="run this machine's communication benchmark into this JSON file")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_project)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dtstudy", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", required=True)
     p.add_argument("--plots", required=True)
     p.set_defaults(func=cmd_aggregate)
+
+    _add_project_parser(commands)
     return parser
 
 

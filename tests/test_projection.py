@@ -1,0 +1,367 @@
+"""The alpha-beta performance model (dtstudy.perfmodel, calibration, hardware, projection):
+hand-computed cases of every strategy's formula, the alpha-beta fit, straggler order
+statistics, bad inputs, the `project` command on a measurement file alone, and the model
+against this machine's measured N=2 throughput."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+from dtstudy import calibration, hardware, perfmodel as pm, projection
+from dtstudy.config import ConfigError
+from dtstudy.perfmodel import Link, Machine, Stragglers, Workload
+
+WORKFLOW = str(REPO / "workflow")
+
+# 1e6 parameters (4 MB of gradients), batch 10, 0.1 s of compute; 4 GPUs per node;
+# inside: 10 us, 1 GB/s; between nodes: 100 us, 100 MB/s
+W = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1, powersgd_ratio=0.1)
+MACHINE = Machine(gpus_per_node=4, intra=Link(1e-5, 1e9), inter=Link(1e-4, 1e8))
+
+
+def knobs(name, **extra):
+    params = dict(pm.knob_defaults()[name])
+    if "shards" in params:
+        params["placement"] = "colocated"
+    return {**params, **extra}
+
+
+def step_time(name, n, machine=MACHINE, workload=W, stragglers=pm.NO_STRAGGLERS, **extra):
+    return pm.step(name, workload, machine, n, knobs(name, **extra), stragglers)
+
+
+# ----- every strategy's formula, computed by hand ------------------------------------------
+# N=8 = 2 nodes of 4. Hierarchical all-reduce of 4e6 bytes: inside 2*3*1e-5 + 2*(3/4)*4e6/1e9
+# = 0.00606 s; across 2 nodes 2*1*1e-4 + 2*(1/2)*4e6/1e8 = 0.0402 s.
+ALLREDUCE_8 = 0.00606 + 0.0402
+
+
+def test_allreduce_hand_computed():
+    s = step_time("allreduce", 8)
+    assert s.exchange_s == pytest.approx(ALLREDUCE_8, rel=1e-9)
+    assert s.step_s == pytest.approx(0.1 + ALLREDUCE_8, rel=1e-9)
+    assert s.throughput == pytest.approx(80 / (0.1 + ALLREDUCE_8), rel=1e-9)
+    assert step_time("allreduce", 1).throughput == pytest.approx(100.0)  # unwrapped: compute alone
+    # overlap: a quarter of the compute (0.025 s) hides that much of the exchange
+    overlapped = pm.step("allreduce", W, Machine(4, MACHINE.intra, MACHINE.inter, overlap=0.25), 8, knobs("allreduce"))
+    assert overlapped.exposed_s == pytest.approx(ALLREDUCE_8 - 0.025, rel=1e-9)
+    # 2 buckets of 2 MiB: twice the latency terms
+    two = step_time("allreduce", 8, bucket_cap_mb=2)
+    assert two.exchange_s == pytest.approx(ALLREDUCE_8 + 6e-5 + 2e-4, rel=1e-9)
+
+
+def test_half_precision_hand_computed():
+    # N=4, one node: 2e6 bytes: 6e-5 + 1.5 * 2e6 / 1e9 = 0.00306; casts: 3 passes of 4e6 at 10 GB/s
+    machine = Machine(4, MACHINE.intra, MACHINE.inter, compression_bandwidth=1e10)
+    for name in ("allreduce_fp16", "allreduce_bf16"):
+        assert step_time(name, 4).exchange_s == pytest.approx(0.00306, rel=1e-9)
+        assert step_time(name, 4, machine=machine).exchange_s == pytest.approx(0.00306 + 3 * 4e6 / 1e10, rel=1e-9)
+
+
+def test_powersgd_hand_computed():
+    # 10% of the bytes, two all-reduces (P, Q) per bucket: 2*3*2*1e-5 + 1.5 * 4e5 / 1e9
+    assert step_time("allreduce_powersgd", 4).exchange_s == pytest.approx(1.2e-4 + 6e-4, rel=1e-9)
+    assert calibration.powersgd_ratio([[100, 100], [10, 1]], rank=2) == pytest.approx((400 + 10) / 10010)
+
+
+def test_onebit_hand_computed():
+    # message 1e6/8 bytes; all-gather inside 3*1e-5 + 3*125000/1e9, across 1e-4 + 4*125000/1e8;
+    # 1e-9 s per byte: quantise once (half) + dequantise 8 messages (half each)
+    machine = Machine(4, MACHINE.intra, MACHINE.inter, compression_s_per_byte={"allreduce_onebit": 1e-9})
+    comm = 3e-5 + 3.75e-4 + 1e-4 + 5e-3
+    assert step_time("allreduce_onebit", 8).exchange_s == pytest.approx(comm, rel=1e-9)
+    assert step_time("allreduce_onebit", 8, machine=machine).exchange_s == pytest.approx(comm + 2e-3 * 9, rel=1e-9)
+
+
+def test_parameter_server_hand_computed():
+    # N=8, S=2 colocated, one shard per node: a node's NIC takes 4 remote workers' halves
+    # (8e6) in and sends its 4 workers' halves (8e6) out: 8 * 1e-4 + 8e6/1e8 per phase
+    phase = 8e-4 + 0.08
+    sync = step_time("ps_sync", 8, shards=2)
+    assert sync.exchange_s == pytest.approx(2 * phase, rel=1e-9)
+    assert sync.step_s == pytest.approx(0.1 + 2 * phase, rel=1e-9)
+    # one shard, dedicated: its NIC takes all 8 gradients: 8e-4 + 3.2e7/1e8
+    dedicated = step_time("ps_sync", 8, shards=1, placement="dedicated")
+    assert dedicated.exchange_s == pytest.approx(2 * (8e-4 + 0.32), rel=1e-9)
+    assert dedicated.bound == "network"
+    # the shard's work: (8 sums + 4 update passes) of its 2e6-byte slice at 1 GB/s
+    machine = Machine(4, MACHINE.intra, MACHINE.inter, server_bandwidth=1e9)
+    assert step_time("ps_sync", 8, machine=machine, shards=2).server_s == pytest.approx(12 * 2e6 / 1e9, rel=1e-9)
+    # without stragglers backup workers and SSP cost what ps_sync costs
+    for name in ("ps_backup", "ssp"):
+        assert step_time(name, 8, shards=2).step_s == pytest.approx(sync.step_s, rel=1e-12)
+
+
+def test_ps_async_hand_computed():
+    # a worker's unloaded round trip 2 (1e-4 + 4e6/1e8) = 0.0802; 8 workers each 10 images per
+    # 0.1802 s; the links' round (0.0808, as one ps_sync phase) is shorter: compute-bound
+    s = step_time("ps_async", 8, shards=2)
+    assert s.throughput == pytest.approx(80 / 0.1802, rel=1e-9)
+    assert s.bound == "compute"
+    # one dedicated shard: a round needs 3.2e7 bytes through its NIC, 0.3208 s: network-bound
+    s = step_time("ps_async", 8, shards=1, placement="dedicated")
+    assert s.throughput == pytest.approx(80 / (8e-4 + 0.32), rel=1e-9)
+    assert s.bound == "network"
+
+
+def test_local_and_gossip_hand_computed():
+    # local SGD: parameters + momentum (8e6 bytes) all-reduced every H=8 steps
+    local = (6e-5 + 1.5 * 8e6 / 1e9) + (2e-4 + 8e6 / 1e8)
+    assert step_time("local_sgd", 8).exchange_s == pytest.approx(local / 8, rel=1e-9)
+    assert step_time("local_sgd", 8, period=2).exchange_s == pytest.approx(local / 2, rel=1e-9)
+    assert step_time("easgd", 8).exchange_s == pytest.approx(ALLREDUCE_8 / 8, rel=1e-9)
+    # gossip ring at N=8: 2 neighbours inside (2e-5 + 8e6/1e9); 2 crossings of each NIC (2e-4 + 8e6/1e8)
+    assert step_time("gossip", 8).exchange_s == pytest.approx(2e-4 + 0.08, rel=1e-9)
+    assert step_time("gossip", 2).exchange_s == pytest.approx(1e-5 + 4e6 / 1e9, rel=1e-9)  # one peer at N=2
+    assert pm.gossip_degree("random_pairs", 8) == 1
+
+
+def test_registry_matches_the_strategies():
+    from dtstudy.strategies import STRATEGIES
+
+    assert set(pm.MODELS) == set(STRATEGIES)
+    # the knobs a run really gets when it sets none (the registry's check fills the defaults)
+    assert pm.knob_defaults() == {name: cls.check_params({}, 2) for name, cls in STRATEGIES.items()}
+
+
+# ----- stragglers: order statistics -------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 16])
+def test_expected_max_of_exponentials_is_mean_times_harmonic_number(k):
+    harmonic = sum(1 / i for i in range(1, k + 1))
+    assert pm.expected_order_statistic("exponential", 0.01, k, k) == pytest.approx(0.01 * harmonic)
+    assert pm.expected_order_statistic("uniform", 0.01, k, k) == pytest.approx(0.02 * k / (k + 1))
+    assert pm.expected_order_statistic("fixed", 0.01, k, k) == 0.01
+
+
+def _simulated(distribution, mean, draws, pick, samples=20000, window=1):
+    rng = random.Random(7)
+
+    def draw():
+        if distribution == "uniform":
+            return rng.uniform(0, 2 * mean)
+        return rng.expovariate(1 / mean)
+
+    total = 0.0
+    for _ in range(samples):
+        values = sorted(sum(draw() for _ in range(window)) / window for _ in range(draws))
+        total += pick(values)
+    return total / samples
+
+
+@pytest.mark.parametrize("distribution", ["exponential", "uniform"])
+def test_order_statistics_match_simulation(distribution):
+    # the (N-k)-th of 6 slow workers (ps_backup k=2) and the slowest mean over windows of 4 steps
+    assert pm.expected_order_statistic(distribution, 1.0, 4, 6) == pytest.approx(
+        _simulated(distribution, 1.0, 6, lambda v: v[3]), rel=0.03)
+    assert pm.expected_max_of_window_means(distribution, 1.0, 6, 4) == pytest.approx(
+        _simulated(distribution, 1.0, 6, lambda v: v[-1], samples=8000, window=4), rel=0.03)
+
+
+def test_stragglers_in_the_step():
+    slow = Stragglers(delay_s=0.05, distribution="exponential", fraction=0.5)  # 4 of 8 workers
+    h4 = 1 + 1 / 2 + 1 / 3 + 1 / 4
+    base = step_time("ps_sync", 8, shards=2).step_s
+    assert step_time("ps_sync", 8, stragglers=slow, shards=2).step_s == pytest.approx(base + 0.05 * h4)
+    # backup k=2: the 6th arrival of 8 = the 2nd of the 4 slow ones: 0.05 (1/4 + 1/3)
+    assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup=2).straggler_s == pytest.approx(
+        0.05 * (1 / 4 + 1 / 3))
+    # backup k=4: the 4 fast ones make the update
+    assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup=4).straggler_s == 0
+    # asynchronous: 4 workers at 0.1802 s, 4 at 0.2302 s, nobody waits for anybody
+    rate = 4 / 0.1802 + 4 / 0.2302
+    assert step_time("ps_async", 8, stragglers=slow, shards=2).throughput == pytest.approx(10 * rate, rel=1e-9)
+    # SSP's slack: less waiting than ps_sync, more than nothing
+    ssp = step_time("ssp", 8, stragglers=slow, shards=2).straggler_s
+    assert 0 < ssp < 0.05 * h4
+
+
+# ----- calibration -----------------------------------------------------------------------
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, bandwidth = 3e-5, 2.5e9
+    sizes = [2**k for k in range(10, 23)]
+    rng = random.Random(1)
+    p2p = [[m, (alpha + m / bandwidth) * (1 + rng.uniform(-0.01, 0.01))] for m in sizes]
+    fit = calibration.fit_p2p(p2p)
+    assert fit["latency_s"] == pytest.approx(alpha, rel=0.15)
+    assert fit["bandwidth"] == pytest.approx(bandwidth, rel=0.02)
+    # ring all-reduce over 4 processes: 6 alpha + 1.5 m / B, exact
+    ring = [[m, pm.ring_allreduce_time(m, 4, Link(alpha, bandwidth))] for m in sizes]
+    fit = calibration.fit_allreduce(ring, 4)
+    assert fit["latency_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["bandwidth"] == pytest.approx(bandwidth, rel=1e-6)
+
+
+# ----- bad inputs, and the command on a measurement file alone --------------------------------
+
+
+def write_inputs(tmp_path, measured=None, hardware_profile=None):
+    m = measured or {"model": {"name": "resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
+                     "per_worker_batch": 64, "throughput": {1: 52.4, 8: 378}}
+    h = hardware_profile or {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50},
+                             "strategy_params": {"ps_sync": {"shards": 8, "placement": "colocated"}}}
+    (tmp_path / "M.yaml").write_text(yaml.safe_dump(m))
+    (tmp_path / "H.yaml").write_text(yaml.safe_dump(h))
+    return str(tmp_path / "M.yaml"), str(tmp_path / "H.yaml")
+
+
+def run_main(argv):
+    from dtstudy.__main__ import main
+
+    return main(argv)
+
+
+def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
+    return ["project", "--measured", m, "--hardware", h, "--strategies", strategies, "--workers", workers, "--out", out]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("no_n1", ["throughput", "N=1", "[8]"]),
+    ("unknown_strategy", ["--strategies", "'allreduse'", "allowed:", "ps_sync"]),
+    ("negative_bandwidth", ["inter_node", "bandwidth_gbit_s", "-10", "positive"]),
+    ("missing_key", ["per_worker_batch", "missing"]),
+    ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "colocated or dedicated"]),
+    ("bad_period", ["strategy_params.local_sgd.period", "0", "whole number >= 1"]),
+])
+def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
+    measured = {"model": {"name": "x", "parameters": 1000, "bytes_per_parameter": 4}, "per_worker_batch": 8,
+                "throughput": {1: 10.0, 8: 70.0}}
+    profile = {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50}}
+    strategies = "allreduce,ps_sync"
+    if case == "no_n1":
+        measured["throughput"] = {8: 70.0}
+    elif case == "unknown_strategy":
+        strategies = "allreduse"
+    elif case == "negative_bandwidth":
+        profile["inter_node"]["bandwidth_gbit_s"] = -10
+    elif case == "missing_key":
+        del measured["per_worker_batch"]
+    elif case == "bad_placement":
+        profile["strategy_params"] = {"ps_sync": {"placement": "everywhere"}}
+    elif case == "bad_period":
+        profile["strategy_params"] = {"local_sgd": {"period": 0}}
+        strategies = "local_sgd"
+    m, h = write_inputs(tmp_path, measured, profile)
+    out = tmp_path / "p.csv"
+    assert run_main(project_args(m, h, str(out), strategies)) == 2
+    message = capsys.readouterr().err
+    for part in expected:
+        assert part in message
+    assert not out.exists()  # stopped before any work
+
+
+def test_command_on_a_measurement_file_alone(tmp_path):
+    m, h = write_inputs(tmp_path)
+    out = tmp_path / "projection.csv"
+    script = ("import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": WORKFLOW}
+    done = subprocess.run([sys.executable, "-c", script, *project_args(m, h, str(out), workers="1,8,16,32,64")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(out) as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0])[:9] == ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s",
+                                 "step_exchange_s", "bound", "profile"]
+    assert [(r["strategy"], int(r["workers"])) for r in rows] == [
+        (s, n) for s in ("allreduce", "ps_sync") for n in (1, 8, 16, 32, 64)]
+    allreduce = {int(r["workers"]): r for r in rows if r["strategy"] == "allreduce"}
+    assert float(allreduce[1]["throughput"]) == pytest.approx(52.4)  # the measured N=1
+    assert float(allreduce[8]["throughput"]) == pytest.approx(378, rel=1e-3)  # intra_node fitted to N=8
+    efficiency = [float(allreduce[n]["efficiency"]) for n in (8, 16, 32, 64)]
+    assert efficiency == sorted(efficiency, reverse=True) and efficiency[-1] < efficiency[0]
+    # N=16, 8 shards on 2 nodes: each NIC takes 8 remote workers' halves of the model (4 M) in
+    # and sends as much out, per phase: 16 messages of 50 us + 4 M at 1.25 GB/s; push and pull
+    ps16 = next(r for r in rows if r["strategy"] == "ps_sync" and r["workers"] == "16")
+    assert float(ps16["step_exchange_s"]) == pytest.approx(2 * (16 * 50e-6 + 4 * 25557032 * 4 / 1.25e9), rel=1e-4)
+    assert "fitted" in (tmp_path / "projection.md").read_text()
+
+
+def test_profiles_load_and_say_where_values_came_from():
+    for name in ("minotauro_k80", "h100_ib400"):
+        profile = hardware.load_profile(name)
+        machine, source, needs_fit = hardware.machine_from_profile(profile)
+        assert not needs_fit and machine.gpus_per_node in (4, 8) and source["inter_node"] == "profile"
+    profile = hardware.load_profile("this_machine")
+    with pytest.raises(ConfigError, match="intra_node"):
+        hardware.machine_from_profile(profile)  # 'measured' needs the benchmark
+    with pytest.raises(ConfigError, match="projection.hardware"):
+        hardware.load_profile("no_such_profile")
+
+
+def test_natural_jitter_and_shared_cores():
+    # E[max of 2 standard normals] = 1/sqrt(pi); of 3: 3/(2 sqrt(pi))
+    assert pm.expected_normal_order_statistic(2, 2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert pm.expected_normal_order_statistic(3, 3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-4)
+    # a measured skew of 10% of the step at N=2 costs exactly that at N=2, more at N=3,
+    # nothing to the asynchronous workers; 2 busy workers at half a core each: compute x 2
+    machine = Machine(4, MACHINE.intra, MACHINE.inter, skew_fraction=0.1, compute_scale={2: 2.0})
+    base = step_time("allreduce", 2)
+    jittery = step_time("allreduce", 2, machine=machine)
+    assert jittery.step_s == pytest.approx(2 * 0.1 + (base.step_s - 0.1) + 0.1 * 0.2, rel=1e-4)
+    assert step_time("allreduce", 3, machine=machine).straggler_s == pytest.approx(0.1 * 0.1 * 1.5, rel=1e-4)
+    assert step_time("ps_async", 2, machine=machine).straggler_s == pytest.approx(0, abs=1e-12)
+
+
+def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step):
+    import json
+
+    folder.mkdir(parents=True)
+    step = 64 * workers / throughput
+    metrics = {"strategy": strategy, "workers": workers, "seed": 0, "throughput": throughput,
+               "step_time": {"total_s": step, "compute_s": step - comm_s, "comm_s": comm_s, "data_s": 0.0},
+               "bytes_per_step": bytes_per_step, "per_worker_batch": 64, "environment": {"oversubscribed": False},
+               "strategy_params": {}}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    return str(folder / "metrics.json")
+
+
+def test_project_rule_on_recorded_runs(tmp_path):
+    # what the rule reads: metrics.json files and the benchmark's JSON; 61706 parameters
+    ring = 2 * (2 - 1) / 2 * 61706 * 4
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
+               fake_run(tmp_path / "g2", "gossip", 2, 13000.0, 0.0008, 61706 * 4)]
+    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+             "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
+             "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    import json
+
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"strategies": ["allreduce", "gossip"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [1, 2, 64, 1024], "hardware": "this_machine"}}
+    out = tmp_path / "tables/projection.csv"
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(out),
+                                str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
+    assert (tmp_path / "plots/projection.png").stat().st_size > 10_000
+    with open(out) as handle:
+        written = list(csv.DictReader(handle))
+    assert [(r["strategy"], int(r["workers"])) for r in written] == [
+        (s, n) for s in ("allreduce", "gossip") for n in (1, 2, 64, 1024)]
+    first = {(r["strategy"], r["workers"]): r for r in rows}
+    # compute = the N=1 step 64/8000 s; allreduce at N=2: + the fitted all-reduce of the
+    # 246824-byte gradient over 2 processes (2 x 1e-4 + 246824/2e9) + 5% jitter
+    t_c = 64 / 8000
+    expected = t_c + 2e-4 + 246824 / 2e9 + 0.05 * t_c
+    assert first[("allreduce", 2)]["throughput"] == pytest.approx(128 / expected, rel=1e-3)
+    assert first[("allreduce", 2)]["measured_throughput"] == 14000.0
+    assert first[("gossip", 2)]["measured_exchange_s"] == 0.0008
+    assert first[("allreduce", 1024)]["bound"] in {"network", "straggler"}
+    assert "measured (gloo" in (tmp_path / "tables/projection.md").read_text()
+    # without an N=1 run: the per-worker compute (exchange excluded) at the smallest N, both runs
+    workload, source = calibration.workload_from_runs(calibration.read_runs(metrics[1:]), 61706)
+    assert workload.compute_s == pytest.approx(((128 / 14000 - 0.0005) + (128 / 13000 - 0.0008)) / 2)
+    assert "N=2" in source["compute_s"]

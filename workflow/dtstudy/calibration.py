@@ -1,0 +1,168 @@
+"""Calibration from measurements: alpha-beta fits, a measurement file (M.yaml), or a study's metrics.json files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError
+from .perfmodel import Workload
+
+
+def least_squares_line(points: list[list[float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (x, y) points."""
+    if len(points) < 2:
+        raise ValueError("a fit needs at least two (size, seconds) points")
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    slope = sxy / sxx
+    return my - slope * mx, slope
+
+
+def fit_p2p(points: list[list[float]]) -> dict:
+    """One-way message time t = alpha + m / B: alpha (s) and B (bytes/s)."""
+    intercept, slope = least_squares_line(points)
+    return {"latency_s": max(intercept, 0.0), "bandwidth": 1.0 / slope}
+
+
+def fit_allreduce(points: list[list[float]], participants: int) -> dict:
+    """Ring all-reduce over p processes, t = 2 (p-1) alpha + 2 (p-1)/p m / B: per-link alpha and B."""
+    intercept, slope = least_squares_line(points)
+    p = participants
+    return {"latency_s": max(intercept, 0.0) / (2 * (p - 1)), "bandwidth": 2 * (p - 1) / p / slope}
+
+
+# ----- a measurement file (what was measured on one node) ------------------------------
+
+
+def _require(mapping: dict, key: str, where: str):
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise ConfigError(f"{where}: key '{key}' is missing")
+    return mapping[key]
+
+
+def _positive(value, key: str, where: str, kind=(int, float)) -> float:
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise ConfigError(f"{where}: key '{key}': {value!r} is not allowed; a positive number is needed")
+    return value
+
+
+def load_measured(path: str | Path) -> dict:
+    """Read and check M.yaml: model {name, parameters, bytes_per_parameter}, per_worker_batch,
+    throughput {N: images/s} with N=1; optional model.tensors, model.matrices [[n, m], ...]."""
+    where = f"measurement file {path}"
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping with keys model, per_worker_batch, throughput")
+    model = _require(data, "model", where)
+    for key in ("name", "parameters", "bytes_per_parameter"):
+        _require(model, key, where + " model")
+    _positive(model["parameters"], "model.parameters", where, int)
+    _positive(model["bytes_per_parameter"], "model.bytes_per_parameter", where, int)
+    batch = _positive(_require(data, "per_worker_batch", where), "per_worker_batch", where, int)
+    throughput = _require(data, "throughput", where)
+    if not isinstance(throughput, dict) or not throughput:
+        raise ConfigError(f"{where}: key 'throughput': {throughput!r} is not allowed; a mapping N -> images/s")
+    measured = {}
+    for n, value in throughput.items():
+        try:
+            workers = int(n)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: key 'throughput.{n}': N must be a whole number") from None
+        measured[workers] = float(_positive(value, f"throughput.{n}", where))
+    if 1 not in measured:
+        raise ConfigError(f"{where}: key 'throughput': {sorted(measured)} has no N=1; the images/s of one "
+                          f"worker is required (it calibrates the compute time)")
+    return {"model": model, "per_worker_batch": batch, "throughput": measured, "source": str(path)}
+
+
+def powersgd_ratio(matrices: list, rank: int) -> float:
+    """Share of the gradient's values PowerSGD all-reduces: a matrix n x m goes as rank-r P
+    (n x r) and Q (m x r) when that is smaller (torch's rule), whole otherwise."""
+    total = sent = 0
+    for n, m in matrices:
+        total += n * m
+        sent += (n + m) * rank if (n + m) * rank < n * m else n * m
+    return sent / total
+
+
+def workload_from_measured(measured: dict, rank: int = 2) -> Workload:
+    model = measured["model"]
+    batch = measured["per_worker_batch"]
+    ratio = powersgd_ratio(model["matrices"], rank) if model.get("matrices") else None
+    return Workload(parameters=int(model["parameters"]), bytes_per_parameter=int(model["bytes_per_parameter"]),
+                    batch=batch, compute_s=batch / measured["throughput"][1], tensors=int(model.get("tensors", 0)),
+                    powersgd_ratio=ratio)
+
+
+# ----- a study's runs ------------------------------------------------------------------
+
+
+def read_runs(paths: list[str | Path]) -> list[dict]:
+    """The fields of metrics.json the model uses, one dict per run."""
+    runs = []
+    for path in paths:
+        m = json.loads(Path(path).read_text())
+        st = m["step_time"]
+        runs.append({
+            "strategy": m["strategy"], "workers": m["workers"], "seed": m["seed"], "throughput": m["throughput"],
+            "compute_s": st["compute_s"], "comm_s": st["comm_s"], "data_s": st["data_s"], "total_s": st["total_s"],
+            "bytes_per_step": m["bytes_per_step"], "per_worker_batch": m["per_worker_batch"],
+            "oversubscribed": m["environment"].get("oversubscribed", False),
+            "strategy_params": m.get("strategy_params", {}),
+        })
+    return runs
+
+
+def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> tuple[Workload, dict]:
+    """Compute time per step from the N=1 runs (mean over strategies and seeds that train
+    unwrapped at N=1: their step is forward, backward, update and batch assembly); PowerSGD's
+    byte share from its measured bytes at N>1. Returns the workload and what it came from."""
+    single = [r for r in runs if r["workers"] == 1 and r["comm_s"] == 0]
+    if single:
+        compute = sum(r["total_s"] + r["data_s"] for r in single) / len(single)
+        what = f"mean step (total + data) of {len(single)} N=1 run(s) without exchange"
+    else:  # no N=1: the per-worker compute (exchange excluded) at the smallest N that ran
+        smallest = min(r["workers"] for r in runs)
+        single = [r for r in runs if r["workers"] == smallest]
+        compute = sum(r["compute_s"] + r["data_s"] for r in single) / len(single)
+        what = f"mean per-worker compute + data of {len(single)} run(s) at N={smallest} (no N=1 ran)"
+    batch = single[0]["per_worker_batch"]
+    ratio = None
+    powersgd = [r for r in runs if r["strategy"] == "allreduce_powersgd" and r["workers"] > 1]
+    if powersgd:
+        r = powersgd[0]
+        ring = 2 * (r["workers"] - 1) / r["workers"] * parameters * 4
+        ratio = r["bytes_per_step"] / ring
+    workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=compute,
+                        tensors=tensors, powersgd_ratio=ratio)
+    source = {"compute_s": what,
+              "powersgd_ratio": "measured bytes_per_step" if ratio is not None else "not measured"}
+    return workload, source
+
+
+def parameters_from_checkpoint(path: str | Path) -> int:
+    """Trainable-looking values of a run's model.pt (floating tensors, batch-norm statistics
+    left out); torch is imported here only."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return sum(t.numel() for k, t in state.items() if t.is_floating_point() and "running_" not in k)
+
+
+def parameters_from_runs(runs: list[dict]) -> int | None:
+    """The model's parameter count, from the bytes a plain all-reduce run sent (2 (N-1)/N x 4 P)."""
+    for r in runs:
+        if r["strategy"] in ("allreduce", "easgd") and r["workers"] > 1 and r["bytes_per_step"] > 0:
+            return round(r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"]) / 4)
+        if r["strategy"] in ("ps_sync", "ps_async", "ps_backup", "ssp") and r["bytes_per_step"] > 0:
+            return round(r["bytes_per_step"] / 4)  # the gradient plus a small header per shard
+    return None

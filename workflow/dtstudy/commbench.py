@@ -1,0 +1,230 @@
+"""Communication benchmark of this machine: gloo all-reduce and point-to-point time vs message size (2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+DEFAULT_SIZES = [2**k for k in range(10, 22, 2)] + [2**21 + 2**20]  # 1 KiB .. 3 MiB
+REPEATS = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as a training worker
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {"allreduce": [], "p2p": []}
+    for size in sizes:
+        buffer = torch.ones(size // 4, dtype=torch.float32)
+        for _ in range(3):
+            dist.all_reduce(buffer)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            times.append(time.perf_counter() - start)
+        results["allreduce"].append([size, _median(times)])
+        # one-way point-to-point time: half a ping-pong between ranks 0 and 1
+        times = []
+        for i in range(repeats + 3):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            if i >= 3:
+                times.append((time.perf_counter() - start) / 2)
+        results["p2p"].append([size, _median(times)])
+    results["bursts"] = _bursts(rank, world)
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(results)
+
+
+def _burst_net():
+    """A LeNet-5-sized conv net and a batch of 64 28x28 images: a burst is one forward and
+    backward, the kind of work (memory traffic, not only arithmetic) a training step does."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84),
+                        nn.ReLU(), nn.Linear(84, 10))
+    images = torch.randn(64, 1, 28, 28)
+
+    def burst() -> float:
+        start = time.perf_counter()
+        net(images).sum().backward()
+        net.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return burst
+
+
+def burst_mean(count: int = 40) -> float:
+    """Mean time of one burst on one process alone (this process, one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    burst = _burst_net()
+    samples = [burst() for _ in range(count + 5)][5:]
+    return sum(samples) / len(samples)
+
+
+def _bursts(rank: int, world: int, count: int = 40) -> dict:
+    """The same burst on every process at once, between barriers: the mean gives the compute
+    slowdown of `world` busy workers, the spread the natural jitter a barrier waits out."""
+    import torch
+    import torch.distributed as dist
+
+    burst = _burst_net()
+    samples = []
+    for i in range(count + 5):
+        dist.barrier()
+        elapsed = burst()
+        if i >= 5:
+            samples.append(elapsed)
+    mine = torch.tensor(samples, dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    every = torch.stack(gathered)  # world x count
+    mean = every.mean().item()
+    skew = (every.max(dim=0).values - every.mean(dim=0)).mean().item()
+    return {"mean_s": mean, "max_minus_mean_s": skew, "skew_fraction": skew / mean}
+
+
+def _spin(seconds: float, queue) -> None:
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        pass
+    queue.put((time.process_time() - cpu) / (time.perf_counter() - start))
+
+
+def cpu_share(processes: int, seconds: float = 0.5) -> float:
+    """The mean share of a core each of `processes` busy processes gets now (1.0: a core
+    each; less: the cores are shared with other work)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+    spinners = [context.Process(target=_spin, args=(seconds, queue)) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    shares = [queue.get() for _ in spinners]
+    for spinner in spinners:
+        spinner.join()
+    return sum(shares) / len(shares)
+
+
+def _kernel_seconds_per_byte(repeats: int) -> dict:
+    """This machine's compression and shard kernels, one thread, per fp32 gradient byte."""
+    import torch
+
+    from .strategies.compressed import compress_with_feedback, decode, dequantize, encode
+
+    torch.set_num_threads(1)
+    numel = 2**18
+    nbytes = numel * 4
+    gradient = torch.randn(numel)
+    residual = torch.zeros(numel)
+    sizes = [numel // 4] * 4
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return _median(samples) / nbytes
+
+    def half(dtype):
+        return lambda: gradient.to(dtype).div_(2).to(torch.float32)
+
+    def onebit():  # quantise once and dequantise one message: the per-message part of 1-bit SGD
+        packed, scales, _ = compress_with_feedback(gradient, residual, sizes)
+        dequantize(*decode(encode(packed, scales), len(sizes)), sizes)
+
+    total = torch.zeros(numel)
+    momentum = torch.zeros(numel)
+
+    def server_pass():  # one accumulate pass of a shard
+        total.add_(gradient)
+
+    def sgd_update():
+        momentum.mul_(0.9).add_(gradient)
+        total.add_(momentum, alpha=-0.1)
+
+    return {
+        "allreduce_fp16": timed(half(torch.float16)),
+        "allreduce_bf16": timed(half(torch.bfloat16)),
+        "allreduce_onebit": timed(onebit),
+        "server_pass": timed(server_pass),
+        "server_update": timed(sgd_update),
+    }
+
+
+def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2) -> dict:
+    """Median gloo all-reduce and one-way send times per message size across `processes`
+    local processes, the fitted (alpha, beta) of each, and this machine's kernels."""
+    import torch.multiprocessing as mp
+
+    from .calibration import fit_allreduce, fit_p2p
+
+    sizes = sizes or DEFAULT_SIZES
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = _free_port()
+    workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, queue))
+               for rank in range(processes)]
+    for worker in workers:
+        worker.start()
+    results = queue.get()
+    for worker in workers:
+        worker.join()
+    alone = burst_mean()
+    return {
+        "processes": processes,
+        "backend": "gloo",
+        "repeats": repeats,
+        "allreduce": results["allreduce"],
+        "p2p": results["p2p"],
+        "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
+        "kernels_s_per_byte": _kernel_seconds_per_byte(repeats),
+        "jitter": results["bursts"],
+        "burst_alone_s": alone,
+        "compute_scale": {"1": 1.0, str(processes): results["bursts"]["mean_s"] / alone},
+        "cpu_share": {str(k): cpu_share(k) for k in range(1, processes + 1)},
+        "host": socket.gethostname(),
+        "cores": os.cpu_count(),
+    }
+
+
+def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS) -> dict:
+    result = measure(sizes, repeats)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,176 @@
+"""Hardware profiles (config/hardware/*.yaml): links per node class, checked, with where each value came from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError
+from .perfmodel import Link, Machine
+
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
+PLACEMENTS = ("colocated", "dedicated")
+#: the default share of compute the all-reduce hides behind (see README "Projection"):
+#: none; a profile may state its own, applied to every strategy that overlaps (DDP, Horovod)
+DEFAULT_OVERLAP = 0.0
+
+
+def profile_path(name_or_path: str) -> Path:
+    """A profile by name (config/hardware/<name>.yaml) or by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return PROFILES_DIR / f"{name_or_path}.yaml"
+
+
+def load_profile(name_or_path: str) -> dict:
+    path = profile_path(name_or_path)
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+        raise ConfigError(f"config key 'projection.hardware': {name_or_path!r} is neither a file nor a profile "
+                          f"name; allowed: a YAML path or one of {known}")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ConfigError(f"hardware profile {path}: expected a mapping")
+    data.setdefault("name", path.stem)
+    data["path"] = str(path)
+    return data
+
+
+def _number(section: dict, key: str, where: str, minimum_exclusive: float = 0.0) -> float:
+    if key not in section:
+        raise ConfigError(f"{where}: key '{key}' is missing")
+    value = section[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= minimum_exclusive:
+        allowed = "a positive number" if minimum_exclusive == 0 else f"a number > {minimum_exclusive}"
+        raise ConfigError(f"{where}: key '{key}': {value!r} is not allowed; {allowed} is needed")
+    return float(value)
+
+
+def _latency(section: dict, where: str) -> float:
+    value = section.get("latency_us", 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{where}: key 'latency_us': {value!r} is not allowed; a number >= 0 (microseconds)")
+    return value * 1e-6
+
+
+def _link(section, where: str, unit: str) -> Link:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: {section!r} is not allowed; a mapping with {unit} and latency_us")
+    bandwidth = _number(section, unit, where)
+    scale = 1e9 / 8 if unit == "bandwidth_gbit_s" else 1e9
+    return Link(_latency(section, where), bandwidth * scale)
+
+
+def _link_any_unit(section, where: str) -> Link:
+    unit = "bandwidth_gbit_s" if isinstance(section, dict) and "bandwidth_gbit_s" in section else "bandwidth_gbyte_s"
+    return _link(section, where, unit)
+
+
+#: the knobs' ranges (the strategy classes check the same for a study; these classes import torch)
+KNOB_CHECKS = {
+    "shards": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "backup": (lambda v: _whole(v) and v >= 0, "a whole number >= 0 (and < N)"),
+    "staleness": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "period": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "warmup_steps": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "rank": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+    "bucket_cap_mb": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                      "a positive number of MiB"),
+    "topology": (lambda v: v in ("ring", "random_pairs"), "ring or random_pairs"),
+    "placement": (lambda v: v in PLACEMENTS, "colocated or dedicated"),
+}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[str, dict]) -> dict[str, dict]:
+    """Each strategy's knobs: its class's defaults, the profile's strategy_params, placement."""
+    where = f"hardware profile {profile.get('path', profile.get('name'))}"
+    given = profile.get("strategy_params") or {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"{where}: key 'strategy_params': {given!r} is not allowed; a mapping strategy -> knobs")
+    for name in given:
+        if name not in defaults:
+            raise ConfigError(f"{where}: key 'strategy_params.{name}': unknown strategy {name!r}; "
+                              f"allowed: {', '.join(sorted(defaults))}")
+    params = {}
+    for name in strategies:
+        knobs = {**defaults[name], **(given.get(name) or {})}
+        unknown = sorted(set(knobs) - set(defaults[name]) - {"placement"})
+        if unknown:
+            allowed = ", ".join(sorted(defaults[name]) + (["placement"] if "shards" in defaults[name] else []))
+            raise ConfigError(f"{where}: key 'strategy_params.{name}.{unknown[0]}': unknown knob; allowed: {allowed}")
+        if "shards" in defaults[name]:
+            knobs.setdefault("placement", "colocated")
+        elif "placement" in knobs:
+            raise ConfigError(f"{where}: key 'strategy_params.{name}.placement': only parameter-server strategies "
+                              f"have shards to place")
+        for knob, value in knobs.items():
+            check, allowed = KNOB_CHECKS.get(knob, (lambda v: True, ""))
+            if not check(value):
+                raise ConfigError(f"{where}: key 'strategy_params.{name}.{knob}': {value!r} is not allowed; "
+                                  f"allowed: {allowed}")
+        params[name] = knobs
+    return params
+
+
+def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[Machine, dict, bool]:
+    """The Machine of a profile, what each value came from, and whether intra_node is still
+    to be fitted (absent: from the throughput at N = gpus_per_node). `intra_node: measured`
+    takes the links and kernels of this machine's communication benchmark."""
+    where = f"hardware profile {profile.get('path', profile.get('name'))}"
+    gpus = profile.get("gpus_per_node")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"{where}: key 'gpus_per_node': {gpus!r} is not allowed; a whole number >= 1")
+    if "inter_node" not in profile:
+        raise ConfigError(f"{where}: key 'inter_node' is missing (bandwidth_gbit_s and latency_us between nodes)")
+    inter = _link(profile["inter_node"], where + " inter_node", "bandwidth_gbit_s")
+    overlap = profile.get("overlap", DEFAULT_OVERLAP)
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
+        raise ConfigError(f"{where}: key 'overlap': {overlap!r} is not allowed; a number in [0, 1]")
+    source = {"gpus_per_node": "profile", "inter_node": "profile", "overlap": "profile" if "overlap" in profile
+              else f"default {DEFAULT_OVERLAP} (assumed, README 'Projection')"}
+    kwargs = {}
+    for key, target in (("compression_gbyte_s", "compression_bandwidth"), ("server_gbyte_s", "server_bandwidth")):
+        if key in profile:
+            kwargs[target] = _number(profile, key, where) * 1e9
+            source[key] = "profile"
+    intra_section = profile.get("intra_node")
+    needs_fit = False
+    if intra_section == "measured":
+        if commbench is None:
+            raise ConfigError(f"{where}: key 'intra_node': 'measured' needs the communication benchmark's result "
+                              f"(python -m dtstudy commbench)")
+        fit = commbench["fit"]
+        intra = Link(fit["allreduce"]["latency_s"], fit["allreduce"]["bandwidth"])
+        kwargs["intra_p2p"] = Link(fit["p2p"]["latency_s"], fit["p2p"]["bandwidth"])
+        kernels = commbench["kernels_s_per_byte"]
+        kwargs["compression_s_per_byte"] = {k: v for k, v in kernels.items() if k.startswith("allreduce_")}
+        kwargs["server_bandwidth"] = 1.0 / kernels["server_pass"]
+        kwargs["skew_fraction"] = commbench["jitter"]["skew_fraction"]
+        kwargs["compute_scale"] = {int(k): v for k, v in commbench["compute_scale"].items()}
+        source.update(jitter="measured (identical conv-net bursts on 2 processes, this machine)",
+                      compute_scale="measured (conv-net burst time with 2 busy processes over 1 alone, this machine)")
+        source.update(intra_node="measured (gloo all-reduce and send/recv fits, this machine)",
+                      compression="measured (kernels, this machine)", server="measured (kernels, this machine)")
+    elif intra_section is None:
+        intra = Link(0.0, float("inf"))
+        needs_fit = True
+        source["intra_node"] = "to be fitted to the measured throughput at N = gpus_per_node"
+    else:
+        intra = _link_any_unit(intra_section, where + " intra_node")
+        source["intra_node"] = "profile"
+    for key, target in (("inter_node_p2p", "inter_p2p"), ("intra_node_p2p", "intra_p2p")):
+        if key in profile:
+            kwargs[target] = _link_any_unit(profile[key], f"{where} {key}")
+            source[key] = "profile"
+    return Machine(gpus_per_node=gpus, intra=intra, inter=inter, overlap=float(overlap), **kwargs), source, needs_fit
+
+
+def load_commbench(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,247 @@
+"""Projected throughput and efficiency per strategy and N: tables, plot, the `project` command and rule."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from pathlib import Path
+
+from . import calibration, hardware, perfmodel
+from .config import ConfigError
+from .perfmodel import Link, Machine, Stragglers, Workload
+
+COLUMNS = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
+           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s"]
+
+
+def parse_list(text: str, what: str, allowed: list[str] | None = None, kind=str) -> list:
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"--{what}: {text!r} is empty")
+    out = []
+    for item in items:
+        if allowed is not None and item not in allowed:
+            raise ConfigError(f"--{what}: unknown strategy {item!r}; allowed: {', '.join(sorted(allowed))}")
+        try:
+            value = kind(item)
+        except ValueError:
+            raise ConfigError(f"--{what}: {item!r} is not a whole number") from None
+        if kind is int and value < 1:
+            raise ConfigError(f"--{what}: {value} is not allowed; worker counts are whole numbers >= 1")
+        out.append(value)
+    return out
+
+
+def check_strategies(strategies: list[str], where: str) -> None:
+    for name in strategies:
+        if name not in perfmodel.MODELS:
+            raise ConfigError(f"{where}: unknown strategy {name!r}; allowed: {', '.join(sorted(perfmodel.MODELS))}")
+
+
+def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict, throughput: float) -> Link:
+    """The intra-node bandwidth with which `strategy` at N = gpus_per_node runs at the measured
+    `throughput` (bisection on log bandwidth; latency 0). Faster than the model without any
+    exchange cost: an unlimited link."""
+    g = machine.gpus_per_node
+
+    def modelled(bandwidth: float) -> float:
+        trial = dataclasses.replace(machine, intra=Link(0.0, bandwidth), intra_p2p=None)
+        return perfmodel.step(strategy, workload, trial, g, params).throughput
+
+    low, high = 1e6, 1e14
+    if modelled(high) <= throughput:
+        return Link(0.0, float("inf"))
+    if modelled(low) >= throughput:
+        return Link(0.0, low)
+    for _ in range(100):
+        mid = math.sqrt(low * high)
+        if modelled(mid) < throughput:
+            low = mid
+        else:
+            high = mid
+    return Link(0.0, high)
+
+
+def project(workload: Workload, machine: Machine, strategies: list[str], workers: list[int], params: dict,
+            profile: str, stragglers: Stragglers = perfmodel.NO_STRAGGLERS, measured: dict | None = None,
+            measured_exchange: dict | None = None) -> list[dict]:
+    """One row per strategy and N (COLUMNS); efficiency and speedup against the same strategy's
+    modelled N=1. `measured` / `measured_exchange`: {(strategy, N): images/s / comm seconds
+    per step} to put beside."""
+    rows = []
+    measured = measured or {}
+    measured_exchange = measured_exchange or {}
+    for name in strategies:
+        single = perfmodel.step(name, workload, machine, 1, params[name], stragglers).throughput
+        for n in workers:
+            s = perfmodel.step(name, workload, machine, n, params[name], stragglers)
+            rows.append({
+                "strategy": name, "workers": n, "throughput": s.throughput,
+                "efficiency": s.throughput / (n * single), "speedup": s.throughput / single,
+                "step_compute_s": s.compute_s, "step_exchange_s": s.exposed_s, "bound": s.bound, "profile": profile,
+                "step_s": s.step_s, "exchange_total_s": s.exchange_s, "server_s": s.server_s,
+                "straggler_s": s.straggler_s, "measured_throughput": measured.get((name, n), ""),
+                "measured_exchange_s": measured_exchange.get((name, n), ""),
+            })
+    return rows
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row[k]) for k in COLUMNS})
+
+
+def write_markdown(rows: list[dict], path: str | Path, provenance: dict) -> None:
+    shown = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
+             "bound", "measured_throughput", "measured_exchange_s"]
+    lines = ["# Projected throughput (alpha-beta model)", "", f"Profile: {rows[0]['profile'] if rows else '-'}", "",
+             "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for row in rows:
+        cells = []
+        for key in shown:
+            value = row[key]
+            if key == "efficiency" and isinstance(value, float):
+                cells.append(f"{100 * value:.1f}%")
+            elif isinstance(value, float):
+                cells.append(f"{value:.4g}")
+            else:
+                cells.append(str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Where each parameter came from:", ""]
+    lines += [f"- {key}: {value}" for key, value in provenance.items()]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], path: str | Path) -> None:
+    """Throughput and efficiency vs N (log N), projected lines, measured points on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_thr, ax_eff) = plt.subplots(1, 2, figsize=(12, 4.8))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    for i, name in enumerate(strategies):
+        mine = [r for r in rows if r["strategy"] == name]
+        color = plt.cm.tab20(i % 20)
+        n = [r["workers"] for r in mine]
+        ax_thr.plot(n, [r["throughput"] for r in mine], "-", color=color, label=name)
+        ax_eff.plot(n, [100 * r["efficiency"] for r in mine], "-", color=color, label=name)
+        points = [r for r in mine if r["measured_throughput"] != ""]
+        if points:
+            single = next((r["measured_throughput"] for r in mine if r["workers"] == 1 and r["measured_throughput"] != ""),
+                          None)
+            ax_thr.plot([r["workers"] for r in points], [r["measured_throughput"] for r in points], "o", color=color)
+            if single:
+                ax_eff.plot([r["workers"] for r in points],
+                            [100 * r["measured_throughput"] / (r["workers"] * single) for r in points], "o", color=color)
+    for ax in (ax_thr, ax_eff):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers N (GPUs)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_thr.set_yscale("log")
+    ax_thr.set_ylabel("images/s (all workers)")
+    ax_eff.set_ylabel("efficiency S(N)/N (%)")
+    ax_thr.set_title(f"projected (lines), measured (points): {rows[0]['profile'] if rows else ''}")
+    ax_eff.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----- the command: a measurement file and a hardware file, no study -------------------------
+
+
+def run_command(measured_path: str, hardware_path: str, strategies_text: str, workers_text: str, out: str) -> list[dict]:
+    """`python -m dtstudy project`: every input checked before any work."""
+    defaults = perfmodel.knob_defaults()
+    strategies = parse_list(strategies_text, "strategies", allowed=sorted(perfmodel.MODELS))
+    workers = parse_list(workers_text, "workers", kind=int)
+    measured = calibration.load_measured(measured_path)
+    profile = hardware.load_profile(hardware_path)
+    params = hardware.check_strategy_params(profile, strategies, defaults)
+    machine, provenance, needs_fit = hardware.machine_from_profile(profile)
+    workload = calibration.workload_from_measured(measured, params.get("allreduce_powersgd", {}).get("rank", 2))
+    if "allreduce_powersgd" in strategies and workload.powersgd_ratio is None:
+        raise ConfigError(f"measurement file {measured_path}: key 'model.matrices' is missing; allreduce_powersgd "
+                          f"needs the model's weight matrices [[rows, columns], ...] for its bytes")
+    g = machine.gpus_per_node
+    measured_strategy = measured.get("strategy", "allreduce")
+    if needs_fit:
+        if g not in measured["throughput"]:
+            raise ConfigError(f"hardware profile {hardware_path}: key 'intra_node' is missing and measurement file "
+                              f"{measured_path} has no throughput at N = gpus_per_node = {g}; give one of them")
+        knobs = hardware.check_strategy_params(profile, [measured_strategy], defaults)[measured_strategy]
+        fitted = fit_intra(workload, machine, measured_strategy, knobs, measured["throughput"][g])
+        machine = dataclasses.replace(machine, intra=fitted)
+        provenance["intra_node"] = (f"fitted: {fitted.bandwidth / 1e9:.4g} GB/s per GPU makes {measured_strategy} "
+                                    f"at N={g} run at the measured {measured['throughput'][g]:g} images/s")
+    provenance["compute_s"] = (f"measured: per_worker_batch / throughput at N=1 = {workload.compute_s:.4g} s "
+                               f"({measured_path})")
+    observed = {(measured_strategy, n): thr for n, thr in measured["throughput"].items()}
+    rows = project(workload, machine, strategies, workers, params, profile["name"], measured=observed)
+    write_csv(rows, out)
+    md = Path(out).with_suffix(".md")
+    write_markdown(rows, md, provenance)
+    return rows
+
+
+# ----- the workflow rule: the study's runs, this machine's benchmark, a profile -----------------
+
+
+def stragglers_from_config(stragglers: dict) -> Stragglers:
+    if not stragglers:
+        return perfmodel.NO_STRAGGLERS
+    count = len(stragglers["ranks"]) if stragglers.get("ranks") else None
+    return Stragglers(delay_s=stragglers.get("delay_ms", 0) / 1000.0, distribution=stragglers.get("distribution", "fixed"),
+                      fraction=stragglers.get("fraction", 0.0), count=count)
+
+
+def run_study(metrics: list[str], commbench_path: str, config: dict, table: str, table_md: str, plot_path: str) -> list[dict]:
+    """The `project` rule: calibrate on the study's runs and this machine's benchmark, project
+    every strategy of the study to projection.workers on projection.hardware."""
+    settings = config["projection"]
+    runs = calibration.read_runs(metrics)
+    parameters = calibration.parameters_from_runs(runs)
+    counted = "from the bytes a run sent per step"
+    if parameters is None:  # no plain exchange ran: count the checkpoint's values
+        parameters = calibration.parameters_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
+        counted = "counted in a run's model.pt"
+    workload, provenance = calibration.workload_from_runs(runs, parameters)
+    commbench = hardware.load_commbench(commbench_path)
+    profile = hardware.load_profile(settings["hardware"])
+    strategies = list(config["strategies"])
+    params = hardware.check_strategy_params(profile, strategies, perfmodel.knob_defaults())
+    for name in strategies:  # the study's own knobs win over the profile's
+        params[name].update(config.get("strategy_params", {}).get(name, {}))
+    machine, machine_source, needs_fit = hardware.machine_from_profile(profile, commbench)
+    if needs_fit:
+        raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
+                          f"needs it, or 'measured')")
+    provenance.update(machine_source)
+    provenance["model_parameters"] = f"{parameters} ({counted})"
+    by_run: dict[tuple, list[dict]] = {}
+    for r in runs:
+        by_run.setdefault((r["strategy"], r["workers"]), []).append(r)
+    measured = {key: sum(r["throughput"] for r in v) / len(v) for key, v in by_run.items()}
+    measured_exchange = {key: sum(r["comm_s"] for r in v) / len(v) for key, v in by_run.items()}
+    workers = sorted(set(settings["workers"]))
+    rows = project(workload, machine, strategies, workers, params, profile["name"],
+                   stragglers_from_config(config.get("stragglers", {})), measured, measured_exchange)
+    write_csv(rows, table)
+    write_markdown(rows, table_md, provenance)
+    plot(rows, plot_path)
+    return rows

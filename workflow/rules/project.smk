@@ -1,0 +1,35 @@
+# The performance model past the machine (dtstudy.projection): this machine's gloo
+# benchmark, then every strategy of the study projected to projection.workers on
+# projection.hardware, calibrated on the study's runs. README "Projection past the machine".
+rule commbench:
+    output:
+        result="results/commbench/commbench.json",
+    log:
+        "results/logs/commbench.log",
+    # two processes measuring each other: both cores to itself, never beside a training run
+    threads: 2
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy project --commbench-out {output.result} > {log} 2>&1"
+
+
+rule project:
+    input:
+        metrics=all_runs("metrics.json"),
+        commbench=rules.commbench.output.result,
+        scaling=rules.aggregate.output.scaling,
+    output:
+        table="results/tables/projection.csv",
+        table_md="results/tables/projection.md",
+        plot=report("results/plots/projection.png", caption="../report/projection.rst", category="Scaling"),
+    log:
+        "results/logs/project.log",
+    params:
+        config=config_json(["strategies", "strategy_params", "stragglers", "projection"]),
+    conda:
+        "../../envs/study.yaml"
+    shell:
+        "python -m dtstudy project --study --config-json {params.config:q} --metrics {input.metrics}"
+        " --commbench {input.commbench} --out {output.table} --out-md {output.table_md}"
+        " --plot {output.plot} > {log} 2>&1"
