@@ -52,10 +52,10 @@ def run_study(workdir: Path, config: dict | None) -> float:
     """Snakemake wall time of the study in `workdir` (config None: the default study)."""
     workdir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--cores", "all",
-               "--directory", str(workdir), "--quiet"]
+               "--directory", str(workdir), "--quiet", "--configfile", str(REPO / "config/config.yaml")]
     if config is not None:
         (workdir / "study.yaml").write_text(yaml.safe_dump(config))
-        command += ["--configfile", str(workdir / "study.yaml")]
+        command += [str(workdir / "study.yaml")]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - start
@@ -88,13 +88,13 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--strategies", default="allreduce,ps_sync")
+    parser.add_argument("--strategies", default="allreduce,ps_sync", help="'' for none")
     parser.add_argument("--default-study", action="store_true", help="also time the default study")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="dtstudy-fixed-cost-"))
     print(f"machine: {os.cpu_count()} cores; studies in {root}", flush=True)
     try:
-        for strategy in args.strategies.split(","):
+        for strategy in filter(None, args.strategies.split(",")):
             costs, walls, parts = [], {1: [], 5: []}, []
             for repeat in range(args.repeats):
                 one = run_study(root / f"{strategy}-1-{repeat}", study_config(strategy, [0]))

@@ -201,16 +201,16 @@ def random_order(pushes: int, seed: int) -> list[int]:
 def test_ssp_unbounded_answers_as_ps_async():
     for seed in range(3):
         order = random_order(40, seed)
-        unbounded = drive(UpdatePolicy(quorum=None, clock_bound=math.inf), order, 0.1)
+        unbounded = drive(UpdatePolicy.asynchronous(math.inf), order, 0.1)
         ps_async = drive(STRATEGIES["ps_async"].update_policy(_Fake(STRATEGIES["ps_async"], {})), order, 0.1)
         assert [(w, v) for w, v, _ in unbounded.replies] == [(w, v) for w, v, _ in ps_async.replies]
         assert torch.equal(unbounded.parameters, ps_async.parameters)
-        bounded = drive(UpdatePolicy(quorum=None, clock_bound=1), order, 0.1)
+        bounded = drive(UpdatePolicy.asynchronous(1), order, 0.1)
         assert len(bounded.replies) < len(unbounded.replies)  # teeth: a bound makes workers wait
 
 
 def test_ssp_reads_include_own_updates_and_wait_at_the_bound():
-    shard = drive(UpdatePolicy(quorum=None, clock_bound=2), [0, 0, 0, 0, 0], 0.1)
+    shard = drive(UpdatePolicy.asynchronous(2), [0, 0, 0, 0, 0], 0.1)
     # worker 0 goes on after its 1st and 2nd push (clock 1, 2 <= 2 ahead of worker 1 at 0), each
     # reply holding its own updates; its 3rd push (clock 3) waits for worker 1
     assert [(w, v) for w, v, _ in shard.replies] == [(0, 1), (0, 2)]
@@ -223,12 +223,12 @@ def test_ssp_reads_include_own_updates_and_wait_at_the_bound():
 def test_ssp_without_staleness_equals_ps_sync_on_any_arrival_order():
     for seed in range(3):
         order = random_order(40, seed)
-        sync = drive(UpdatePolicy(quorum=2), order, 0.2, even=True)
-        ssp = drive(UpdatePolicy(quorum=None, clock_bound=0), order, 0.1, even=True)  # the rate of b: half N b's
+        sync = drive(UpdatePolicy.synchronous(2), order, 0.2, even=True)
+        ssp = drive(UpdatePolicy.asynchronous(0), order, 0.1, even=True)  # the rate of b: half N b's
         torch.testing.assert_close(ssp.parameters.data, sync.parameters.data, rtol=1e-6, atol=1e-6)
         assert ssp.stats.updates == 2 * sync.stats.updates > 0
         # teeth: at the same rate as ps_sync, ssp would take twice the step
-        doubled = drive(UpdatePolicy(quorum=None, clock_bound=0), order, 0.2, even=True)
+        doubled = drive(UpdatePolicy.asynchronous(0), order, 0.2, even=True)
         assert not torch.allclose(doubled.parameters.data, sync.parameters.data, atol=1e-3)
 
 
@@ -237,7 +237,7 @@ def test_ps_backup_tags_pushes_by_the_version_read():
     version 0 is dropped and it reads version 3; then it is first for version 3 and its
     gradient makes that update (its own step counter, 1, would have it dropped again), and
     worker 0, which read version 3 too but came second, is dropped."""
-    shard = drive(UpdatePolicy(quorum=1), [0, 0, 0, 1, 1, 0], 0.1)
+    shard = drive(UpdatePolicy.synchronous(1), [0, 0, 0, 1, 1, 0], 0.1)
     assert shard.stats.dropped == [1, 1]
     assert shard.stats.updates == 4 and shard.stats.staleness == {0: 4}
     assert [(w, v) for w, v, _ in shard.replies] == [(0, 1), (0, 2), (0, 3), (1, 3), (1, 4), (0, 4)]
@@ -249,6 +249,28 @@ class _Fake:
     def __init__(self, cls, knobs):
         self.params = cls.check_params(knobs, 2)
         self.clock_bound = lambda: cls.clock_bound(self)
+
+
+def test_ps_backup_closes_a_short_version_when_every_worker_is_idle_or_waiting():
+    """At an epoch's end each worker has pushed the same number of steps, but drops leave a
+    version short of its quorum: once the others are done with the epoch (IDLE), the shard
+    makes that version's update from the gradients it has and answers the waiting worker
+    (this hung the default study's ps_backup N=4 run at its first validation)."""
+    shard = ScriptedShard(4, UpdatePolicy.synchronous(3))
+    for worker in (0, 1, 2):  # version 0 made by the first three
+        shard.take(worker, 0, 0.1, gradient_of(worker, torch.zeros(3)))
+    shard.take(3, 0, 0.1, gradient_of(3, torch.zeros(3)))  # late: dropped, answered with version 1
+    assert shard.version == 1 and shard.stats.dropped == [0, 0, 0, 1]
+    shard.take(3, 1, 0.1, gradient_of(3, torch.zeros(3)))  # worker 3's last step: waits for version 1
+    assert shard.waiting == [(3, 1)]
+    for worker in (0, 1):
+        shard.idle.add(worker)
+        shard._flush_if_nobody_can_push()
+        assert shard.version == 1 and shard.waiting == [(3, 1)]  # worker 2 may still push
+    shard.idle.add(2)
+    shard._flush_if_nobody_can_push()
+    assert shard.version == 2 and shard.waiting == [] and shard.replies[-1][:2] == (3, 2)
+    assert shard.stats.updates == 2 and sum(shard.stats.staleness.values()) == 4  # 3 + 1 gradients applied
 
 
 def test_registry_and_knob_defaults():

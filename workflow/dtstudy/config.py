@@ -68,8 +68,10 @@ def validate_schema(config: dict) -> dict:
 EARLY_SIGNAL_S = 60  # how early SLURM may send a job's --signal (its time-limit checks are 30 s apart)
 
 
-def check_config(config: dict) -> None:
-    """The checks a schema cannot do; raises ConfigError naming the key."""
+def check_config(config: dict, check_data: bool = True) -> None:
+    """The checks a schema cannot do; raises ConfigError naming the key. `check_data`: also
+    look at the data set on disk (Snakemake's main process does; the jobs it starts, which
+    parse the Snakefile again, need not walk the data set again)."""
     for i, name in enumerate(config["strategies"]):
         if name not in STRATEGIES:
             raise ConfigError(
@@ -104,6 +106,12 @@ def check_config(config: dict) -> None:
         stragglers.check(config["stragglers"], config["workers"])
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if check_data:
+        check_data_against_batches(config)
+
+
+def check_data_against_batches(config: dict) -> None:
+    """The data set exists and holds enough training images for every N's global batch."""
     try:
         train_images = data.check_dataset(config["dataset"])
     except data.DataConfigError as err:

@@ -204,6 +204,13 @@ def _scan_class_folders(folder: Path) -> dict[str, list[str]]:
 # ------------------------------------------------------------------------- prepare
 
 
+def prepared_files(cfg: dict) -> list[str]:
+    """The files `prepare` writes for this dataset config (the prepare_data rule's outputs)."""
+    if cfg["name"] == "imagefolder":
+        return ["meta.json", "index.json"]
+    return ["meta.json", *(f"{split}.pt" for split in SPLITS)]
+
+
 def prepare(cfg: dict, out_dir: str | Path) -> dict:
     """Write the prepared form of the dataset to out_dir; returns the meta dict (meta.json)."""
     check_dataset(cfg)

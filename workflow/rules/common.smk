@@ -7,10 +7,12 @@ import sys
 sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 
 import dtstudy.config as study_config
+from dtstudy.data import prepared_files
 from dtstudy.runspec import RunSpec
 
 # The checks a schema cannot do (registry, knobs, data on disk): fail before any job starts.
-study_config.check_config(config)
+# The data set is walked once, in the main Snakemake process, not again in every job.
+study_config.check_config(config, check_data=workflow.is_main_process)
 
 DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"

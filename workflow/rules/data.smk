@@ -1,6 +1,9 @@
+# every file the preparation writes (dtstudy.data.prepared_files); meta.json, written last,
+# marks a complete preparation
 rule prepare_data:
     output:
         meta=f"{DATA_DIR}/meta.json",
+        splits=[f"{DATA_DIR}/{name}" for name in prepared_files(config["dataset"]) if name != "meta.json"],
     log:
         "results/logs/prepare_data.log",
     params:

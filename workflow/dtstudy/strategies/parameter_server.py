@@ -114,6 +114,11 @@ class ShardClient:
                   for piece in self.slices]
         self._finish(works)
 
+    def idle(self) -> None:
+        """Tell every shard this worker sends no more pushes until its next pull."""
+        for piece in self.slices:
+            dist.send(request(Kind.IDLE), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+
     def done(self) -> None:
         for piece in self.slices:
             dist.send(request(Kind.DONE), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
@@ -184,6 +189,7 @@ class ParameterServer(Strategy):
             self.meter.bytes_sent += self.client.push(lr)
 
     def eval_model(self) -> nn.Module:
+        self.client.idle()  # the shards may now close a version that can no longer fill up
         if self.ctx.workers > 1:
             # once every worker holds the replies to all its pushes, every shard has taken them in
             dist.barrier(group=self.ctx.worker_group)
@@ -246,7 +252,7 @@ class PsSync(ParameterServer):
     name = "ps_sync"
 
     def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy(quorum=self.ctx.workers)
+        return UpdatePolicy.synchronous(self.ctx.workers)
 
 
 class PsBackup(ParameterServer):
@@ -262,7 +268,7 @@ class PsBackup(ParameterServer):
         return (workers - cls.backups(params, workers)) * per_worker_batch
 
     def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy(quorum=self.ctx.workers - self.backups(self.params, self.ctx.workers))
+        return UpdatePolicy.synchronous(self.ctx.workers - self.backups(self.params, self.ctx.workers))
 
 
 class AsyncParameterServer(ParameterServer):
@@ -298,7 +304,7 @@ class AsyncParameterServer(ParameterServer):
         return math.inf
 
     def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy(quorum=None, clock_bound=self.clock_bound(), staleness_lr=self.params["staleness_lr"])
+        return UpdatePolicy.asynchronous(self.clock_bound(), self.params["staleness_lr"])
 
 
 class PsAsync(AsyncParameterServer):

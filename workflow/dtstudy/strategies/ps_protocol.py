@@ -40,6 +40,7 @@ class Kind(enum.IntEnum):
     PULL = 1  # the current parameters, at once
     DONE = 2  # this worker sends nothing more
     STOP = 3  # rank 0 only: the job is preempted and requeued; the shard ends once rank 0 is gone
+    IDLE = 4  # this worker's pushes of the epoch are all sent (it goes to evaluation): no reply
 
 
 def request(kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0) -> torch.Tensor:

@@ -52,6 +52,20 @@ class UpdatePolicy:
     clock_bound: float = math.inf
     staleness_lr: bool = False
 
+    @classmethod
+    def synchronous(cls, quorum: int) -> "UpdatePolicy":
+        """The first `quorum` pushes of a version make its update (ps_sync: all N; ps_backup: N-k)."""
+        return cls(quorum=quorum)
+
+    @classmethod
+    def asynchronous(cls, clock_bound: float = math.inf, staleness_lr: bool = False) -> "UpdatePolicy":
+        """Every push an update of its own, on arrival (ps_async; ssp with a finite clock_bound)."""
+        return cls(quorum=None, clock_bound=clock_bound, staleness_lr=staleness_lr)
+
+    @property
+    def is_asynchronous(self) -> bool:
+        return self.quorum is None
+
 
 @dataclass
 class ShardStats:
@@ -117,6 +131,7 @@ class ShardServer:
         self.pending: VersionGradients | None = None  # synchronous: the current version's gradients
         self.clocks = [0] * workers  # gradients pushed, per worker
         self.waiting: list[tuple[int, int]] = []  # (worker, the version it read) until it may go on
+        self.idle: set[int] = set()  # workers done with the epoch's pushes (until their next pull)
         self.stats = ShardStats(workers)
 
     def serve(self) -> None:
@@ -131,7 +146,11 @@ class ShardServer:
                 dist.recv(self.incoming, src=worker, group=self.group, tag=TAG_GRADIENT)
                 self.take(worker, int(read_version), lr, self.incoming)
             elif kind == Kind.PULL:
+                self.idle.discard(worker)
                 self._reply(worker)
+            elif kind == Kind.IDLE:
+                self.idle.add(worker)
+                self._flush_if_nobody_can_push()
             elif kind == Kind.STOP:
                 self._end_with_rank0()
             else:
@@ -169,7 +188,7 @@ class ShardServer:
         every worker that may go on."""
         self.clocks[worker] += 1
         with self.stats.busy():
-            if self.policy.quorum is None:
+            if self.policy.is_asynchronous:
                 staleness = self.version - read_version
                 if self.policy.staleness_lr and staleness > 1:
                     lr /= staleness
@@ -180,6 +199,7 @@ class ShardServer:
                 self._collect(read_version, lr, gradient)
         self.waiting.append((worker, read_version))
         self._answer_allowed()
+        self._flush_if_nobody_can_push()
 
     def _collect(self, read_version: int, lr: float, gradient: torch.Tensor) -> None:
         if self.pending is None:
@@ -200,8 +220,23 @@ class ShardServer:
         self.stats.updates += 1
         self.version += 1
 
+    def _flush_if_nobody_can_push(self) -> None:
+        """Synchronous, at an epoch's end: when every worker is either idle or waiting for the
+        current version, no further push can complete that version's quorum (each worker
+        pushes the same number of steps, and drops leave some versions short): its update is
+        made with the gradients that arrived, and the waiting workers go on."""
+        if self.policy.is_asynchronous or self.pending is None:
+            return
+        waiting = {worker for worker, _ in self.waiting}
+        if len(self.idle | waiting) < self.workers:
+            return
+        ready, self.pending = self.pending, None
+        with self.stats.busy():
+            self._apply(ready.total.div_(ready.count), ready.lr, [self.version] * ready.count)
+        self._answer_allowed()
+
     def may_go_on(self, worker: int, read_version: int) -> bool:
-        if self.policy.quorum is not None:
+        if not self.policy.is_asynchronous:
             return read_version < self.version  # the update of the version it read is made
         return self.clocks[worker] - min(self.clocks) <= self.policy.clock_bound
 
