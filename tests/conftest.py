@@ -95,3 +95,26 @@ def run_snakemake(workdir: Path, config: dict, *args: str, timeout: int = 900) -
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def _in_worker(rank: int, workers: int, init_file: str, check, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dtstudy.strategies import DistContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=workers)
+    try:
+        check(DistContext(rank=rank, world_size=workers, workers=workers, local_rank=rank,
+                          device=torch.device("cpu"), backend="gloo"), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def in_workers(tmp_path, workers: int, check, *args) -> None:
+    """Run `check(ctx, *args)` in `workers` gloo processes; an assertion in any fails the test."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_in_worker, args=(workers, str(tmp_path / "rendezvous"), check, args), nprocs=workers,
+                       start_method="fork")

@@ -7,12 +7,10 @@ import pytest
 import torch
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import tiny_study, train_run, validated
+from conftest import in_workers, tiny_study, train_run, validated
 from dtstudy.config import ConfigError
-from dtstudy.strategies import DistContext
 from dtstudy.strategies import compressed
 from dtstudy.strategies.compressed import (
     AllReduceOneBit,
@@ -100,16 +98,6 @@ def test_onebit_quantizer_knob_is_checked():
 
 
 # ----- the exchange itself, in two gloo processes ------------------------------------------------
-def _in_worker(rank: int, workers: int, init_file: str, check, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=workers)
-    try:
-        check(DistContext(rank=rank, world_size=workers, workers=workers, local_rank=rank,
-                          device=torch.device("cpu"), backend="gloo"), *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
@@ -166,8 +154,7 @@ def _check_onebit_exchange(ctx, quantizer, broken):
 
 @pytest.mark.parametrize("quantizer, broken", [("column", False), ("tensor", False), ("column", True)])
 def test_onebit_exchange_keeps_the_residual_and_sends_the_gradient(tmp_path, quantizer, broken):
-    mp.start_processes(_in_worker, args=(2, str(tmp_path / "rendezvous"), _check_onebit_exchange, (quantizer, broken)),
-                       nprocs=2, start_method="fork")
+    in_workers(tmp_path, 2, _check_onebit_exchange, quantizer, broken)
 
 
 # ----- real N=2 runs on the tiny study: one full epoch each, shared by the tests below ---------

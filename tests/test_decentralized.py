@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import assert_same_parameters, tiny_study, train_run, validated
+from conftest import assert_same_parameters, in_workers, tiny_study, train_run, validated
 from dtstudy.config import ConfigError
-from dtstudy.strategies import DistContext
 from dtstudy.strategies.gossip import Gossip, pair_partner, ring_neighbours
 from dtstudy.strategies.local import EASGD, LocalSGD
 
@@ -108,22 +106,6 @@ def test_pair_partner():
 
 
 # ----- one exchange with in-process gloo workers ------------------------------------------------
-def _in_worker(rank: int, workers: int, init_file: str, check, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=workers)
-    try:
-        check(DistContext(rank=rank, world_size=workers, workers=workers, local_rank=rank,
-                          device=torch.device("cpu"), backend="gloo"), *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def in_workers(tmp_path, workers: int, check, *args) -> None:
-    """Run `check(ctx, *args)` in `workers` gloo processes; an assertion in any fails the test."""
-    mp.start_processes(_in_worker, args=(workers, str(tmp_path / "rendezvous"), check, args), nprocs=workers,
-                       start_method="fork")
-
-
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
