@@ -164,9 +164,9 @@ def _request(address: str, message: dict) -> dict:
 def request_training(address: str, spec: RunSpec, job_id: str, rank0_log: str, log_dir: str, timings: dict) -> dict:
     """Run `spec` in the pool; rank 0 appends its output to `rank0_log`, its stderr and the
     other ranks' output go to `<log_dir>/<job_id>_rank<r>.out/.err`. Returns rank 0's metrics."""
-    reply = _request(address, {"kind": "train", "spec": spec.__dict__, "job_id": job_id, "rank0_log": rank0_log,
-                               "log_dir": log_dir, "timings": {**timings, "task_start": time.time()}})
-    return json.loads(Path(spec.out_dir, "metrics.json").read_text()) if reply.get("metrics") else reply
+    _request(address, {"kind": "train", "spec": spec.__dict__, "job_id": job_id, "rank0_log": rank0_log,
+                        "log_dir": log_dir, "timings": {**timings, "task_start": time.time()}})
+    return json.loads(spec.metrics_path.read_text())  # rank 0 wrote it; a failure raised above
 
 
 def request_evaluation(address: str, run_dir: str, data_dir: str, out: str) -> dict:
@@ -288,7 +288,7 @@ def _train(conn: socket.socket, message: dict) -> dict:
     failure = _wait_for_ranks(conn, ranks, logs)
     if failure:
         raise PoolError(f"{spec.run_name}: {failure}")
-    return {"metrics": True}
+    return {}
 
 
 def _wait_for_ranks(conn: socket.socket, ranks: dict[int, int], logs: dict[int, str]) -> str | None:
