@@ -4,6 +4,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -32,14 +33,16 @@ TIME_TO_ACCURACY = {("ps_sync", 4): (30.0, None), ("ps_sync", 2): (None, None)}
 SEEDS = (0, 1)
 
 
-def write_run(root, strategy, workers, seed, *, oversubscribed=False):
+def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=None, top1=None):
     run_dir = root / "runs" / strategy / f"n{workers}" / f"seed{seed}"
     run_dir.mkdir(parents=True)
     run_id = f"{strategy}-{workers}-{seed}"
-    reach = TIME_TO_ACCURACY.get((strategy, workers), (10.0 * workers, 12.0 * workers))[seed]
+    reach = TIME_TO_ACCURACY.get((strategy, workers), (10.0 * workers, 12.0 * workers, 14.0 * workers))[seed]
     metrics = {
         "strategy": strategy, "workers": workers, "seed": seed,
-        "throughput": THROUGHPUT[strategy, workers][seed],
+        "throughput": THROUGHPUT[strategy, workers][seed] if windows is None else sum(windows) / len(windows),
+        # five equal windows: the pooled median of two seeds is then their mean
+        "throughput_windows": windows or [THROUGHPUT[strategy, workers][seed]] * 5,
         "step_time": {"total_s": 0.05, "compute_s": 0.04 + seed * 0.01, "comm_s": 0.01,
                       "data_s": 0.001},
         "bytes_per_step": 1000.0 * workers,
@@ -47,11 +50,11 @@ def write_run(root, strategy, workers, seed, *, oversubscribed=False):
         "val": [{"epoch": e, "step": 100 * e, "top1": 0.6 + 0.1 * e, "wall_s": 5.0 * e / workers}
                 for e in (1, 2, 3)],
         "target_accuracy": 0.85, "time_to_accuracy_s": reach, "wall_time_s": 40.0,
-        "environment": {"host": "test", "cores": 2, "oversubscribed": oversubscribed,
+        "environment": {"host": "test", "cores": 2, "oversubscribed": oversubscribed, "pinned_cores": [0],
                         "device_type": "cpu", "backend": "gloo"},
         "mlflow": {"run_id": run_id, "experiment_id": "1", "tracking_uri": "sqlite:///x.db"},
     }
-    evaluation = {"top1": TOP1[strategy, workers][seed], "top5": 0.99, "test_images": 10000,
+    evaluation = {"top1": TOP1.get((strategy, workers), (0.5, 0.5))[seed] if top1 is None else top1, "top5": 0.99, "test_images": 10000,
                   "mlflow_run_id": run_id}
     (run_dir / "metrics.json").write_text(json.dumps(metrics))
     (run_dir / "eval.json").write_text(json.dumps(evaluation))
@@ -83,12 +86,6 @@ def test_speedup_and_efficiency_by_hand():
     assert aggregate.efficiency(3.714286, 4) == pytest.approx(0.928571, rel=1e-6)
     assert math.isnan(aggregate.speedup(205.0, None))
     assert math.isnan(aggregate.speedup(205.0, float("nan")))
-
-
-def test_sample_std_uses_ddof_1_and_is_zero_for_one_value():
-    assert aggregate.sample_std([100.0, 110.0]) == pytest.approx(7.0710678, rel=1e-6)
-    assert aggregate.sample_std([2.0, 4.0, 9.0]) == pytest.approx(3.6055513, rel=1e-6)
-    assert aggregate.sample_std([5.0]) == 0.0
 
 
 def test_mean_of_reached_ignores_runs_that_never_reached():
@@ -149,13 +146,11 @@ def test_duplicate_runs_are_an_error(tmp_path, run_dirs):
 
 def test_scaling_columns_and_alphabetical_order(runs):
     table = aggregate.scaling_table(runs)
-    assert list(table.columns) == [
-        "strategy", "workers", "seeds", "throughput", "throughput_std", "speedup",
-        "efficiency", "speedup_vs_allreduce_1", "compute_s", "comm_s", "bytes_per_step",
-        "oversubscribed"]
+    assert list(table.columns) == aggregate.SCALING_COLUMNS
     assert list(zip(table["strategy"], table["workers"])) == [
         ("allreduce", 1), ("allreduce", 2), ("allreduce", 4),
         ("ps_sync", 1), ("ps_sync", 2), ("ps_sync", 4)]
+    assert list(table["family"]) == ["synchronous"] * 3 + ["parameter server"] * 3
 
 
 def test_scaling_follows_config_order(runs):
@@ -175,25 +170,50 @@ def test_scaling_follows_config_order(runs):
 def test_scaling_numbers_by_hand(runs, strategy, workers, throughput, speedup, efficiency,
                                  vs_allreduce):
     r = row(aggregate.scaling_table(runs), strategy, workers)
-    assert r["seeds"] == 2
+    assert r["seeds"] == 2 and r["windows"] == 10
     assert r["throughput"] == pytest.approx(throughput)
     assert r["speedup"] == pytest.approx(speedup, rel=1e-5)
     assert r["efficiency"] == pytest.approx(efficiency, rel=1e-5)
     assert r["speedup_vs_allreduce_1"] == pytest.approx(vs_allreduce, rel=1e-5)
 
 
-def test_scaling_std_and_means_over_seeds(runs):
-    table = aggregate.scaling_table(runs)
-    assert row(table, "ps_sync", 4)["throughput_std"] == pytest.approx(14.142136, rel=1e-6)
-    assert row(table, "allreduce", 2)["throughput_std"] == pytest.approx(7.0710678, rel=1e-6)
-    assert row(table, "allreduce", 2)["compute_s"] == pytest.approx(0.045)
-    assert row(table, "allreduce", 4)["bytes_per_step"] == 4000.0
+def test_scaling_intervals_come_from_the_windows_of_every_seed(tmp_path):
+    # seed 0 runs at 95..105, seed 1 at 195..205 images/s: the pooled median sits between the
+    # two and its interval spans the seeds' gap, which one seed's windows alone would not show
+    narrow = [95.0, 97.0, 100.0, 103.0, 105.0]
+    run_dirs = [write_run(tmp_path, "allreduce", 1, 0, windows=[w * 2 for w in narrow]),
+                write_run(tmp_path, "allreduce", 1, 1, windows=[w * 2 for w in narrow]),
+                write_run(tmp_path, "allreduce", 2, 0, windows=narrow),
+                write_run(tmp_path, "allreduce", 2, 1, windows=[w + 100 for w in narrow])]
+    r = row(aggregate.scaling_table(aggregate.load_runs(run_dirs)), "allreduce", 2)
+    assert r["throughput"] == pytest.approx((105.0 + 195.0) / 2)
+    assert r["throughput_low"] < 150.0 < r["throughput_high"]
+    assert r["throughput_high"] - r["throughput_low"] > 50.0
+    assert r["speedup_low"] < r["speedup"] < r["speedup_high"]
+    assert r["efficiency_high"] == pytest.approx(r["speedup_high"] / 2)
 
 
-def test_one_seed_has_zero_std(runs):
-    table = aggregate.scaling_table(runs[runs["seed"] == 0])
-    assert (table["seeds"] == 1).all()
-    assert (table["throughput_std"] == 0.0).all()
+def test_efficiency_against_the_ceiling(tmp_path):
+    run_dirs = [write_run(tmp_path, name, workers, 0, windows=[thr] * 5)
+                for name, workers, thr in (("allreduce", 1, 100.0), ("allreduce", 2, 150.0),
+                                           ("no_exchange", 1, 100.0), ("no_exchange", 2, 170.0))]
+    df = aggregate.load_runs(run_dirs)
+    table = aggregate.scaling_table(df)
+    r = row(table, "allreduce", 2)
+    assert r["ceiling_efficiency"] == pytest.approx(0.85)
+    assert r["efficiency_vs_ceiling"] == pytest.approx(150 / 170)
+    assert row(table, "no_exchange", 2)["efficiency_vs_ceiling"] == pytest.approx(1.0)
+    assert "no_exchange" not in set(aggregate.accuracy_table(df)["strategy"])
+
+
+def test_noise_is_the_spread_of_the_identical_single_worker_runs(runs):
+    noise = aggregate.noise_summary(runs)
+    single = [100.0, 110.0, 80.0, 90.0]  # allreduce and ps_sync at N=1, two seeds each
+    assert noise["n1_runs"] == 4
+    assert (noise["n1_min"], noise["n1_max"]) == (80.0, 110.0)
+    assert noise["n1_ratio"] == pytest.approx(110 / 80)
+    assert noise["n1_cv"] == pytest.approx(np.std(single, ddof=1) / np.mean(single))
+    assert "80 to 110 images/s" in aggregate.noise_note(noise)
 
 
 def test_speedup_is_nan_without_single_worker_run(runs):
@@ -214,14 +234,29 @@ def test_speedup_vs_allreduce_is_nan_without_allreduce(runs):
 
 def test_accuracy_columns_and_numbers(runs):
     table = aggregate.accuracy_table(runs)
-    assert list(table.columns) == [
-        "strategy", "workers", "seeds", "top1_mean", "top1_std", "top5_mean",
-        "time_to_accuracy_s", "top5_std", "reached_target"]
+    assert list(table.columns) == aggregate.ACCURACY_COLUMNS
     r = row(table, "ps_sync", 4)
-    assert r["top1_mean"] == pytest.approx(0.82)
-    assert r["top1_std"] == pytest.approx(0.0282843, rel=1e-5)
-    assert r["top5_mean"] == pytest.approx(0.99)
-    assert r["top5_std"] == 0.0
+    assert r["top1"] == pytest.approx(0.82)
+    assert (r["top1_low"], r["top1_high"], r["top1_interval"]) == (0.80, 0.84, "range")  # 2 seeds
+    assert r["top5"] == pytest.approx(0.99)
+    # paired with allreduce N=4: 0.80 - 0.88 and 0.84 - 0.90
+    assert r["top1_vs_allreduce"] == pytest.approx(-0.07)
+    assert (r["top1_vs_allreduce_low"], r["top1_vs_allreduce_high"]) == (pytest.approx(-0.08), pytest.approx(-0.06))
+    assert r["below_allreduce"]
+    assert not row(table, "ps_sync", 2)["below_allreduce"]  # -0.02
+    assert math.isnan(row(table, "allreduce", 2)["top1_vs_allreduce"])
+
+
+def test_three_seeds_give_a_t_interval_of_the_paired_difference(tmp_path):
+    base, other = (0.90, 0.91, 0.92), (0.88, 0.90, 0.90)  # differences -0.02, -0.01, -0.02
+    run_dirs = [write_run(tmp_path, name, 1, seed, top1=values[seed], windows=[100.0] * 5)
+                for name, values in (("allreduce", base), ("ps_sync", other)) for seed in range(3)]
+    r = row(aggregate.accuracy_table(aggregate.load_runs(run_dirs)), "ps_sync", 1)
+    differences = np.array([-0.02, -0.01, -0.02])
+    half = 4.302653 * differences.std(ddof=1) / math.sqrt(3)
+    assert r["top1_interval"] == "t95" and r["paired_seeds"] == 3
+    assert r["top1_vs_allreduce"] == pytest.approx(differences.mean())
+    assert r["top1_vs_allreduce_high"] - r["top1_vs_allreduce"] == pytest.approx(half, rel=1e-4)
 
 
 def test_time_to_accuracy_only_over_seeds_that_reached(runs):
@@ -241,15 +276,25 @@ def test_time_to_accuracy_only_over_seeds_that_reached(runs):
 
 def test_write_table_csv_and_markdown(runs, tmp_path):
     table = aggregate.scaling_table(runs)
+    noise = aggregate.noise_summary(runs)
     csv_path, md_path = tmp_path / "out" / "scaling.csv", tmp_path / "out" / "scaling.md"
-    aggregate.write_table(table, csv_path, md_path)
+    aggregate.write_table(table, csv_path, md_path, markdown=aggregate.scaling_markdown(table, noise))
     pd.testing.assert_frame_equal(pd.read_csv(csv_path), table, check_dtype=False)
     markdown = md_path.read_text()
-    assert markdown.startswith("# ")
+    assert markdown.startswith("# Scaling table")
     assert "| allreduce" in markdown and "| ps_sync" in markdown
-    assert "speedup_vs_allreduce_1" in markdown
+    assert "| 390 [380, 400]" in markdown  # allreduce N=4: seeds at 380 and 400, equal windows
+    assert "| 0.04500 " in markdown
+    assert aggregate.noise_note(noise) in markdown
     assert aggregate.OVERSUBSCRIBED_NOTE not in markdown
     assert sorted(p.name for p in csv_path.parent.iterdir()) == ["scaling.csv", "scaling.md"]
+
+
+def test_accuracy_markdown_marks_the_strategies_below_allreduce(runs):
+    markdown = aggregate.accuracy_markdown(aggregate.accuracy_table(runs))
+    marked = [line for line in markdown.splitlines() if "points below allreduce" in line and line.startswith("| ")]
+    assert [line.split("|")[1].strip() + line.split("|")[2].strip() for line in marked] == ["ps_sync4"]
+    assert "0.8200 (0.8000–0.8400)" in markdown
 
 
 def test_markdown_notes_oversubscribed_rows(tmp_path):
@@ -258,8 +303,21 @@ def test_markdown_notes_oversubscribed_rows(tmp_path):
     table = aggregate.scaling_table(aggregate.load_runs(run_dirs))
     assert list(table["oversubscribed"]) == [False, False, True]
     md_path = tmp_path / "scaling.md"
-    aggregate.write_table(table, tmp_path / "scaling.csv", md_path)
+    aggregate.write_table(table, tmp_path / "scaling.csv", md_path,
+                          markdown=aggregate.scaling_markdown(table, aggregate.noise_summary(aggregate.load_runs(run_dirs))))
     assert aggregate.OVERSUBSCRIBED_NOTE in md_path.read_text()
+
+
+def test_findings_state_the_noise_the_ranking_and_the_gaps(runs):
+    scaling, accuracy, noise = aggregate.scaling_table(runs), aggregate.accuracy_table(runs), aggregate.noise_summary(runs)
+    findings = aggregate.findings_markdown(scaling, accuracy, noise)
+    assert "## Scaling" in findings and "## Accuracy" in findings
+    assert aggregate.noise_note(noise) in findings
+    assert "Efficiency at N=4" in findings
+    # allreduce N=4 E = 0.93, ps_sync 0.79, but two seeds each 5% apart: the intervals overlap
+    assert "  - allreduce: E = 0.93 [0.86, 1.00]\n  - ps_sync: E = 0.79 [0.72, 0.88]; within the noise" in findings
+    assert "ps_sync N=4: -0.0700 (-0.0800–-0.0600)" in findings
+    assert "Within 3 points of allreduce: ps_sync N=1, ps_sync N=2." in findings
 
 
 # --- plots ----------------------------------------------------------------------------
@@ -299,11 +357,11 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
                             study_params={"model": "lenet5", "train": {"epochs": 3}})
 
     assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [
-        "accuracy.csv", "accuracy.md", "scaling.csv", "scaling.md"]
+        "accuracy.csv", "accuracy.md", "findings.md", "scaling.csv", "scaling.md"]
     parent = client.get_run(summary["parent_run_id"])
     assert parent.data.params == {"model": "lenet5", "train.epochs": "3"}
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"plots", "tables"}
-    assert len(client.list_artifacts(parent.info.run_id, "tables")) == 4
+    assert len(client.list_artifacts(parent.info.run_id, "tables")) == 5
     assert len(client.list_artifacts(parent.info.run_id, "plots")) == 4
     for run_dir in run_dirs:
         child_id = json.loads((run_dir / "metrics.json").read_text())["mlflow"]["run_id"]

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import global_batch_size, per_worker_batch
+from .intervals import median_interval
 from .stragglers import slow_ranks
+
+
+MIN_WINDOWS = 5  # a run too short for this many windows of timing_window_steps gets shorter windows
 
 
 @dataclass
@@ -44,6 +48,24 @@ class WorkerLog:
             "bytes_per_step": mean(self.bytes_sent),
         }
 
+    def window_throughputs(self, skip: int, window_steps: int) -> list[float]:
+        """Images/s of this worker in consecutive windows of `window_steps` steps after the
+        first `skip` (a last, shorter window is left out: every window weighs the same)."""
+        windows = []
+        for start in range(skip, len(self.step_s) - window_steps + 1, window_steps):
+            end = start + window_steps
+            wall = sum(self.step_s[start:end]) + sum(self.data_s[start:end])
+            windows.append(sum(self.images[start:end]) / wall)
+        return windows
+
+
+def run_windows(logs: list[WorkerLog], skip: int, window_steps: int) -> list[float]:
+    """The run's throughput (all workers) per timed window: window k of every worker summed,
+    as the run's throughput sums the workers'."""
+    per_worker = [worker.window_throughputs(skip, window_steps) for worker in logs]
+    count = min(len(windows) for windows in per_worker)
+    return [sum(windows[k] for windows in per_worker) for k in range(count)]
+
 
 def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: float, lr_schedule: dict,
               strategy_summary: dict, environment: dict, timings: dict) -> dict:
@@ -52,6 +74,9 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
     steps = min(len(worker.step_s) for worker in logs)
     skip = min(train["steady_state_skip"], steps // 2)
     per_worker = [worker.steady(skip) for worker in logs]
+    window_steps = max(1, min(train["timing_window_steps"], (steps - skip) // MIN_WINDOWS))
+    windows = run_windows(logs, skip, window_steps)
+    window_stats = median_interval([windows])
     mean = lambda key: sum(w[key] for w in per_worker) / len(per_worker)  # noqa: E731
     losses_per_step = [sum(w.loss[i] for w in logs) / len(logs) for i in range(steps)]
     target = spec.config["target_accuracy"]
@@ -63,6 +88,11 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
         "run_name": spec.run_name,
         "throughput": sum(w["throughput"] for w in per_worker),
         "throughput_per_worker": [w["throughput"] for w in per_worker],
+        # repeated timed windows of the steady state: their median and its bootstrap 95% CI
+        "throughput_windows": windows,
+        "timing_window_steps": window_steps,
+        "throughput_median": window_stats.value,
+        "throughput_ci95": [window_stats.low, window_stats.high],
         "steady_state_skip": skip,
         "step_time": {key: mean(key) for key in ("total_s", "compute_s", "comm_s", "data_s")},
         "step_time_per_worker": per_worker,

@@ -320,6 +320,13 @@ def _allreduce_family(strategy: str, wire_bytes: float, workload, machine, worke
                    straggler=synchronous_wait(stragglers, workers))
 
 
+@model("no_exchange")
+def no_exchange(workload, machine, workers, params, stragglers):
+    """The ceiling: every worker computes and updates alone; no exchange, no barrier."""
+    return _finish("no_exchange", workload, workers, workload.compute_s, 0.0, 0.0,
+                   straggler=mean_delay(stragglers, workers))
+
+
 @model("allreduce")
 def allreduce(workload, machine, workers, params, stragglers):
     """DDP: the gradient all-reduced every step, overlapped with backward."""
@@ -546,7 +553,7 @@ def step(strategy: str, workload: Workload, machine: Machine, workers: int, para
     jitter = natural_wait(machine, workload.compute_s, *JITTER_BARRIER[strategy](workers, params))
     if jitter <= 0:
         return result
-    if strategy == "ps_async":  # no barrier: nothing to wait for
+    if strategy in ("ps_async", "no_exchange"):  # no barrier: nothing to wait for
         return result
     step_s = result.step_s + jitter
     return dataclasses.replace(result, step_s=step_s, straggler_s=result.straggler_s + jitter,
@@ -560,6 +567,7 @@ JITTER_BARRIER = {
     "ps_backup": lambda n, p: (n, 1, max(1, n - min(p.get("backup", 1), n - 1))),
     "ssp": lambda n, p: (n, (p["staleness"] if p.get("staleness", 2) is not None else n) + 1, None),
     "ps_async": lambda n, p: (1, 1, None),
+    "no_exchange": lambda n, p: (1, 1, None),  # no barrier
     "local_sgd": lambda n, p: (n, p.get("period", 8), None),
     "easgd": lambda n, p: (n, p.get("period", 8), None),
     "gossip": lambda n, p: (gossip_degree(p.get("topology", "ring"), n) + 1 if n > 1 else 1, 1, None),

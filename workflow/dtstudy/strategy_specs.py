@@ -23,6 +23,8 @@ class StrategySpec:
     """A strategy's knobs (`strategy_params.<name>`) and the facts the launcher needs."""
 
     name: ClassVar[str]
+    #: the family the tables and plots group it in (FAMILIES)
+    family: ClassVar[str]
     #: the knobs with their defaults; others are rejected
     defaults: ClassVar[dict[str, Any]] = {}
 
@@ -65,6 +67,7 @@ class StrategySpec:
 
 class AllReduceSpec(StrategySpec):
     name = "allreduce"
+    family = "synchronous"
     defaults = {"bucket_cap_mb": 25}
 
     @classmethod
@@ -75,14 +78,17 @@ class AllReduceSpec(StrategySpec):
 
 class AllReduceFP16Spec(AllReduceSpec):
     name = "allreduce_fp16"
+    family = "compressed"
 
 
 class AllReduceBF16Spec(AllReduceSpec):
     name = "allreduce_bf16"
+    family = "compressed"
 
 
 class AllReducePowerSGDSpec(AllReduceSpec):
     name = "allreduce_powersgd"
+    family = "compressed"
     defaults = {**AllReduceSpec.defaults, "rank": 2, "start_powerSGD_iter": 10, "warm_start": True,
                 "use_error_feedback": True}
 
@@ -102,6 +108,7 @@ ONEBIT_QUANTIZERS = ("column", "tensor")
 
 class AllReduceOneBitSpec(AllReduceSpec):
     name = "allreduce_onebit"
+    family = "compressed"
     defaults = {**AllReduceSpec.defaults, "quantizer": "column"}
 
     @classmethod
@@ -114,6 +121,7 @@ class AllReduceOneBitSpec(AllReduceSpec):
 # ----- parameter servers --------------------------------------------------------------
 
 class ParameterServerSpec(StrategySpec):
+    family = "parameter server"
     defaults = {"shards": 1}
 
     @classmethod
@@ -181,6 +189,7 @@ class SspSpec(AsyncParameterServerSpec):
 
 class LocalSGDSpec(StrategySpec):
     name = "local_sgd"
+    family = "local / decentralized"
     defaults = {"period": 8, "warmup_steps": 0}
 
     @classmethod
@@ -191,6 +200,7 @@ class LocalSGDSpec(StrategySpec):
 
 class EASGDSpec(StrategySpec):
     name = "easgd"
+    family = "local / decentralized"
     defaults = {"period": 8, "beta": 0.9, "alpha": None}
 
     @classmethod
@@ -215,6 +225,7 @@ GOSSIP_TOPOLOGIES = ("ring", "random_pairs")
 
 class GossipSpec(StrategySpec):
     name = "gossip"
+    family = "local / decentralized"
     defaults = {"topology": "ring"}
 
     @classmethod
@@ -223,10 +234,26 @@ class GossipSpec(StrategySpec):
             raise cls.bad_knob("topology", params["topology"], f"allowed: {', '.join(GOSSIP_TOPOLOGIES)}")
 
 
+# ----- the reference: no exchange at all (the machine's ceiling) ----------------------
+
+class NoExchangeSpec(StrategySpec):
+    name = "no_exchange"
+    family = "reference"
+
+
 SPECS: dict[str, type[StrategySpec]] = {spec.name: spec for spec in (
     AllReduceSpec, PsSyncSpec, PsBackupSpec, PsAsyncSpec, SspSpec, LocalSGDSpec, EASGDSpec, GossipSpec,
     AllReduceFP16Spec, AllReduceBF16Spec, AllReducePowerSGDSpec, AllReduceOneBitSpec,
+    NoExchangeSpec,
 )}
+
+
+#: the families, in the order of the plots' panels; "reference" (no_exchange) is the
+#: machine's ceiling, drawn on every panel rather than in one of its own
+FAMILIES = ("synchronous", "parameter server", "local / decentralized", "compressed", "reference")
+REFERENCE_STRATEGY = "no_exchange"
+if any(spec.family not in FAMILIES for spec in SPECS.values()):
+    raise RuntimeError(f"a strategy's family is not in FAMILIES: {[(n, s.family) for n, s in SPECS.items()]}")
 
 
 def get_spec(name: str) -> type[StrategySpec]:

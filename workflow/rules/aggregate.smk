@@ -7,6 +7,7 @@ rule aggregate:
         scaling_md="results/tables/scaling.md",
         accuracy=report("results/tables/accuracy.csv", caption="../report/accuracy_table.rst", category="Tables"),
         accuracy_md="results/tables/accuracy.md",
+        findings="results/tables/findings.md",
         throughput_plot=report("results/plots/throughput.png", caption="../report/throughput.rst", category="Scaling"),
         efficiency_plot=report("results/plots/efficiency.png", caption="../report/efficiency.rst", category="Scaling"),
         accuracy_plot=report("results/plots/accuracy.png", caption="../report/accuracy.rst", category="Accuracy"),

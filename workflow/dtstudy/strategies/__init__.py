@@ -10,6 +10,7 @@ from .compressed import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReduce
 from .gossip import Gossip
 from .local import EASGD, LocalSGD
 from .parameter_server import PsAsync, PsBackup, PsSync, Ssp
+from .reference import NoExchange
 
 STRATEGIES: dict[str, type[Strategy]] = {
     AllReduce.name: AllReduce,
@@ -24,6 +25,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     AllReduceBF16.name: AllReduceBF16,
     AllReducePowerSGD.name: AllReducePowerSGD,
     AllReduceOneBit.name: AllReduceOneBit,
+    NoExchange.name: NoExchange,
 }
 
 
