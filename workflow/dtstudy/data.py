@@ -6,8 +6,9 @@ inside the functions that need it.
 Prepared forms (written by `prepare`, read by `load_split`):
 - "tensors" (fashion_mnist, cifar10, synthetic): train.pt / val.pt / test.pt, each
   {"images": uint8 [n, C, H, W], "labels": int64 [n]}, plus meta.json.
-- "imagefolder": index.json (relative paths + labels per split, class names) plus
-  meta.json; pixels stay in the files and are decoded per batch.
+- "imagefolder": index.json (relative paths + labels per split, class names, skipped
+  files) plus meta.json; pixels stay in the files and are decoded per batch. `root` is
+  root/<class>/<image> (test split held out per class) or root/train/<class>/ (+ test/ or val/).
 """
 
 from __future__ import annotations
@@ -341,13 +342,16 @@ def _read_idx_header(stream, path: Path) -> list[int]:
     return list(struct.unpack(f">{ndim}I", raw))
 
 
-def _idx_truncated(path: Path, dims: list[int], size: int | str) -> DataConfigError:
-    expected = 4 + 4 * len(dims) + math.prod(dims)
+def _idx_damaged(path: Path, what: str) -> DataConfigError:
     return DataConfigError(
-        f"dataset.root: '{path}' is truncated or damaged: its idx header announces {dims} "
-        f"({expected} bytes unpacked) but it holds {size}; replace it with an intact copy "
-        "(or delete it and set dataset.download: true)"
+        f"dataset.root: '{path}' is truncated or damaged ({what}); replace it with an intact "
+        "copy (or delete it and set dataset.download: true)"
     )
+
+
+def _idx_short(path: Path, dims: list[int], size: str) -> DataConfigError:
+    expected = 4 + 4 * len(dims) + math.prod(dims)
+    return _idx_damaged(path, f"its idx header announces {dims}, {expected} bytes unpacked, but it holds {size}")
 
 
 def _check_idx_file(path: Path) -> list[int]:
@@ -356,11 +360,11 @@ def _check_idx_file(path: Path) -> list[int]:
         with _open_idx(path) as stream:
             dims = _read_idx_header(stream, path)
     except (EOFError, OSError, zlib.error) as err:  # a .gz cut inside its first block
-        raise _idx_truncated(path, [], f"an unreadable stream ({err})") from None
+        raise _idx_damaged(path, f"unreadable: {err}") from None
     expected = 4 + 4 * len(dims) + math.prod(dims)
     if path.suffix != ".gz":
         if path.stat().st_size != expected:
-            raise _idx_truncated(path, dims, f"{path.stat().st_size} bytes")
+            raise _idx_short(path, dims, f"{path.stat().st_size} bytes")
         return dims
     with open(path, "rb") as raw:  # gzip's last 4 bytes: the unpacked size mod 2**32
         raw.seek(-4, os.SEEK_END)
@@ -371,9 +375,9 @@ def _check_idx_file(path: Path) -> list[int]:
         with gzip.open(path, "rb") as stream:
             size = sum(len(block) for block in iter(lambda: stream.read(1 << 20), b""))
     except (EOFError, OSError, zlib.error) as err:
-        raise _idx_truncated(path, dims, f"a gzip stream that ends early ({err})") from None
+        raise _idx_short(path, dims, f"a gzip stream that ends early ({err})") from None
     if size != expected:
-        raise _idx_truncated(path, dims, f"{size} bytes unpacked")
+        raise _idx_short(path, dims, f"{size} bytes unpacked")
     return dims
 
 
@@ -388,9 +392,11 @@ def _read_idx(path: Path, limit: int | None = None):
             item_size = math.prod(dims[1:])
             data = stream.read(count * item_size)
     except (EOFError, OSError, zlib.error) as err:
-        raise _idx_truncated(path, [], f"an unreadable stream ({err})") from None
+        raise _idx_damaged(path, f"unreadable: {err}") from None
     if len(data) != count * item_size:
-        raise _idx_truncated(path, dims, f"{len(data)} bytes after its header")
+        raise _idx_damaged(
+            path, f"its first {count} items need {count * item_size} bytes after the header, it holds {len(data)}"
+        )
     return np.frombuffer(data, dtype=np.uint8).reshape(count, *dims[1:])
 
 
