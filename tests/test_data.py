@@ -19,6 +19,8 @@ BASE_CFG = {
     "subset": 600,
     "val_fraction": 0.1,
     "split_seed": 0,
+    "test_fraction": 0.1,
+    "corrupt_images": "error",
     "image_size": 224,
     "synthetic": {"train_size": 4096, "test_size": 512, "channels": 3, "classes": 10},
 }
@@ -266,8 +268,8 @@ def test_imagefolder_prepare_and_load(image_tree, tmp_path):
     assert inputs.shape == (2, 3, 32, 32) and sorted(labels.tolist()) == [0, 1]
 
 
-def test_imagefolder_needs_train_folder(tmp_path):
-    with pytest.raises(data.DataConfigError, match="dataset.root.*train/"):
+def test_imagefolder_needs_class_folders(tmp_path):
+    with pytest.raises(data.DataConfigError, match="dataset.root.*no class folders"):
         data.check_dataset(make_cfg(name="imagefolder", root=str(tmp_path), subset=None))
     with pytest.raises(data.DataConfigError, match="dataset.root.*imagefolder"):
         data.check_dataset(make_cfg(name="imagefolder", root=None, subset=None))
