@@ -1,6 +1,6 @@
 # The distributed-training study: prepare data -> train (one submitit job per
 # strategy x N x seed) -> evaluate -> aggregate. See README.md.
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -8,9 +8,8 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
-
-
+# common.smk validates the config (our schema validator, whose integers refuse 64.0, then the
+# checks a schema cannot do) before anything else runs.
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"

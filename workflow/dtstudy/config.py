@@ -1,7 +1,8 @@
 """Load, validate and check a study config.
 
 Validation has two layers, both run before any job starts:
-1. the JSON schema (workflow/schemas/config.schema.yaml), which also fills in defaults;
+1. the JSON schema (workflow/schemas/config.schema.yaml, read by dtstudy.schema), which also
+   fills in defaults; its types are strict (64.0 is not an integer, true is not a number);
 2. `check_config`, the checks a schema cannot do (strategy names against the registry,
    strategy knobs, the data set on disk, batch sizes against the data).
 Every error names the config key, the bad value and what is allowed.
@@ -14,54 +15,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import yaml
 
-from . import data, stragglers
+from . import data, schema, stragglers
 from .errors import ConfigError
 from .runspec import RunSpec
 from .strategy_specs import SPECS as STRATEGIES
 
 __all__ = ["ConfigError", "check_config", "load_config", "run_config", "validate_schema"]
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-
-
-def _validator_filling_defaults(validator_class):
-    """jsonschema's documented recipe: a validator that also writes `default`s into the instance."""
-    validate_properties = validator_class.VALIDATORS["properties"]
-
-    def set_defaults(validator, properties, instance, schema):
-        if isinstance(instance, dict):
-            for name, subschema in properties.items():
-                if "default" in subschema:
-                    instance.setdefault(name, copy.deepcopy(subschema["default"]))
-        yield from validate_properties(validator, properties, instance, schema)
-
-    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
-
-
-_DefaultFillingValidator = _validator_filling_defaults(jsonschema.Draft202012Validator)
-
-
-def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
-
-
-def _key_path(error: jsonschema.ValidationError) -> str:
-    parts = []
-    for part in error.absolute_path:
-        parts.append(f"[{part}]" if isinstance(part, int) else f".{part}")
-    return "".join(parts).lstrip(".") or "<top level>"
-
-
 def validate_schema(config: dict) -> dict:
-    """Validate against the JSON schema and fill defaults, in place; returns the config."""
-    validator = _DefaultFillingValidator(load_schema())
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        lines = [f"config key '{_key_path(e)}': {e.message}" for e in errors]
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    """Validate against the JSON schema (strict types: 64.0 is no integer) and fill defaults,
+    in place; returns the config. `strategy_params` keeps what was written: a run's knob
+    defaults are filled by its strategy's check_params, so that a run's config (and what
+    makes Snakemake rerun it) changes only with what the user changes."""
+    knobs_as_written = copy.deepcopy(config.get("strategy_params", {}))
+    schema.validate_config(config)
+    config["strategy_params"] = knobs_as_written
     return config
 
 
@@ -78,12 +48,7 @@ def check_config(config: dict, check_data: bool = True) -> None:
                 f"config key 'strategies[{i}]': unknown strategy {name!r}; "
                 f"allowed: {', '.join(sorted(STRATEGIES))}"
             )
-    for name in config["strategy_params"]:
-        if name not in STRATEGIES:
-            raise ConfigError(
-                f"config key 'strategy_params.{name}': unknown strategy {name!r}; "
-                f"allowed: {', '.join(sorted(STRATEGIES))}"
-            )
+    # strategy_params' names are the schema's (dtstudy.strategy_specs checks they match SPECS)
     for name in config["strategies"]:
         for workers in config["workers"]:
             STRATEGIES[name].check_params(config["strategy_params"].get(name, {}), workers)
@@ -144,11 +109,31 @@ def global_batch_size(train: dict, workers: int) -> int:
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     """Read a YAML config (plus optional nested overrides), validate it and check it."""
-    config = yaml.safe_load(Path(path).read_text()) or {}
+    config = read_yaml(path)
     if overrides:
         config = deep_merge(config, overrides)
     validate_schema(config)
     check_config(config)
+    return config
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file's YAML; ConfigError (one line: the file, the line and column) if it cannot be read."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path}: malformed YAML{where}: {problem}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"config file {path}: a mapping of config keys is needed, not {type(config).__name__}")
     return config
 
 

@@ -10,8 +10,11 @@ import dtstudy.config as study_config
 from dtstudy.data import prepared_files
 from dtstudy.runspec import RunSpec
 
-# The checks a schema cannot do (registry, knobs, data on disk): fail before any job starts.
-# The data set is walked once, in the main Snakemake process, not again in every job.
+# The schema (strict types, defaults filled in; not snakemake.utils.validate, which takes 64.0
+# for an integer), then the checks a schema cannot do (registry, knobs for every N, data on
+# disk): fail before any job starts. The data set is walked once, in the main Snakemake
+# process, not again in every job.
+study_config.validate_schema(config)
 study_config.check_config(config, check_data=workflow.is_main_process)
 
 DATASET = config["dataset"]["name"]

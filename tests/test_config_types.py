@@ -1,0 +1,145 @@
+"""Strict config types (64.0 is no integer, true no number), refused before any job starts, and the
+schema as the one source of the strategies' knobs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_snakemake, tiny_study, validated
+from dtstudy import schema, strategy_specs
+from dtstudy.config import ConfigError
+from dtstudy.strategy_specs import SPECS
+
+# (override of the tiny study, the key named, the value as the message shows it, what it is not)
+TYPE_MATRIX = [
+    ({"train": {"batch_size": 64.0}}, "train.batch_size", "64.0", "is not an integer"),
+    ({"train": {"batch_size": True}}, "train.batch_size", "True", "is not an integer"),
+    ({"train": {"batch_size": "64"}}, "train.batch_size", "'64'", "is not an integer"),
+    ({"workers": [2.0]}, "workers[0]", "2.0", "is not an integer"),
+    ({"workers": [True]}, "workers[0]", "True", "is not an integer"),
+    ({"seeds": ["0"]}, "seeds[0]", "'0'", "is not an integer"),
+    ({"train": {"base_lr": True}}, "train.base_lr", "True", "is not a number"),
+    ({"train": {"base_lr": "0.1"}}, "train.base_lr", "'0.1'", "is not a number"),
+    ({"strategy_params": {"allreduce": {"bucket_cap_mb": True}}}, "strategy_params.allreduce.bucket_cap_mb",
+     "True", "is not a number"),
+    ({"strategies": ["ps_sync"], "strategy_params": {"ps_sync": {"shards": 2.0}}}, "strategy_params.ps_sync.shards",
+     "2.0", "is not an integer"),
+    ({"dataset": {"subset": 100.0}}, "dataset.subset", "100.0", "is not an integer or null"),
+    ({"strategies": "allreduce"}, "strategies", "'allreduce'", "is not a list"),
+    ({"stragglers": {"ranks": [0.0]}}, "stragglers.ranks[0]", "0.0", "is not an integer"),
+]
+
+
+@pytest.mark.parametrize("override, key, value, words", TYPE_MATRIX)
+def test_a_value_of_the_wrong_type_is_refused_naming_key_value_and_type(override, key, value, words):
+    with pytest.raises(ConfigError) as err:
+        validated(tiny_study(**override))
+    assert f"config key '{key}': {value} {words}" in str(err.value)
+
+
+def test_the_message_says_what_is_allowed():
+    with pytest.raises(ConfigError) as err:
+        validated(tiny_study(train={"batch_size": 64.0}))
+    assert str(err.value) == "config key 'train.batch_size': 64.0 is not an integer; allowed: an integer >= 1"
+    with pytest.raises(ConfigError) as err:
+        validated(tiny_study(strategies=["ps_async"], strategy_params={"ps_async": {"momentum": 1}}))
+    assert "allowed: a number in [0, 1) or null" in str(err.value)
+
+
+def test_whole_floats_in_knobs_are_refused_by_the_knob_check_too():
+    """check_params is what a run calls: it refuses 2.0 shards without the whole-config pass."""
+    with pytest.raises(ConfigError, match=r"'strategy_params\.ps_sync\.shards': 2\.0 is not an integer"):
+        SPECS["ps_sync"].check_params({"shards": 2.0}, workers=2)
+    with pytest.raises(ConfigError, match=r"'strategy_params\.local_sgd\.period': True is not an integer"):
+        SPECS["local_sgd"].check_params({"period": True}, workers=2)
+
+
+def test_an_unknown_key_lists_the_allowed_ones():
+    with pytest.raises(ConfigError) as err:
+        validated(tiny_study(train={"batchsize": 64}))
+    assert "config key 'train.batchsize': unknown key 'batchsize'; allowed: base_lr, batch_size," in str(err.value)
+
+
+# ----- the schema is the one source of the knobs ----------------------------------------------
+
+
+def test_every_strategy_has_its_knob_schema_with_no_other_knobs_allowed():
+    knob_schemas = schema.knob_schemas()
+    assert knob_schemas.keys() == SPECS.keys()
+    for name, knob_schema in knob_schemas.items():
+        assert knob_schema["additionalProperties"] is False, name
+        assert SPECS[name].check_params({}, workers=2) == {
+            knob: sub["default"] for knob, sub in knob_schema["properties"].items()}
+
+
+def test_a_spec_without_a_knob_schema_fails_at_import(monkeypatch):
+    knob_schemas = schema.knob_schemas()
+    del knob_schemas["gossip"]
+    monkeypatch.setattr(schema, "knob_schemas", lambda: knob_schemas)
+    with pytest.raises(RuntimeError, match="gossip"):
+        strategy_specs._attach_knob_schemas()
+
+
+def test_a_knob_without_a_default_fails_at_import(monkeypatch):
+    knob_schemas = schema.knob_schemas()
+    del knob_schemas["gossip"]["properties"]["topology"]["default"]
+    monkeypatch.setattr(schema, "knob_schemas", lambda: knob_schemas)
+    with pytest.raises(RuntimeError, match="strategy_params.gossip"):
+        strategy_specs._attach_knob_schemas()
+    monkeypatch.undo()
+    strategy_specs._attach_knob_schemas()  # the real schema again
+    assert SPECS["gossip"].defaults == {"topology": "ring"}
+
+
+def documented_knobs() -> dict[tuple[str, str], str]:
+    """{(strategy, knob): default} of the knob table in config/README.md."""
+    section = (REPO / "config" / "README.md").read_text().split("## `strategy_params`", 1)[1].split("\n## ", 1)[0]
+    found, names = {}, []
+    for row in re.findall(r"^\|(.*)\|$", section, flags=re.M):
+        cells = [cell.strip() for cell in row.split("|")]
+        if len(cells) != 4 or not cells[1].startswith("`"):
+            continue  # the header and its rule
+        names = re.findall(r"`(\w+)`", cells[0]) or names  # an empty first cell: the row above's strategies
+        for name in names:
+            found[(name, cells[1].strip("`"))] = cells[2].strip("`")
+    return found
+
+
+def test_the_knob_table_of_config_readme_follows_the_schema():
+    in_schema = {(name, knob): "null" if sub["default"] is None else str(sub["default"]).lower()
+                 for name, knob_schema in schema.knob_schemas().items()
+                 for knob, sub in knob_schema["properties"].items()}
+    assert documented_knobs() == in_schema
+
+
+# ----- at the dry run, before any job, and from the command line ------------------------------
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ({"train": {"batch_size": 64.0}}, "train.batch_size", "64.0 is not an integer"),
+    ({"workers": [2.0]}, "workers[0]", "2.0 is not an integer"),
+    ({"strategy_params": {"allreduce": {"bucket_cap_mb": True}}}, "strategy_params.allreduce.bucket_cap_mb",
+     "True is not a number"),
+])
+def test_the_dry_run_refuses_a_value_of_the_wrong_type(tmp_path, override, key, words):
+    result = run_snakemake(tmp_path, tiny_study(**override), "--dry-run", "--cores", "1", timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert f"config key '{key}': {words}" in output
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_malformed_yaml_is_one_line_naming_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: lenet5\ntrain: {epochs: 1, batch_size: 8\nworkers: [1, 2]\n")
+    result = subprocess.run([sys.executable, "-m", "dtstudy", "check-config", "--config", str(path)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert str(path) in lines[0] and "line 3" in lines[0] and "malformed YAML" in lines[0]
