@@ -158,3 +158,31 @@ def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
     else:
         pytest.fail(f"rank processes {alive} still run after the launcher was stopped")
     assert not (out / METRICS_FILE).exists()
+
+
+def test_time_to_accuracy_on_a_finer_grid(tmp_path, tiny_data):
+    """train.evals_per_epoch > 1: validation points inside the epoch on the first
+    eval_images validation images, time-to-accuracy the training seconds (evaluations left
+    out) of the first measured point at or above the target, nothing interpolated."""
+    metrics, _, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=None,
+                              evals_per_epoch=4, eval_images=100)
+    grid, epochs = metrics["val_grid"], metrics["val"]
+    steps_per_epoch = metrics["steps"]
+    every = steps_per_epoch // 4
+    assert [g["step"] for g in grid] == [every, 2 * every, 3 * every, steps_per_epoch]
+    assert all(g["images"] == 100 and g["kind"] == "grid" for g in grid)
+    assert len(epochs) == 1 and epochs[0]["images"] == 200 and epochs[0]["step"] == steps_per_epoch
+    train_s = [g["train_s"] for g in grid]
+    assert train_s == sorted(train_s) and all(g["train_s"] < g["wall_s"] for g in grid)
+    reached = [g["train_s"] for g in grid if g["top1"] >= metrics["target_accuracy"]]
+    assert metrics["time_to_accuracy_s"] == (reached[0] if reached else None)
+    assert "4 validation points on 100 images" in metrics["time_to_accuracy_basis"]
+
+
+def test_no_exchange_trains_each_worker_alone_at_the_rate_of_its_batch(tmp_path, tiny_data):
+    metrics, _, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="no_exchange",
+                              lr_scaling="linear")
+    assert metrics["bytes_per_step"] == 0 and metrics["step_time"]["comm_s"] == 0
+    assert metrics["lr_schedule"]["update_batch"] == 32
+    assert metrics["lr_schedule"]["peak_lr"] == pytest.approx(0.1 * 32 / 256)
+    assert len(metrics["throughput_windows"]) >= 1 and metrics["throughput_median"] > 0

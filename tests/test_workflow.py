@@ -29,7 +29,8 @@ def test_default_study_dag_runs_every_strategy():
     assert result.returncode == 0, result.stderr
     default = yaml.safe_load((REPO / "config/config.yaml").read_text())
     assert default["strategies"] == list(STRATEGIES) and default["workers"] == [1, 2, 4]
-    runs = len(STRATEGIES) * 3
+    assert len(default["seeds"]) >= 2  # every table cell has a spread
+    runs = len(STRATEGIES) * 3 * len(default["seeds"])
     assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
                                          "aggregate": 1, "commbench": 1, "project": 1, "all": 1}
 

@@ -541,7 +541,7 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
         for run in _family_rows(runs, family).itertuples():
             metrics = run_metrics[run.run_dir]
             targets.add(metrics.get("target_accuracy"))
-            val = metrics.get("val") or []
+            val = metrics.get("val_grid") or metrics.get("val") or []
             style = linestyles[worker_counts.index(run.workers) % len(linestyles)]
             ax.plot([v.get("train_s", v["wall_s"]) for v in val], [v["top1"] for v in val], color=colors[run.strategy],
                     linestyle=style, marker=".", markersize=3, label=f"{run.strategy} N={run.workers}")

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import cores
 from .atomic_files import write_json
 from .runspec import RunSpec
 
@@ -259,6 +260,9 @@ def _evaluate(conn: socket.socket, message: dict) -> dict:
     from .evaluate import evaluate_run
 
     torch.set_num_threads(1)  # the evaluate rule reserves one core
+    held = cores.lease(1)  # and takes one no timed run is pinned to
+    if held is not None:
+        cores.pin(held.cores[0])
     return {"result": evaluate_run(message["run_dir"], message["data_dir"], message["out"])}
 
 
@@ -271,16 +275,24 @@ def _train(conn: socket.socket, message: dict) -> dict:
     log_dir = Path(message["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    world_size = spec.layout().world_size
+    # distinct cores for the ranks while the run is timed; held until this process and its ranks end
+    held = cores.lease(world_size)
+    os.environ.pop(cores.PINNED_ENV, None)
+    if held is not None:
+        os.environ[cores.PINNED_ENV] = ",".join(map(str, held.cores))
     timings = {**message["timings"], "pool_job_start": time.time()}
     ranks: dict[int, int] = {}  # pid -> rank
     logs: dict[int, str] = {}
-    for rank in range(spec.layout().world_size):
+    for rank in range(world_size):
         out = message["rank0_log"] if rank == 0 else str(log_dir / f"{message['job_id']}_rank{rank}.out")
         err = str(log_dir / f"{message['job_id']}_rank{rank}.err")
         logs[rank] = err
         pid = os.fork()
         if pid == 0:
             conn.close()
+            if held is not None:
+                cores.pin(held.cores[rank])
             os._exit(_run_rank(spec, rank, out, err, timings))
         ranks[pid] = rank
     # which process is which rank, for whoever watches or debugs the run

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .cores import pinned_cores
+
 REPO_DIR = Path(__file__).resolve().parents[2]
 
 
@@ -52,7 +54,9 @@ def cpu_model() -> str:
 
 def environment(device: torch.device, backend: str, processes: int) -> dict:
     """Facts about the machine and software of a run, for metrics.json and MLflow."""
-    cores = usable_cores()
+    pinned = pinned_cores()
+    # a pinned rank sees its one core; pinning happened only if every process got its own
+    cores = (os.cpu_count() or 1) if pinned else usable_cores()
     if device.type == "cuda":
         devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     else:
@@ -66,6 +70,8 @@ def environment(device: torch.device, backend: str, processes: int) -> dict:
         "processes": processes,
         # on CPU each worker is one core; more processes than cores share them
         "oversubscribed": device.type == "cpu" and processes > cores,
+        "pinned_cores": pinned,  # rank by rank (dtstudy.cores); None = left to the OS scheduler
+        "affinity": sorted(os.sched_getaffinity(0)),  # the cores rank 0 could run on
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": {p: _version(p) for p in ("torch", "torchvision", "submitit", "mlflow", "snakemake", "dtstudy")},

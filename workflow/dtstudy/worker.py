@@ -60,11 +60,13 @@ def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2,
 
 
 @torch.no_grad()
-def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = 512) -> float:
-    """Top-1 accuracy of `model` on `dataset`, each worker scoring a 1/N share."""
+def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = 512,
+                     images: int | None = None) -> float:
+    """Top-1 accuracy of `model` on `dataset` (its first `images` images; None = all), each
+    worker scoring a 1/N share."""
     model.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-    shard = list(range(ctx.rank, len(dataset), ctx.workers))
+    shard = list(range(ctx.rank, len(dataset) if images is None else images, ctx.workers))
     for inputs, labels in data_module.iterate_batches(dataset, shard, batch_size, drop_last=False):
         predictions = model(inputs.to(ctx.device)).argmax(dim=1)
         counts[0] += (predictions == labels.to(ctx.device)).sum()
@@ -123,6 +125,8 @@ class WorkerRun:
     progress: Progress
     preemption: Preemption
     tracker: LiveRun
+    grid_images: int = 0  # the grid evaluates the first this many validation images (a fixed subset)
+    grid_every: int | None = None  # steps between grid evaluations; None = epoch ends only
 
     @property
     def steps_per_epoch(self) -> int:
@@ -145,9 +149,13 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
                              len(batch_sampler), strategy.update_batch_rule)
     progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
+    grid_every = None
+    if train["evals_per_epoch"] > 1:
+        grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
+    grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
     return WorkerRun(spec, ctx, strategy, model, module, nn.CrossEntropyLoss(), train_set, val_set, meta,
                      sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),
-                     progress, preemption, tracker)
+                     progress, preemption, tracker, grid_images, grid_every)
 
 
 def resume_or_start(run: WorkerRun) -> LoopState:
@@ -211,18 +219,46 @@ def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) 
         if run.progress.step(epoch, step_in_epoch, len(labels), loss, lr):
             run.tracker.log_metric("train_loss", loss.item(), state.step)  # rank 0, as printed
         state.step += 1
+        if grid_point_due(run, step_in_epoch):  # outside the timed step
+            grid = evaluate_point(run, state, epoch, start, "grid")
+            run.tracker.log_metric("val_top1_grid", grid["top1"], state.step)
     batches.close()
 
 
-def validate(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
-    """Validation top-1 of the strategy's evaluation model, appended to the history."""
-    top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx)
+def training_seconds(log: WorkerLog) -> float:
+    """This worker's training time so far: its steps and their data loading, without the
+    evaluation passes (what time-to-accuracy is measured in)."""
+    return sum(log.step_s) + sum(log.data_s)
+
+
+def evaluate_point(run: WorkerRun, state: LoopState, epoch: int, start: float, kind: str) -> dict:
+    """One validation entry: "epoch" (the whole validation split, at an epoch's end) or
+    "grid" (its first train.eval_images images, train.evals_per_epoch times an epoch)."""
+    images = len(run.val_set) if kind == "epoch" else run.grid_images
+    top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx, images=images)
     run.strategy.meter.take()  # evaluation's exchanges are not a training step's
-    entry = {"epoch": epoch + 1, "step": state.step, "top1": top1, "wall_s": time.perf_counter() - start}
+    entry = {"kind": kind, "epoch": epoch + 1, "step": state.step, "top1": top1, "images": images,
+             "train_s": training_seconds(state.log), "wall_s": time.perf_counter() - start}
     state.val_history.append(entry)
-    run.tracker.log_metric("val_top1", top1, state.step)
+    return entry
+
+
+def grid_point_due(run: WorkerRun, step_in_epoch: int) -> bool:
+    """Whether a grid evaluation follows batch `step_in_epoch` (the epoch's end has its own)."""
+    every = run.grid_every
+    done = step_in_epoch + 1
+    return every is not None and done % every == 0 and done < run.steps_per_epoch
+
+
+def validate(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
+    """The epoch's end: the grid's last point (when there is a grid) and the whole split."""
+    if run.grid_every is not None:
+        grid = evaluate_point(run, state, epoch, start, "grid")
+        run.tracker.log_metric("val_top1_grid", grid["top1"], state.step)
+    entry = evaluate_point(run, state, epoch, start, "epoch")
+    run.tracker.log_metric("val_top1", entry["top1"], state.step)
     run.progress.say(f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
-                     f"val top-1 {top1:.4f} at {entry['wall_s']:.1f}s")
+                     f"val top-1 {entry['top1']:.4f} at {entry['wall_s']:.1f}s")
 
 
 def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
