@@ -201,7 +201,9 @@ def random_order(pushes: int, seed: int) -> list[int]:
 def test_ssp_unbounded_answers_as_ps_async():
     for seed in range(3):
         order = random_order(40, seed)
-        unbounded = drive(UpdatePolicy.asynchronous(math.inf), order, 0.1)
+        # ssp with s = null (its knobs' defaults otherwise, staleness_lr on as ps_async's)
+        ssp = STRATEGIES["ssp"]
+        unbounded = drive(ssp.update_policy(_Fake(ssp, ssp.check_params({"staleness": None}, 2))), order, 0.1)
         ps_async = drive(STRATEGIES["ps_async"].update_policy(_Fake(STRATEGIES["ps_async"], {})), order, 0.1)
         assert [(w, v) for w, v, _ in unbounded.replies] == [(w, v) for w, v, _ in ps_async.replies]
         assert torch.equal(unbounded.parameters, ps_async.parameters)
@@ -274,7 +276,7 @@ def test_ps_backup_closes_a_short_version_when_every_worker_is_idle_or_waiting()
 
 
 def test_registry_and_knob_defaults():
-    asynchronous = {"shards": 1, "staleness_lr": False, "momentum": None}
+    asynchronous = {"shards": 1, "staleness_lr": True, "momentum": None}
     defaults = {"ps_sync": {"shards": 1}, "ps_backup": {"shards": 1, "backup": 1},
                 "ps_async": asynchronous, "ssp": {**asynchronous, "staleness": 2}}
     for name, knobs in defaults.items():

@@ -57,14 +57,18 @@ def small_data(tmp_path_factory):
 
 
 def _users_run(tmp_path, data_dir, strategy, workers, seed=0):
-    """A run with the default study's training settings (lr_scaling linear, base_lr 0.05,
-    momentum 0.9, weight decay, one warm-up epoch, cosine), 2 epochs of batch 32."""
+    """A run with the default study's training settings (config/config.yaml's train section:
+    lr_scaling linear, base_lr 0.2, batch 32, momentum 0.9, weight decay, warm-up, cosine)
+    and the strategy's default knobs, for 2 epochs on the small subset."""
+    import yaml
+
     from dtstudy.config import run_config
     from dtstudy.launcher import run_training_job
     from dtstudy.runspec import RunSpec
 
+    users = yaml.safe_load((Path(__file__).parents[1] / "config/config.yaml").read_text())["train"]
     study = validated(tiny_study(strategies=[strategy], workers=[workers], dataset={"subset": SMALL_SUBSET},
-                                 train={"epochs": 2, "batch_size": 32}))
+                                 train={**users, "epochs": 2, "evals_per_epoch": 1}))
     assert study["train"]["lr_scaling"] == "linear" and study["train"]["momentum"] == 0.9
     out = tmp_path / f"{strategy}-n{workers}-s{seed}"
     spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
@@ -73,20 +77,25 @@ def _users_run(tmp_path, data_dir, strategy, workers, seed=0):
 
 
 def test_ps_async_at_four_workers_learns_as_allreduce_with_the_linear_rule(tmp_path, small_data):
-    """Each asynchronous update is one worker's batch b and gets the rate of b (the rate of
-    N b made ps_async diverge to chance at N=4 on the default study).
-    Measured (2 cores), final val top-1 allreduce / ps_async at N=4, seeds 0, 1, 2: 0.761 /
-    0.725, 0.768 / 0.755, 0.743 / 0.673 (gaps 0.036, 0.013, 0.070); with the rate of N b
-    instead (base_lr x 4 for ps_async), seeds 0, 1: 0.562, 0.500 (gaps 0.20, 0.27). On half
-    the images (6000) one seed of three fell to 0.19 in its 2nd epoch (momentum 0.9 on
-    stale gradients): this size, not smaller."""
+    """Each asynchronous update is one worker's batch b and gets the rate of b, divided by its
+    staleness (staleness_lr, on by default; the rate of N b made ps_async diverge to chance at
+    N=4 on the old default study, and without staleness_lr the new recipe sent one seed of two
+    to chance at N=4 on the default study).
+    Measured (2 cores, this recipe, 2 epochs of 10800 images), final val top-1 allreduce /
+    ps_async at N=4, seeds 0, 1, 2: 0.800 / 0.756, 0.782 / 0.680, 0.769 / 0.702-0.708 (gaps
+    0.044, 0.102, 0.061-0.068). ps_async's arrival order, and so its result, varies from run to
+    run: seed 0 repeated 9 times gave 0.652-0.756 (median 0.738), gaps 0.044-0.148, hence the
+    tolerance. What it catches: the rate of N b (gaps 0.20-0.27 with the old recipe) and a run
+    at chance (0.10). With the shards' momentum 0.7, 0.5 or 0 instead of 0.9: 0.70-0.73,
+    0.66-0.68, 0.29-0.47. This test runs seed 0."""
     allreduce = _users_run(tmp_path, small_data, "allreduce", 4)
     ps_async = _users_run(tmp_path, small_data, "ps_async", 4)
     assert ps_async["lr_schedule"]["update_batch"] == 32 and allreduce["lr_schedule"]["update_batch"] == 128
     assert ps_async["lr_schedule"]["peak_lr"] == pytest.approx(allreduce["lr_schedule"]["peak_lr"] / 4)
+    assert ps_async["strategy_params"]["staleness_lr"] is True
     assert "arrival" in ps_async["lr_schedule"]["update_batch_rule"]
-    assert allreduce["final_val_top1"] > 0.7
-    assert ps_async["final_val_top1"] > allreduce["final_val_top1"] - 0.12
+    assert allreduce["final_val_top1"] > 0.75
+    assert ps_async["final_val_top1"] > allreduce["final_val_top1"] - 0.17
 
 
 def _lenet():
