@@ -6,6 +6,7 @@ processes writing to one MLflow SQLite store at once lose no metric."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import re
@@ -28,14 +29,15 @@ TIMEOUT_MIN = 60  # the runs' time limit: the bound above is far below it
 TASKS = {"local_processes": "tasks", "timeout_min": TIMEOUT_MIN}
 
 
-def launch(tmp_path: Path, data_dir: Path, strategy: str, name: str = "run", train=None, **config):
+def launch(tmp_path: Path, data_dir: Path, strategy: str, name: str = "run", train=None, launcher=None, **config):
     """`python -m dtstudy train` of an N=2 run on the tasks path, tracked in a SQLite store
     of its own; the study config and the command, so that the run can be started again."""
     from dtstudy.tracking import init_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     init_store(uri, "distributed-training-study")
-    study = tiny_study(strategies=[strategy], workers=[2], tracking={"uri": uri}, launcher=TASKS,
+    study = tiny_study(strategies=[strategy], workers=[2], tracking={"uri": uri},
+                       launcher={**TASKS, **(launcher or {})},
                        train={"epochs": 200, "batch_size": 16, "log_every": 10, **(train or {})}, **config)
     config_path = tmp_path / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(study))
@@ -119,6 +121,28 @@ def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, 
     assert run.info.status == "FAILED" and f"rank {victim} was lost" in run.data.tags["dtstudy.failure"]
 
 
+def test_a_frozen_process_is_named_and_its_run_ends(tmp_path, tiny_data):
+    """SIGSTOP (a process or node that hangs, its heartbeat stopped with it): the run fails
+    soon after half of launcher.comm_timeout_s, naming the rank; the frozen task is ended too."""
+    command, out, uri = launch(tmp_path, tiny_data, "ps_sync", launcher={"comm_timeout_s": 10})
+    launcher = start(command)
+    seen = wait_for_output(launcher, r"img/s")
+    job_id, pids = wait_for_tasks(seen, 3)
+    frozen_at = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        took, stderr = wait_for_failure(launcher, frozen_at)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGKILL)
+    print(f"ps_sync: rank 1 frozen, the run failed {took:.1f} s later")
+    assert launcher.returncode != 0 and 5 < took < 10 + 20, (took, stderr)
+    assert "rank 1 was lost (no heartbeat for" in stderr, stderr
+    assert not (out / METRICS_FILE).exists()
+    [run] = training_runs(uri)
+    assert run.info.status == "FAILED" and "rank 1 was lost" in run.data.tags["dtstudy.failure"]
+
+
 # ----- crash, rerun, resume ------------------------------------------------------------------
 
 CHECKPOINTED = {"max_steps": 120, "batch_size": 32, "lr_scaling": "none", "base_lr": 0.1, "log_every": 5,
@@ -126,17 +150,24 @@ CHECKPOINTED = {"max_steps": 120, "batch_size": 32, "lr_scaling": "none", "base_
 SLOW = {"ranks": [1], "delay_ms": 30, "distribution": "uniform", "seed": 3}  # ~4 s of training
 
 
-def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_data):
+@pytest.mark.parametrize("processes", ["tasks", "pool"])
+def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_data, processes):
     """allreduce: rank 1 is killed after a checkpoint; the same command again resumes from the
-    last checkpoint and ends exactly where an uninterrupted run ends."""
+    last checkpoint and ends exactly where an uninterrupted run ends (one submitit task per
+    process, as on SLURM, or forked by the warm pool)."""
     import torch
 
+    where = {"local_processes": processes}
     reference_command, reference_out, _ = launch(tmp_path, tiny_data, "allreduce", "reference",
-                                                 train=CHECKPOINTED, stragglers=SLOW)
-    command, out, uri = launch(tmp_path, tiny_data, "allreduce", train=CHECKPOINTED, stragglers=SLOW)
+                                                 train=CHECKPOINTED, launcher=where, stragglers=SLOW)
+    command, out, uri = launch(tmp_path, tiny_data, "allreduce", train=CHECKPOINTED, launcher=where, stragglers=SLOW)
     launcher = start(command)
     seen = wait_for_output(launcher, r"checkpoint at step (1\d|[2-9]\d)\b")
-    _, pids = wait_for_tasks(seen, 2)
+    if processes == "tasks":
+        _, pids = wait_for_tasks(seen, 2)
+    else:  # the pool's record of its forked ranks
+        job_id = re.search(r"submitted job (\d+)", seen).group(1)
+        pids = {int(rank): pid for rank, pid in read_json(tmp_path / "run-job" / f"{job_id}_ranks.json").items()}
     os.kill(pids[1], signal.SIGKILL)
     launcher.wait(timeout=FAIL_WITHIN_S + 30)
     seen += launcher.stdout.read()
@@ -153,6 +184,7 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_
     assert resumed, rerun.stdout
     step = int(resumed.group(1))
     assert step >= saved[-1] >= 10 and step % 5 == 0 and step < 120, (step, saved)
+    print(f"{processes}: killed after the checkpoint at step {saved[-1]}, resumed from step {step}")
     metrics, expected = read_json(out / METRICS_FILE), read_json(reference_out / METRICS_FILE)
     assert metrics["steps"] == expected["steps"] == 120
     assert metrics["train_loss"] == expected["train_loss"]

@@ -8,10 +8,13 @@ Two bounds keep a run from outliving a lost process (README "When a process is l
   limit); joining the group (the rendezvous) may take up to the job's time limit;
 - `PeerWatch`: each process announces itself in the job's TCP store and beats there every
   second; a thread in every process checks the others, and a peer whose process is gone
-  (same host) or that has not beaten for `comm_timeout_s`, without having said that it
-  leaves, is lost: the watching process records who (`lost_rank_path`, read by the
-  launcher), says so on its stderr and exits with status 1. Its own peers then see it gone
-  in turn, so every process of the run ends within seconds.
+  (same host) or that has not beaten for half of `comm_timeout_s` (a frozen process or
+  node; before any wait on it times out), without having said that it leaves, is lost: the
+  watching process records who (dtstudy.runspec.lost_rank_path, read by the launcher), says
+  so on its stderr, kills the peer if it is a frozen process on this host (nothing else
+  would: submitit's local controller waits for every task) and exits with status 1. Its own
+  peers then see it gone in turn, so every process of the run ends within seconds; on SLURM,
+  srun --kill-on-bad-exit ends the job's other tasks as well.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -141,6 +145,8 @@ class PeerWatch:
     def __init__(self, rank: int, world_size: int, comm_timeout_s: float, log: str, record: str | Path,
                  quiet: Callable[[], bool] = lambda: False):
         self.rank, self.world_size, self.limit_s = rank, world_size, comm_timeout_s
+        # unseen this long: lost, before a wait on it times out (so that it is named, and killed)
+        self.unseen_limit_s = comm_timeout_s / 2
         self.log, self.record, self.quiet = log, Path(record), quiet
         self.peers = [r for r in range(world_size) if r != rank]
         self._beats = {r: 0 for r in self.peers}
@@ -214,6 +220,11 @@ class PeerWatch:
             if gone and not self._left.is_set() and not self.quiet():
                 gone.sort(key=lambda item: item[2])  # killed before failed: the cause, not a consequence
                 self._record(gone[0][0], gone[0][1])
+                for rank, _, _ in gone:  # a frozen peer on this host: nothing else ends it
+                    peer = self._info.get(rank)
+                    if peer is not None and peer["host"] == socket.gethostname() and _alive(peer["pid"]):
+                        with contextlib.suppress(OSError):
+                            os.kill(peer["pid"], signal.SIGKILL)
                 print(f"dtstudy: rank {self.rank} stops the run", file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 # the main thread may be blocked in a collective for up to comm_timeout_s: end
@@ -223,9 +234,9 @@ class PeerWatch:
     def _why_lost(self, peer: dict | None, unseen_s: float) -> str | None:
         if peer is not None and peer["host"] == socket.gethostname() and not _alive(peer["pid"]):
             return f"its process {peer['pid']} on {peer['host']} is gone"
-        if unseen_s > self.limit_s:
-            return (f"no heartbeat for {unseen_s:.0f} s (launcher.comm_timeout_s: {self.limit_s:g}): "
-                    "its process or node is gone or hangs")
+        if unseen_s > self.unseen_limit_s:
+            return (f"no heartbeat for {unseen_s:.0f} s (half of launcher.comm_timeout_s: {self.limit_s:g}): "
+                    "its process or node is frozen or gone")
         return None
 
     def _record(self, rank: int, why: str) -> None:
