@@ -121,6 +121,16 @@ def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, 
     assert run.info.status == "FAILED" and f"rank {victim} was lost" in run.data.tags["dtstudy.failure"]
 
 
+def test_a_slurm_job_ends_all_its_tasks_when_one_fails():
+    """srun --kill-on-bad-exit: a task that exits non-zero (a lost peer seen, an error) ends
+    the job's other tasks at once, on every node."""
+    from dtstudy.launcher import job_parameters
+    from test_launcher import spec_for
+
+    assert job_parameters(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}))["slurm_srun_args"] == [
+        "--kill-on-bad-exit=1"]
+
+
 def test_a_frozen_process_is_named_and_its_run_ends(tmp_path, tiny_data):
     """SIGSTOP (a process or node that hangs, its heartbeat stopped with it): the run fails
     soon after half of launcher.comm_timeout_s, naming the rank; the frozen task is ended too."""

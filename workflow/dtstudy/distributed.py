@@ -1,7 +1,7 @@
 """Process-group set-up of a run's processes (submitit tasks, one per GPU, or a warm pool's
 forked workers), and the watch each process keeps on its peers so that a lost one ends the run.
 
-Two bounds keep a run from outliving a lost process (README "When a process is lost"):
+Two bounds keep a run from outliving a lost process (config/README.md, `launcher.comm_timeout_s`):
 
 - every collective and point-to-point wait of the run's groups ends in an error after
   `launcher.comm_timeout_s` (the process-group time-out, independent of the job's time
