@@ -9,6 +9,7 @@ on Ctrl-C) cancels the job.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ from . import pool
 from .job import PooledTrainingJob, TrainingJob
 from .ports import free_port
 from .run_tracker import RUN_ID_FILE, recorded_run
-from .runspec import RunSpec
+from .runspec import RunSpec, lost_rank_path
 
 
 class TrainingJobFailed(RuntimeError):
@@ -52,6 +53,9 @@ def job_parameters(spec: RunSpec, pooled: bool = False) -> dict:
         parameters["signal_delay_s"] = launcher["signal_delay_s"]
         return parameters
     parameters["slurm_signal_delay_s"] = launcher["signal_delay_s"]
+    # a task that fails (or sees a peer lost, dtstudy.distributed.PeerWatch) ends the whole
+    # job at once, rather than leaving its siblings to hold their GPUs until a time-out
+    parameters["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
     parameters["cpus_per_task"] = launcher["cpus_per_task"]
     if launcher["gpus_per_node"]:
         parameters["gpus_per_node"] = launcher["gpus_per_node"]
@@ -103,8 +107,6 @@ class _LogFollower:
 def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -> dict:
     """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
     the run's MLflow run marked FAILED)."""
-    import shutil
-
     import submitit
 
     submitted_at = time.time()
@@ -112,8 +114,9 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
     job_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = spec.metrics_path
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
-    shutil.rmtree(spec.resume_dir, ignore_errors=True)  # a fresh run never resumes an earlier one
-    (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # nor marks an earlier MLflow run
+    # spec.resume_dir stays: a run that died resumes from its last checkpoint (dtstudy.resume;
+    # a finished run leaves none, and state of another config is not used)
+    (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
     pooled = uses_pool(spec)
 
     if spec.config["launcher"]["cluster"] == "local" and not pooled:
@@ -148,6 +151,11 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
             follower.pump()
             time.sleep(poll_s)
         follower.pump()
+        lost = lost_rank(job)
+        if lost is not None:  # known at once: no need to wait for result files (submitit: 15 s)
+            mark_failed(spec, f"job {job.job_id} failed: {lost}")
+            raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} failed; {lost}; "
+                                    f"rank 0's stderr: {job.paths.stderr}")
         try:
             results = job.results()
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as error:
@@ -165,6 +173,18 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
         raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
                                 f"its stderr: {job.paths.stderr}")
     return metrics
+
+
+def lost_rank(job) -> str | None:
+    """Which rank a failed job lost and where its log is, as the process that saw it recorded
+    (dtstudy.distributed.PeerWatch); None when no process recorded one."""
+    path = lost_rank_path(job.paths.folder, job.job_id)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)  # a local job id is a pid: a later job may get it again
+    return f"rank {record['rank']} was lost ({record['why']}); its log: {record['log']}"
 
 
 def _cause(job_error: str) -> str:

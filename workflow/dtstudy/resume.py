@@ -18,8 +18,18 @@ task only notes the signal (`Preemption`), and the training loop acts at a step 
    run name, N, seed, config hash; same step on every rank) and continues from there;
    anything else is reported and ignored (training starts from step 0).
 
-The training loop removes the folder after metrics.json is written; the launcher removes it
-before a fresh submission (`clear`), so stale state is never picked up.
+Periodic checkpoints (`train.checkpoint_every_min`) save the same state at a step boundary
+without stopping: rank 0's clock says when, and the workers agree on it through the same
+all-reduce (its value: 0 go on, 1 checkpoint, 2 stop). A run that died for any reason (a lost
+process, a killed job, a crashed node) then resumes from its last checkpoint when it is started
+again: Snakemake's --rerun-incomplete, a SLURM requeue, or the same `dtstudy train` by hand.
+Each rank keeps its last two files (`rank<r>.pt`, `rank<r>.prev.pt`), each written atomically,
+and a run resumes from the newest step that every rank has: a crash while the ranks write a
+checkpoint leaves the previous one usable.
+
+The training loop removes the folder after metrics.json is written, so a finished run's
+rerun starts from step 0; so does a run whose folder was removed (`clear`: delete
+`<out_dir>/resume/` to start a failed run afresh) or whose config changed (its identity).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +55,8 @@ from .measurements import WorkerLog
 from .runspec import RESUME_DIR
 
 FORMAT = 1  # of the rank files; a file of another format is not used
+STOP, CHECKPOINT = "stop", "checkpoint"  # what the workers agree on at a step boundary
+_CODES = {CHECKPOINT: 1, STOP: 2}  # the agreed flag is their maximum: a stop wins
 
 
 def resume_dir(out_dir: str | Path) -> Path:
@@ -52,6 +65,11 @@ def resume_dir(out_dir: str | Path) -> Path:
 
 def rank_file(out_dir: str | Path, rank: int) -> Path:
     return resume_dir(out_dir) / f"rank{rank}.pt"
+
+
+def previous_rank_file(out_dir: str | Path, rank: int) -> Path:
+    """The rank's checkpoint before its last one: kept until every rank has written the next."""
+    return resume_dir(out_dir) / f"rank{rank}.prev.pt"
 
 
 def clear(out_dir: str | Path) -> None:
@@ -76,8 +94,12 @@ def run_identity(spec) -> dict:
 
 
 def save_rank(out_dir: str | Path, rank: int, identity: dict, step: int, state: dict) -> Path:
+    """Write this rank's state (atomically), keeping its previous file as `previous_rank_file`."""
     payload = {"format": FORMAT, "identity": identity, "rank": rank, "step": step, "state": state}
-    return atomic_write(rank_file(out_dir, rank), lambda stream: torch.save(payload, stream))
+    path = rank_file(out_dir, rank)
+    if path.exists():
+        os.replace(path, previous_rank_file(out_dir, rank))
+    return atomic_write(path, lambda stream: torch.save(payload, stream))
 
 
 def read_rank(out_dir: str | Path, rank: int, identity: dict) -> tuple[dict | None, int, str]:
@@ -89,6 +111,10 @@ def read_rank(out_dir: str | Path, rank: int, identity: dict) -> tuple[dict | No
     missing = [rank_file(out_dir, r).name for r in range(identity["workers"]) if not rank_file(out_dir, r).exists()]
     if missing:
         return None, -1, f"incomplete set, {', '.join(missing)} missing"
+    return _read_file(path, rank, identity)
+
+
+def _read_file(path: Path, rank: int, identity: dict) -> tuple[dict | None, int, str]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a truncated or foreign file: say so, never use it
@@ -104,7 +130,7 @@ def read_rank(out_dir: str | Path, rank: int, identity: dict) -> tuple[dict | No
 
 
 def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, group, say: Callable[[str], None]):
-    """This worker's saved state when every worker has a valid one at the same step, else None.
+    """This worker's saved state at the newest step every worker has a valid file of, else None.
 
     A collective over the worker group (every worker calls it once, before training). When
     there was state but it is not used, `say` (rank 0's progress output) tells why, and the
@@ -112,16 +138,23 @@ def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, gr
     """
     folder = resume_dir(out_dir)
     state, step, reason = read_rank(out_dir, rank, identity) if folder.exists() else (None, -1, "")
-    verdicts = [(step, reason)]
+    states = {step: state} if step >= 0 else {}
+    previous = previous_rank_file(out_dir, rank)
+    if previous.exists():  # a checkpoint that some rank may not have replaced yet
+        older, older_step, _ = _read_file(previous, rank, identity)
+        if older_step >= 0:
+            states.setdefault(older_step, older)
+    verdicts = [(step, reason, sorted(states))]
     if workers > 1:
         verdicts = [None] * workers
-        dist.all_gather_object(verdicts, (step, reason), group=group)
-    steps = {s for s, _ in verdicts}
-    if all(s >= 0 for s in steps) and len(steps) == 1:
-        return state
-    reasons = [f"rank {r}: {why}" for r, (_, why) in enumerate(verdicts) if why]
+        dist.all_gather_object(verdicts, (step, reason, sorted(states)), group=group)
+    common = set.intersection(*(set(usable) for _, _, usable in verdicts))
+    if common:
+        return states[max(common)]
+    steps = {s for s, _, _ in verdicts}
+    reasons = [f"rank {r}: {why}" for r, (_, why, _) in enumerate(verdicts) if why]
     if not reasons and any(s >= 0 for s in steps):
-        reasons = ["the ranks saved different steps: " + ", ".join(f"rank {r} step {s}" for r, (s, _) in enumerate(verdicts))]
+        reasons = ["the ranks saved different steps: " + ", ".join(f"rank {r} step {s}" for r, (s, _, _) in enumerate(verdicts))]
     if reasons:
         say(f"resume state in {folder} not used ({'; '.join(reasons)}): training starts from step 0")
         if workers > 1:
@@ -218,9 +251,13 @@ class Preemption:
     by one that only sets a flag, and keeps submitit's to call later (`requeue`).
     """
 
-    def __init__(self, rank: int, workers: int, group, device: torch.device, every: int, lockstep: bool):
+    def __init__(self, rank: int, workers: int, group, device: torch.device, every: int, lockstep: bool,
+                 checkpoint_every_s: float | None = None):
         self.rank, self.workers, self.group, self.every = rank, workers, group, every
         self.lockstep = lockstep  # the workers are in step: agree by a collective
+        # periodic checkpoints (lockstep strategies only: the others cannot resume): rank 0's clock
+        self.checkpoint_every_s = checkpoint_every_s if lockstep and rank == 0 else None
+        self._next_checkpoint: float | None = None
         self.signalled = False  # this task got the signal
         self.stopping = False  # the workers agreed to stop (or rank 0 is requeueing)
         self.signum = preemption_signal()
@@ -247,29 +284,48 @@ class Preemption:
         self.signalled = True
 
     def requested(self, step: int) -> bool:
-        """At a step boundary, before step `step`: stop now? The same answer on every worker.
+        """At a step boundary, before step `step`: stop now? (`poll` without checkpoints.)"""
+        return self.poll(step) == STOP
+
+    def poll(self, step: int) -> str | None:
+        """At a step boundary, before step `step`: STOP, CHECKPOINT or None, the same answer on
+        every worker.
 
         Lockstep strategies: every `every` steps each worker starts an all-reduce (MAX) of its
         flag without waiting for it, and reads the previous one's result, started `every`
         steps ago: a worker ahead of the others by less than `every` steps (local SGD between
         its exchanges, gossip, a straggler's partners) never waits here, so no wait moves out
         of the timed steps into this untimed check. A signal stops the run within 2 x `every`
-        steps. Others: rank 0 alone looks at its own flag (no collective)."""
+        steps; a checkpoint rank 0's clock calls for is taken as late. Others: rank 0 alone
+        looks at its own flag (no collective), and no checkpoints."""
         if not self.lockstep:
-            return self.rank == 0 and self.signalled
+            return STOP if self.rank == 0 and self.signalled else None
         if step % self.every:
-            return False
+            return None
         if self.workers == 1:
-            return self.signalled
-        stop = False
+            return STOP if self.signalled else CHECKPOINT if self._checkpoint_due() else None
+        agreed = 0
         if self._pending is not None:
             self._pending.wait()
-            stop = bool(self._flag.item())
+            agreed = int(self._flag.item())
         self._pending = None
-        if not stop:
-            self._flag.fill_(1.0 if self.signalled else 0.0)
+        if agreed < _CODES[STOP]:
+            wanted = STOP if self.signalled else CHECKPOINT if self._checkpoint_due() else None
+            self._flag.fill_(float(_CODES.get(wanted, 0)))
             self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return stop
+        return {code: action for action, code in _CODES.items()}.get(agreed)
+
+    def _checkpoint_due(self) -> bool:
+        """Rank 0: is a periodic checkpoint due? (The clock starts at the first call, when training starts.)"""
+        if self.checkpoint_every_s is None:
+            return False
+        now = time.monotonic()
+        if self._next_checkpoint is None:
+            self._next_checkpoint = now + self.checkpoint_every_s
+        if now < self._next_checkpoint:
+            return False
+        self._next_checkpoint = now + self.checkpoint_every_s
+        return True
 
     def drain(self) -> None:
         """After the last step: complete the all-reduce still in flight (every worker started it)."""

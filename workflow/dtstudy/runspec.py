@@ -16,6 +16,12 @@ EVAL_FILE = "eval.json"
 RESUME_DIR = "resume"  # an interrupted run's saved state (dtstudy.resume)
 
 
+def lost_rank_path(job_folder: str | Path, job_id: str) -> Path:
+    """Where a run's process that saw a peer lost records which (dtstudy.distributed.PeerWatch),
+    for the launcher's error: `<job folder>/<job id>_lost_rank.json`."""
+    return Path(job_folder) / f"{job_id}_lost_rank.json"
+
+
 @dataclass
 class RunSpec:
     """Everything one training run depends on."""

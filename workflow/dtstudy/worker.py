@@ -199,9 +199,12 @@ def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) 
     for step_in_epoch in range(first, run.steps_per_epoch):
         if state.step >= run.schedule.total_steps:
             break
-        if run.preemption.requested(state.step):  # a step boundary, outside the timed step
+        action = run.preemption.poll(state.step)  # a step boundary, outside the timed step
+        if action is not None:
             state.epoch, state.step_in_epoch = epoch, step_in_epoch
-            stop_for_preemption(run, state, time.perf_counter() - start)
+            if action == resume.STOP:
+                stop_for_preemption(run, state, time.perf_counter() - start)
+            save_checkpoint(run, state, time.perf_counter() - start)
         t_data = time.perf_counter()
         inputs, labels = next(batches)
         inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
@@ -259,6 +262,18 @@ def validate(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None
     run.tracker.log_metric("val_top1", entry["top1"], state.step)
     run.progress.say(f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
                      f"val top-1 {entry['top1']:.4f} at {entry['wall_s']:.1f}s")
+
+
+def save_checkpoint(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
+    """A periodic checkpoint (train.checkpoint_every_min): every worker saves what a preemption
+    saves, and training goes on; a rerun of a run that died resumes from it. The barrier:
+    no worker goes on (and may save the next one) before every worker has saved this one."""
+    spec, ctx = run.spec, run.ctx
+    saved = resume.resumable_state(state, run.model, run.strategy, run.straggler, ctx.device, elapsed_s)
+    path = resume.save_rank(spec.out_dir, ctx.rank, resume.run_identity(spec), state.step, saved)
+    if spec.workers > 1:
+        dist.barrier(group=ctx.worker_group)
+    run.progress.say(f"checkpoint at step {state.step}: state saved in {path.parent}")
 
 
 def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:

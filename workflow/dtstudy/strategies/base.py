@@ -46,6 +46,8 @@ class DistContext:
     device: torch.device
     backend: str
     worker_group: Any = None  # process group of the N workers (None = the default group)
+    comm_timeout_s: float = 1800.0  # the longest a wait on a peer may take (launcher.comm_timeout_s)
+    startup_timeout_s: float = 1800.0  # waits that may legitimately be long (start-up, evaluation)
 
     @property
     def is_worker(self) -> bool:

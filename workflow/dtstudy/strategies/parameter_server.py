@@ -14,6 +14,7 @@ The messages are in ps_protocol, the shard in ps_shard.
 
 from __future__ import annotations
 
+import datetime
 import math
 from abc import abstractmethod
 from collections import Counter
@@ -156,7 +157,9 @@ class ParameterServer(Strategy):
     def __init__(self, ctx, params):
         super().__init__(ctx, params)
         # NCCL moves no CPU point-to-point messages; every rank creates the group, in this order
-        self.group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
+        # (a new group's time-out is the backend's default, not the run's: given here)
+        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
+                      if ctx.backend != "gloo" else None)
         self.shard_stats: list[ShardStats] = []
 
     @abstractmethod
@@ -245,7 +248,8 @@ class ParameterServer(Strategy):
         }
 
     def serve(self) -> None:
-        ShardServer(self.ctx.workers, self.group, self.update_policy()).serve()
+        ShardServer(self.ctx.workers, self.group, self.update_policy(), self.ctx.comm_timeout_s,
+                    self.ctx.startup_timeout_s).serve()
 
 
 class PsSync(ParameterServer):

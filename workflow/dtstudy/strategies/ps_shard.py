@@ -6,6 +6,7 @@ update, and how far ahead of the applied updates a worker may run.
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections import Counter
@@ -125,8 +126,14 @@ class VersionGradients:
 class ShardServer:
     """Owns a slice of the parameters and its optimizer state; answers the N workers."""
 
-    def __init__(self, workers: int, group, policy: UpdatePolicy):
+    def __init__(self, workers: int, group, policy: UpdatePolicy, comm_timeout_s: float = 1800.0,
+                 quiet_timeout_s: float = 1800.0):
         self.workers, self.group, self.policy = workers, group, policy
+        # how long the shard waits for the next request: comm_timeout_s while a worker trains
+        # (no step waits longer), quiet_timeout_s while every worker starts up or evaluates
+        self.comm_timeout_s, self.quiet_timeout_s = comm_timeout_s, quiet_timeout_s
+        self.started: set[int] = set()  # workers that have sent a request
+        self.finished: set[int] = set()  # workers that sent DONE
         self.version = 0  # updates applied
         self.pending: VersionGradients | None = None  # synchronous: the current version's gradients
         self.clocks = [0] * workers  # gradients pushed, per worker
@@ -140,7 +147,8 @@ class ShardServer:
         header = torch.empty(REQUEST_SIZE, dtype=torch.float64)
         done = 0
         while done < self.workers:
-            worker = dist.recv(header, group=self.group, tag=TAG_REQUEST)
+            worker = self._next_request(header)
+            self.started.add(worker)
             kind, _step, read_version, lr = header.tolist()
             if kind == Kind.PUSH:
                 dist.recv(self.incoming, src=worker, group=self.group, tag=TAG_GRADIENT)
@@ -154,9 +162,26 @@ class ShardServer:
             elif kind == Kind.STOP:
                 self._end_with_rank0()
             else:
+                self.finished.add(worker)
                 done += 1
         self.stats.wall_s = time.perf_counter() - start
         self.stats.send(dst=0, group=self.group)
+
+    def _next_request(self, header: torch.Tensor) -> int:
+        """Receive the next request from any worker into `header`; returns its sender. A wait
+        from any source is the one gloo does not end when a peer dies: it is bounded here."""
+        training = self.started - self.finished - self.idle
+        limit = self.comm_timeout_s if training else self.quiet_timeout_s
+        work = dist.irecv(header, group=self.group, tag=TAG_REQUEST)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=limit))
+        except RuntimeError as error:
+            what = (f"workers {sorted(training)} were training (launcher.comm_timeout_s)" if training
+                    else "every worker was starting or evaluating (launcher.timeout_min)")
+            raise TimeoutError(f"parameter-server shard: no request from any worker for {limit:.0f} s while {what}; "
+                               f"a worker is lost or hangs ({str(error).splitlines()[0][:200]})") from error
+        source = work.source_rank()
+        return source if self.group is None else dist.get_global_rank(self.group, source)
 
     def _end_with_rank0(self) -> None:
         """The job is requeued (preemption): wait until rank 0 has gone, then end. A receive
@@ -170,7 +195,8 @@ class ShardServer:
 
     def _receive_setup(self) -> None:
         setup = torch.empty(len(SETUP_FIELDS), dtype=torch.float64)
-        dist.recv(setup, src=0, group=self.group, tag=TAG_SETUP)
+        # rank 0 loads its data and builds the model first: a start-up's wait, not a step's
+        dist.irecv(setup, src=0, group=self.group, tag=TAG_SETUP).wait(timeout=datetime.timedelta(seconds=self.quiet_timeout_s))
         numel, momentum, dampening, weight_decay, nesterov = setup.tolist()
         self.start(torch.empty(int(numel), dtype=VALUE_DTYPE), momentum, dampening, weight_decay, bool(nesterov))
         dist.recv(self.parameters.data, src=0, group=self.group, tag=TAG_PARAMETERS)
