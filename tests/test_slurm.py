@@ -5,6 +5,7 @@ repository root, with MLflow behind a real `mlflow server`."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,3 +284,50 @@ def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupt
     assert metrics["train_loss"] == pytest.approx(reference["train_loss"], abs=1e-6)
     assert_same_parameters(params, reference_params, atol=1e-6)
     assert not (out / "resume").exists()
+
+
+def slurm_task_pids(job_id: str, count: int, timeout_s: float = 120) -> dict[int, int]:
+    """SLURM_PROCID -> pid of the job's Python tasks on this (the only) node."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tasks = {}
+        for environ_path in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                environ = dict(e.split(b"=", 1) for e in environ_path.read_bytes().split(b"\0") if b"=" in e)
+                cmdline = (environ_path.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if environ.get(b"SLURM_JOB_ID") == job_id.encode() and b"submitit" in cmdline and b"SLURM_PROCID" in environ:
+                tasks[int(environ[b"SLURM_PROCID"])] = int(environ_path.parent.name)
+        if len(tasks) == count:
+            return tasks
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id}: found tasks {tasks}, expected {count}")
+
+
+@pytest.mark.parametrize("strategy, victim", [("ps_sync", 1), ("allreduce", 1)])
+def test_a_killed_task_fails_its_slurm_job_within_seconds(tmp_path, tiny_data, slurm_cluster, strategy, victim):
+    """A task of a running SLURM job killed with SIGKILL (a process lost on a node): the run
+    fails within a minute, far inside its time limit (10 min here, 12 h in
+    config/cluster.yaml), naming the rank, and no task of the job is left in the queue."""
+    from test_faults import FAIL_WITHIN_S, launch, start, wait_for_failure
+    from test_pool import wait_for_output
+
+    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1, "partition": None,
+             "timeout_min": 10, "signal_delay_s": 60, "local_processes": "tasks"}
+    command, out, _ = launch(tmp_path, tiny_data, strategy, launcher=slurm)
+    launcher = start(command)
+    seen = wait_for_output(launcher, r"img/s", timeout_s=240)
+    job_id = re.search(r"submitted job (\d+)", seen).group(1)
+    pids = slurm_task_pids(job_id, 3 if strategy == "ps_sync" else 2)
+    killed_at = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    took, stderr = wait_for_failure(launcher, killed_at)
+    print(f"SLURM {strategy}: rank {victim} killed, the run failed {took:.1f} s later")
+    assert launcher.returncode != 0 and took < FAIL_WITHIN_S, (took, stderr)
+    assert f"rank {victim}" in stderr, stderr
+    assert not (out / "metrics.json").exists()
+    deadline = time.monotonic() + 60
+    while queued([f"{strategy}-n2-seed0"]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queued([f"{strategy}-n2-seed0"]) == []

@@ -35,6 +35,17 @@ def test_default_study_dag_runs_every_strategy():
                                          "aggregate": 1, "commbench": 1, "project": 1, "all": 1}
 
 
+def test_embedded_full_study_dag_has_three_seeds_of_every_strategy():
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2",
+                             "--configfile", "config/embedded-full.yaml"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    full = yaml.safe_load((REPO / "config/embedded-full.yaml").read_text())
+    assert full["seeds"] == [0, 1, 2] and full["dataset"]["subset"] is None
+    runs = len(STRATEGIES) * 3 * 3
+    assert job_counts(result.stdout)["train"] == runs and job_counts(result.stdout)["evaluate"] == runs
+
+
 @pytest.mark.parametrize("workers, seeds", [([1, 2, 4, 8], [0, 1, 2]), ([3], [7])])
 def test_one_train_and_evaluate_job_per_strategy_workers_seed(tmp_path, workers, seeds):
     result = dry_run(tmp_path, tiny_study(workers=workers, seeds=seeds, train={"batch_size": 8}))

@@ -383,10 +383,20 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
             ceiling_part = ("" if pd.isna(r["efficiency_vs_ceiling"])
                             else f", {_cell(r, 'efficiency_vs_ceiling', '.2f')} of the ceiling")
             lines.append(f"  - {r['strategy']}: E = {_cell(r, 'efficiency', '.2f')}{ceiling_part}{versus}")
-    over = sorted(set(scaling.loc[scaling["oversubscribed"], "workers"]))
-    if over:
-        lines.append(f"- N = {', '.join(map(str, over))} ran more processes than cores: their throughput says nothing "
-                     "about scaling (the accuracy still does).")
+    whole_n = [n for n, rows in scaling.groupby("workers") if rows["oversubscribed"].all()]
+    if whole_n:
+        lines.append(f"- N = {', '.join(map(str, whole_n))} ran more processes than cores: their throughput says "
+                     "nothing about scaling (the accuracy still does).")
+    partly = scaling[scaling["oversubscribed"] & ~scaling["workers"].isin(whole_n)]
+    if not partly.empty:
+        lines.append("- Also oversubscribed (a strategy's extra processes, e.g. parameter-server shards, beside "
+                     "the N workers): " + ", ".join(f"{r['strategy']} N={r['workers']}" for _, r in partly.iterrows())
+                     + "; their efficiency above is not a scaling result.")
+    ceiling_above = ceiling[(ceiling["workers"] > 1) & (ceiling["efficiency_low"] > 1)]
+    for _, r in ceiling_above.iterrows():
+        lines.append(f"- The ceiling's E at N={r['workers']} is above 1 with its whole interval: the N=1 runs it is "
+                     "measured against ran slower than one worker of an N-worker run, i.e. what ran beside the N=1 "
+                     "runs (another run, an evaluation) slowed them; every speedup at this N is inflated by as much.")
     lines += ["", "## Accuracy: what does each strategy do to the final accuracy?", ""]
     base = accuracy[accuracy["strategy"] == BASELINE_STRATEGY]
     for _, r in base.iterrows():

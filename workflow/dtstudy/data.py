@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic_files import atomic_write, write_json
+from .errors import ConfigError
 
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_FILES = {
@@ -46,7 +47,7 @@ PICKLE_STOP = b"."  # the opcode that ends every pickle
 SHOWN_PATHS = 5  # bad files named in an error or log line
 
 
-class DataConfigError(ValueError):
+class DataConfigError(ConfigError):
     """A dataset config value that cannot work; the message names the key and the fix."""
 
 
