@@ -366,3 +366,12 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
     for run_dir in run_dirs:
         child_id = json.loads((run_dir / "metrics.json").read_text())["mlflow"]["run_id"]
         assert client.get_run(child_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
+
+
+def test_speedup_at_one_worker_is_one_without_an_interval(tmp_path):
+    narrow = [95.0, 97.0, 100.0, 103.0, 105.0]
+    run_dirs = [write_run(tmp_path, "allreduce", 1, seed, windows=[w + 10 * seed for w in narrow]) for seed in SEEDS]
+    r = row(aggregate.scaling_table(aggregate.load_runs(run_dirs)), "allreduce", 1)
+    assert (r["speedup"], r["speedup_low"], r["speedup_high"]) == (1.0, 1.0, 1.0)
+    assert (r["efficiency_low"], r["efficiency_high"]) == (1.0, 1.0)
+    assert r["throughput_low"] < r["throughput"] < r["throughput_high"]

@@ -126,8 +126,9 @@ def make_image_folder(root: Path, per_class: int) -> Path:
 def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path):
     """`snakemake --profile slurm -n` with only dataset.root filled in: every (strategy, N, seed)."""
     full = yaml.safe_load((REPO / "config" / "cluster.yaml").read_text())
-    # enough images for the largest global batch (64 x 32)
-    root = make_image_folder(tmp_path / "images", per_class=1100)
+    # enough images for the largest global batch (64 x 32) once test_fraction (0.1, a train/
+    # folder alone) and val_fraction (0.02) are held out
+    root = make_image_folder(tmp_path / "images", per_class=1250)
     process = slurm_snakemake(tmp_path, {"dataset": {"root": str(root)}}, "--dry-run")
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, output[-5000:]

@@ -189,14 +189,20 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
         one = _windows(df, name, 1)
         base = _windows(df, BASELINE_STRATEGY, 1)
         ceiling, ceiling_one = _windows(df, REFERENCE_STRATEGY, workers), _windows(df, REFERENCE_STRATEGY, 1)
-        speedup_ci = intervals.bootstrap({"n": here, "one": one}, lambda m: speedup(m["n"], m["one"]))
-        efficiency_ci = intervals.bootstrap({"n": here, "one": one},
-                                            lambda m: efficiency(speedup(m["n"], m["one"]), workers))
-        vs_ceiling = intervals.bootstrap(
-            {"n": here, "one": one, "c": ceiling, "c1": ceiling_one},
-            lambda m: speedup(m["n"], m["one"]) / speedup(m["c"], m["c1"]))
-        ceiling_efficiency = intervals.bootstrap({"c": ceiling, "c1": ceiling_one},
-                                                 lambda m: efficiency(speedup(m["c"], m["c1"]), workers))
+        if workers == 1:
+            unit = intervals.Interval(1.0, 1.0, 1.0, sum(len(w) for w in here), "bootstrap95")
+            has_ceiling = bool(ceiling)
+            speedup_ci = efficiency_ci = unit if here else intervals.NAN_INTERVAL
+            vs_ceiling = ceiling_efficiency = unit if has_ceiling and here else intervals.NAN_INTERVAL
+        else:
+            speedup_ci = intervals.bootstrap({"n": here, "one": one}, lambda m: speedup(m["n"], m["one"]))
+            efficiency_ci = intervals.bootstrap({"n": here, "one": one},
+                                                lambda m: efficiency(speedup(m["n"], m["one"]), workers))
+            vs_ceiling = intervals.bootstrap(
+                {"n": here, "one": one, "c": ceiling, "c1": ceiling_one},
+                lambda m: speedup(m["n"], m["one"]) / speedup(m["c"], m["c1"]))
+            ceiling_efficiency = intervals.bootstrap({"c": ceiling, "c1": ceiling_one},
+                                                     lambda m: efficiency(speedup(m["c"], m["c1"]), workers))
         rows.append({
             "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
             "seeds": runs["seed"].nunique(), "windows": sum(len(w) for w in here),
@@ -466,8 +472,8 @@ def _finish(ax, title: str, ylabel: str, rows: pd.DataFrame | None = None) -> No
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     if rows is not None and "oversubscribed" in rows and rows["oversubscribed"].any():
-        ax.annotate("x = oversubscribed (more processes than cores)", (0, 0), xycoords="axes fraction",
-                    xytext=(4, 4), textcoords="offset points", fontsize="x-small")
+        ax.annotate("x = oversubscribed (more processes than cores)", (1, 1), xycoords="axes fraction",
+                    xytext=(-4, -4), textcoords="offset points", fontsize="x-small", ha="right", va="top")
 
 
 def _mark_oversubscribed(ax, rows: pd.DataFrame, column: str) -> None:
