@@ -189,20 +189,19 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
         one = _windows(df, name, 1)
         base = _windows(df, BASELINE_STRATEGY, 1)
         ceiling, ceiling_one = _windows(df, REFERENCE_STRATEGY, workers), _windows(df, REFERENCE_STRATEGY, 1)
-        if workers == 1:
+        if workers == 1:  # S(1) = 1 by definition: no interval
             unit = intervals.Interval(1.0, 1.0, 1.0, sum(len(w) for w in here), "bootstrap95")
-            has_ceiling = bool(ceiling)
-            speedup_ci = efficiency_ci = unit if here else intervals.NAN_INTERVAL
-            vs_ceiling = ceiling_efficiency = unit if has_ceiling and here else intervals.NAN_INTERVAL
+            speedup_ci = unit if here else intervals.NAN_INTERVAL
+            vs_ceiling = ceiling_efficiency = unit if ceiling and here else intervals.NAN_INTERVAL
         else:
             speedup_ci = intervals.bootstrap({"n": here, "one": one}, lambda m: speedup(m["n"], m["one"]))
-            efficiency_ci = intervals.bootstrap({"n": here, "one": one},
-                                                lambda m: efficiency(speedup(m["n"], m["one"]), workers))
             vs_ceiling = intervals.bootstrap(
                 {"n": here, "one": one, "c": ceiling, "c1": ceiling_one},
                 lambda m: speedup(m["n"], m["one"]) / speedup(m["c"], m["c1"]))
             ceiling_efficiency = intervals.bootstrap({"c": ceiling, "c1": ceiling_one},
                                                      lambda m: efficiency(speedup(m["c"], m["c1"]), workers))
+        # E = S / N: the speedup's interval, divided (a quantile commutes with the scaling)
+        efficiency_ci = intervals.scaled(speedup_ci, 1 / workers)
         rows.append({
             "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
             "seeds": runs["seed"].nunique(), "windows": sum(len(w) for w in here),
@@ -211,8 +210,7 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
             **_columns("efficiency", efficiency_ci),
             "ceiling_efficiency": ceiling_efficiency.value,
             **_columns("efficiency_vs_ceiling", vs_ceiling),
-            "speedup_vs_allreduce_1": intervals.bootstrap(
-                {"n": here, "b": base}, lambda m: speedup(m["n"], m["b"])).value,
+            "speedup_vs_allreduce_1": speedup(intervals.pooled_median(here), intervals.pooled_median(base)),
             "compute_s": runs["compute_s"].mean(),
             "comm_s": runs["comm_s"].mean(),
             "bytes_per_step": runs["bytes_per_step"].mean(),
@@ -258,15 +256,11 @@ def noise_summary(df: pd.DataFrame) -> dict:
     single = df[df["workers"] == 1]
     medians = [float(np.median(w)) for w in single["windows"] if len(w)]
     window_cvs = [float(np.std(w, ddof=1) / np.mean(w)) for w in df["windows"] if len(w) > 1]
-    if len(medians) < 2:
-        return {"n1_runs": len(medians), "window_cv": float(np.median(window_cvs)) if window_cvs else math.nan}
-    return {
-        "n1_runs": len(medians),
-        "n1_min": min(medians), "n1_max": max(medians),
-        "n1_ratio": max(medians) / min(medians),
-        "n1_cv": float(np.std(medians, ddof=1) / np.mean(medians)),
-        "window_cv": float(np.median(window_cvs)) if window_cvs else math.nan,
-    }
+    noise = {"n1_runs": len(medians), "window_cv": float(np.median(window_cvs)) if window_cvs else math.nan}
+    if len(medians) >= 2:
+        noise.update(n1_min=min(medians), n1_max=max(medians), n1_ratio=max(medians) / min(medians),
+                     n1_cv=float(np.std(medians, ddof=1) / np.mean(medians)))
+    return noise
 
 
 # --- writing --------------------------------------------------------------------------
@@ -278,8 +272,7 @@ def to_markdown(df: pd.DataFrame, title: str, notes: Sequence[str] = (), formatt
     lines = [f"# {title}", ""]
     for note in notes:
         lines += [note, ""]
-    if "oversubscribed" in df.columns and df["oversubscribed"].any() or "oversubscribed" in " ".join(
-            df.get("notes", [])):
+    if "oversubscribed" in df.columns and df["oversubscribed"].any():
         lines += [OVERSUBSCRIBED_NOTE, ""]
     lines.append(df.to_markdown(index=False, disable_numparse=True) if formatted
                  else df.to_markdown(index=False, floatfmt=floatfmt))
@@ -295,10 +288,18 @@ def write_table(df: pd.DataFrame, csv_path: str | Path, md_path: str | Path,
     write_text(md_path, markdown or to_markdown(df, title or f"{md_path.stem} table"))
 
 
-def _cell(table_row, prefix: str, fmt: str) -> str:
-    interval = Interval(table_row[prefix], table_row[f"{prefix}_low"], table_row[f"{prefix}_high"], 0,
-                        table_row.get(f"{prefix}_interval", "bootstrap95"))
-    return intervals.format_interval(interval, fmt)
+def _interval(table_row, prefix: str, kind: str = "bootstrap95") -> Interval:
+    """The interval that the columns prefix, prefix_low, prefix_high of a table row hold."""
+    return Interval(table_row[prefix], table_row[f"{prefix}_low"], table_row[f"{prefix}_high"], 0, kind)
+
+
+def _cell(table_row, prefix: str, fmt: str, kind: str = "bootstrap95") -> str:
+    return intervals.format_interval(_interval(table_row, prefix, kind), fmt)
+
+
+def _difference_cell(table_row) -> str:
+    """The paired difference to allreduce: a t interval or a range, as its top-1 is."""
+    return _cell(table_row, "top1_vs_allreduce", "+.4f", table_row["top1_interval"])
 
 
 def noise_note(noise: Mapping) -> str:
@@ -329,17 +330,16 @@ def scaling_markdown(table: pd.DataFrame, noise: Mapping) -> str:
         "are against the same strategy at N=1. The ceiling is no_exchange: N workers that train alone and "
         "exchange nothing, i.e. what this machine gives N processes; E / ceiling compares a strategy with it.",
         noise_note(noise),
-    ]
+    ] + ([OVERSUBSCRIBED_NOTE] if table["oversubscribed"].any() else [])
     return to_markdown(pd.DataFrame(rows), "Scaling table", notes, formatted=True)
 
 
 def accuracy_markdown(table: pd.DataFrame) -> str:
     rows = [{
         "strategy": r["strategy"], "N": r["workers"], "seeds": r["seeds"],
-        "test top-1": _cell(r, "top1", ".4f"),
+        "test top-1": _cell(r, "top1", ".4f", r["top1_interval"]),
         "test top-5": _cell(r, "top5", ".4f") if r["seeds"] else "",
-        "top-1 − allreduce (paired)": "" if r["strategy"] == BASELINE_STRATEGY else _cell(
-            {**r, "top1_vs_allreduce_interval": r["top1_interval"]}, "top1_vs_allreduce", "+.4f"),
+        "top-1 − allreduce (paired)": "" if r["strategy"] == BASELINE_STRATEGY else _difference_cell(r),
         "time to target s": "n/a" if pd.isna(r["time_to_accuracy_s"]) else f"{r['time_to_accuracy_s']:.1f}",
         "reached": r["reached_target"],
         "mark": f"> {GAP_POINTS} points below allreduce" if r["below_allreduce"] else "",
@@ -378,10 +378,9 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
         rows = rows.sort_values("efficiency", ascending=False)
         lines.append(f"- Efficiency at N={n_timed} (the largest N not oversubscribed), best first:")
         base = rows[rows["strategy"] == BASELINE_STRATEGY]
-        base_ci = None if base.empty else Interval(*base.iloc[0][["efficiency", "efficiency_low", "efficiency_high"]], 0,
-                                                   "bootstrap95")
+        base_ci = None if base.empty else _interval(base.iloc[0], "efficiency")
         for _, r in rows.iterrows():
-            interval = Interval(r["efficiency"], r["efficiency_low"], r["efficiency_high"], 0, "bootstrap95")
+            interval = _interval(r, "efficiency")
             versus = ""
             if base_ci is not None and r["strategy"] != BASELINE_STRATEGY:
                 versus = ("; within the noise of allreduce (CIs overlap)" if intervals.overlaps(interval, base_ci)
@@ -406,14 +405,14 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
     lines += ["", "## Accuracy: what does each strategy do to the final accuracy?", ""]
     base = accuracy[accuracy["strategy"] == BASELINE_STRATEGY]
     for _, r in base.iterrows():
-        lines.append(f"- allreduce at N={r['workers']}: test top-1 {_cell(r, 'top1', '.4f')} ({r['seeds']} seeds).")
+        lines.append(f"- allreduce at N={r['workers']}: test top-1 {_cell(r, 'top1', '.4f', r['top1_interval'])} "
+                     f"({r['seeds']} seeds).")
     others = accuracy[accuracy["strategy"] != BASELINE_STRATEGY]
     marked = others[others["below_allreduce"]]
     if not marked.empty:
         lines.append(f"- More than {GAP_POINTS} points below allreduce (paired difference):")
         for _, r in marked.iterrows():
-            lines.append(f"  - {r['strategy']} N={r['workers']}: "
-                         f"{_cell({**r, 'top1_vs_allreduce_interval': r['top1_interval']}, 'top1_vs_allreduce', '+.4f')}")
+            lines.append(f"  - {r['strategy']} N={r['workers']}: {_difference_cell(r)}")
     within = others[~others["below_allreduce"] & others["top1_vs_allreduce"].notna()]
     if not within.empty:
         lines.append(f"- Within {GAP_POINTS} points of allreduce: "
@@ -496,6 +495,12 @@ def _plot_strategies(ax, table: pd.DataFrame, family: str, column: str, colors: 
     return rows
 
 
+def _plot_ceiling(ax, ceiling: pd.DataFrame, column: str) -> None:
+    if not ceiling.empty:
+        ax.errorbar(ceiling["workers"], ceiling[column], yerr=_yerr(ceiling, column), color="black",
+                    linestyle=":", capsize=2, label="ceiling (no_exchange)")
+
+
 def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
     figure, panels = _family_panels(scaling)
     colors = _colors(list(dict.fromkeys(scaling["strategy"])))
@@ -506,9 +511,7 @@ def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
         ns = sorted(scaling["workers"].unique())
         if not base_one.empty:
             ax.plot(ns, [base_one.iloc[0] * n for n in ns], color="grey", linestyle="--", label="ideal thr(1)·N")
-        if not ceiling.empty:
-            ax.errorbar(ceiling["workers"], ceiling["throughput"], yerr=_yerr(ceiling, "throughput"), color="black",
-                        linestyle=":", capsize=2, label="ceiling (no_exchange)")
+        _plot_ceiling(ax, ceiling, "throughput")
         _log2_workers_axis(ax, scaling["workers"])
         _finish(ax, f"{family}: throughput (95% CI)", "images/s (all workers)", rows)
     return _save(figure, path)
@@ -521,9 +524,7 @@ def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
     for family, ax in panels:
         ax.axhline(1.0, color="grey", linestyle="--", label="ideal E = 1")
         rows = _plot_strategies(ax, scaling, family, "efficiency", colors)
-        if not ceiling.empty:
-            ax.errorbar(ceiling["workers"], ceiling["efficiency"], yerr=_yerr(ceiling, "efficiency"), color="black",
-                        linestyle=":", capsize=2, label="ceiling (no_exchange)")
+        _plot_ceiling(ax, ceiling, "efficiency")
         _log2_workers_axis(ax, scaling["workers"])
         _finish(ax, f"{family}: efficiency E(N) = S(N)/N (95% CI)", "efficiency", rows)
     return _save(figure, path)
@@ -569,12 +570,15 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
 
 
 def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_dir: str | Path,
-               strategies_order: Sequence[str] | None = None) -> list[Path]:
-    """throughput.png, efficiency.png, accuracy.png, convergence.png from the per-run frame."""
+               strategies_order: Sequence[str] | None = None, scaling: pd.DataFrame | None = None,
+               accuracy: pd.DataFrame | None = None) -> list[Path]:
+    """throughput.png, efficiency.png, accuracy.png, convergence.png from the per-run frame
+    (and its tables, when the caller has them already: the scaling table's bootstraps are
+    the step's largest cost)."""
     plots_dir = Path(plots_dir)
     metrics_by_dir = {str(Path(k)): v for k, v in run_metrics.items()}
-    scaling = scaling_table(df, strategies_order)
-    accuracy = accuracy_table(df, strategies_order)
+    scaling = scaling_table(df, strategies_order) if scaling is None else scaling
+    accuracy = accuracy_table(df, strategies_order) if accuracy is None else accuracy
     return [
         plot_throughput(scaling, plots_dir / "throughput.png"),
         plot_efficiency(scaling, plots_dir / "efficiency.png"),
@@ -609,7 +613,7 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     table_paths.append(findings_path)
     log(f"wrote {len(table_paths)} tables to {tables_dir}")
 
-    plot_paths = make_plots(df, run_metrics, plots_dir, strategies_order)
+    plot_paths = make_plots(df, run_metrics, plots_dir, strategies_order, scaling, accuracy)
     log(f"wrote {len(plot_paths)} plots to {plots_dir}")
 
     uri = tracking.resolve_uri(tracking_uri)

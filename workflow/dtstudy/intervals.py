@@ -112,6 +112,12 @@ def median_interval(groups: Sequence[Sequence[float]], **kwargs) -> Interval:
     return bootstrap({"x": groups}, lambda m: m["x"], **kwargs)
 
 
+def scaled(interval: Interval, factor: float) -> Interval:
+    """The interval of `factor` times the quantity (factor > 0): a percentile interval
+    scales with it, so E = S / N needs no bootstrap of its own."""
+    return Interval(interval.value * factor, interval.low * factor, interval.high * factor, interval.n, interval.kind)
+
+
 def format_interval(interval: Interval, fmt: str = ".4f") -> str:
     """'0.8512 [0.8401, 0.8623]' (a CI) or '0.8512 (0.8401–0.8623)' (a range of two seeds)."""
     if math.isnan(interval.value):
