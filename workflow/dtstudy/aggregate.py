@@ -338,7 +338,7 @@ def accuracy_markdown(table: pd.DataFrame) -> str:
     rows = [{
         "strategy": r["strategy"], "N": r["workers"], "seeds": r["seeds"],
         "test top-1": _cell(r, "top1", ".4f", r["top1_interval"]),
-        "test top-5": _cell(r, "top5", ".4f") if r["seeds"] else "",
+        "test top-5": _cell(r, "top5", ".4f", r["top1_interval"]) if r["seeds"] else "",  # same seeds
         "top-1 − allreduce (paired)": "" if r["strategy"] == BASELINE_STRATEGY else _difference_cell(r),
         "time to target s": "n/a" if pd.isna(r["time_to_accuracy_s"]) else f"{r['time_to_accuracy_s']:.1f}",
         "reached": r["reached_target"],
