@@ -551,9 +551,7 @@ def step(strategy: str, workload: Workload, machine: Machine, workers: int, para
         workload = dataclasses.replace(workload, compute_s=workload.compute_s * scale)
     result = MODELS[strategy](workload, machine, workers, params, stragglers)
     jitter = natural_wait(machine, workload.compute_s, *JITTER_BARRIER[strategy](workers, params))
-    if jitter <= 0:
-        return result
-    if strategy in ("ps_async", "no_exchange"):  # no barrier: nothing to wait for
+    if jitter <= 0:  # a strategy without a barrier has one participant (JITTER_BARRIER): none
         return result
     step_s = result.step_s + jitter
     return dataclasses.replace(result, step_s=step_s, straggler_s=result.straggler_s + jitter,

@@ -57,6 +57,7 @@ from .runspec import RESUME_DIR
 FORMAT = 1  # of the rank files; a file of another format is not used
 STOP, CHECKPOINT = "stop", "checkpoint"  # what the workers agree on at a step boundary
 _CODES = {CHECKPOINT: 1, STOP: 2}  # the agreed flag is their maximum: a stop wins
+_ACTIONS = {code: action for action, code in _CODES.items()}
 
 
 def resume_dir(out_dir: str | Path) -> Path:
@@ -283,10 +284,6 @@ class Preemption:
     def _note(self, signum, frame) -> None:  # no I/O here: it runs wherever the loop is
         self.signalled = True
 
-    def requested(self, step: int) -> bool:
-        """At a step boundary, before step `step`: stop now? (`poll` without checkpoints.)"""
-        return self.poll(step) == STOP
-
     def poll(self, step: int) -> str | None:
         """At a step boundary, before step `step`: STOP, CHECKPOINT or None, the same answer on
         every worker.
@@ -313,7 +310,7 @@ class Preemption:
             wanted = STOP if self.signalled else CHECKPOINT if self._checkpoint_due() else None
             self._flag.fill_(float(_CODES.get(wanted, 0)))
             self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return {code: action for action, code in _CODES.items()}.get(agreed)
+        return _ACTIONS.get(agreed)
 
     def _checkpoint_due(self) -> bool:
         """Rank 0: is a periodic checkpoint due? (The clock starts at the first call, when training starts.)"""

@@ -89,6 +89,7 @@ class AllReduceOneBitSpec(AllReduceSpec):
 
 class ParameterServerSpec(StrategySpec):
     family = "parameter server"
+
     @classmethod
     def extra_processes(cls, params, workers):
         return params["shards"]
