@@ -223,8 +223,7 @@ def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) 
             run.tracker.log_metric("train_loss", loss.item(), state.step)  # rank 0, as printed
         state.step += 1
         if grid_point_due(run, step_in_epoch):  # outside the timed step
-            grid = evaluate_point(run, state, epoch, start, "grid")
-            run.tracker.log_metric("val_top1_grid", grid["top1"], state.step)
+            evaluate_point(run, state, epoch, start, "grid")
     batches.close()
 
 
@@ -234,15 +233,20 @@ def training_seconds(log: WorkerLog) -> float:
     return sum(log.step_s) + sum(log.data_s)
 
 
+VALIDATION_METRIC = {"epoch": "val_top1", "grid": "val_top1_grid"}  # MLflow's name of each kind
+
+
 def evaluate_point(run: WorkerRun, state: LoopState, epoch: int, start: float, kind: str) -> dict:
-    """One validation entry: "epoch" (the whole validation split, at an epoch's end) or
-    "grid" (its first train.eval_images images, train.evals_per_epoch times an epoch)."""
+    """One validation entry, in the history and in MLflow: "epoch" (the whole validation
+    split, at an epoch's end) or "grid" (its first train.eval_images images,
+    train.evals_per_epoch times an epoch)."""
     images = len(run.val_set) if kind == "epoch" else run.grid_images
     top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx, images=images)
     run.strategy.meter.take()  # evaluation's exchanges are not a training step's
     entry = {"kind": kind, "epoch": epoch + 1, "step": state.step, "top1": top1, "images": images,
              "train_s": training_seconds(state.log), "wall_s": time.perf_counter() - start}
     state.val_history.append(entry)
+    run.tracker.log_metric(VALIDATION_METRIC[kind], top1, state.step)
     return entry
 
 
@@ -256,10 +260,8 @@ def grid_point_due(run: WorkerRun, step_in_epoch: int) -> bool:
 def validate(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
     """The epoch's end: the grid's last point (when there is a grid) and the whole split."""
     if run.grid_every is not None:
-        grid = evaluate_point(run, state, epoch, start, "grid")
-        run.tracker.log_metric("val_top1_grid", grid["top1"], state.step)
+        evaluate_point(run, state, epoch, start, "grid")
     entry = evaluate_point(run, state, epoch, start, "epoch")
-    run.tracker.log_metric("val_top1", entry["top1"], state.step)
     run.progress.say(f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
                      f"val top-1 {entry['top1']:.4f} at {entry['wall_s']:.1f}s")
 
@@ -268,12 +270,19 @@ def save_checkpoint(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
     """A periodic checkpoint (train.checkpoint_every_min): every worker saves what a preemption
     saves, and training goes on; a rerun of a run that died resumes from it. The barrier:
     no worker goes on (and may save the next one) before every worker has saved this one."""
+    path = save_state(run, state, elapsed_s)
+    run.progress.say(f"checkpoint at step {state.step}: state saved in {path.parent}")
+
+
+def save_state(run: WorkerRun, state: LoopState, elapsed_s: float) -> Path:
+    """Every worker saves what a resumed run needs (dtstudy.resume), then waits until every
+    worker's file is written; returns this worker's file."""
     spec, ctx = run.spec, run.ctx
     saved = resume.resumable_state(state, run.model, run.strategy, run.straggler, ctx.device, elapsed_s)
     path = resume.save_rank(spec.out_dir, ctx.rank, resume.run_identity(spec), state.step, saved)
     if spec.workers > 1:
         dist.barrier(group=ctx.worker_group)
-    run.progress.say(f"checkpoint at step {state.step}: state saved in {path.parent}")
+    return path
 
 
 def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
@@ -288,10 +297,7 @@ def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> N
         strategy.abandon()
         preemption.requeue()
     preemption.stopping = True
-    saved = resume.resumable_state(state, run.model, strategy, run.straggler, ctx.device, elapsed_s)
-    path = resume.save_rank(spec.out_dir, ctx.rank, resume.run_identity(spec), state.step, saved)
-    if spec.workers > 1:
-        dist.barrier(group=ctx.worker_group)  # every rank's file is written
+    path = save_state(run, state, elapsed_s)
     if ctx.rank == 0:
         run.progress.say(f"preempted at step {state.step} after {elapsed_s:.2f} s of training: "
                          f"state saved in {path.parent}; requeueing the job")
