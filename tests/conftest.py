@@ -31,6 +31,14 @@ def tiny_study(**overrides) -> dict:
     return deep_merge(base, overrides)
 
 
+def dataset_config(**keys) -> dict:
+    """A `dataset` section with `keys` and the schema's defaults for the rest (as a study
+    config gets it), so that a new dataset key needs no edit of the tests' configs."""
+    from dtstudy.config import validate_schema
+
+    return validate_schema({"dataset": copy.deepcopy(keys)})["dataset"]
+
+
 def validated(config: dict) -> dict:
     from dtstudy.config import check_config, validate_schema
 

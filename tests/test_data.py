@@ -1,6 +1,5 @@
 """Tests of dtstudy.data: real Fashion-MNIST (first 600 images), synthetic data, a tiny image folder."""
 
-import copy
 import gzip
 import json
 from pathlib import Path
@@ -9,27 +8,16 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import dataset_config
 from dtstudy import data
 
 FMNIST = Path(data.DEFAULT_FASHION_MNIST_ROOT)
-BASE_CFG = {
-    "name": "fashion_mnist",
-    "root": None,
-    "download": False,
-    "subset": 600,
-    "val_fraction": 0.1,
-    "split_seed": 0,
-    "test_fraction": 0.1,
-    "corrupt_images": "error",
-    "image_size": 224,
-    "synthetic": {"train_size": 4096, "test_size": 512, "channels": 3, "classes": 10},
-}
+BASE_KEYS = {"name": "fashion_mnist", "subset": 600}  # the rest: the schema's defaults
 
 
 def make_cfg(**changes):
-    cfg = copy.deepcopy(BASE_CFG)
-    cfg.update(changes)
-    return cfg
+    """The dataset section of a config: BASE_KEYS, `changes`, the schema's defaults for the rest."""
+    return dataset_config(**{**BASE_KEYS, **changes})
 
 
 def read_idx_gz(name: str) -> np.ndarray:

@@ -2,7 +2,6 @@
 trees split with a fixed seed, and empty, single-class, corrupt or truncated inputs refused
 (or, for corrupt images, skipped on request) with the key and the file or folder named."""
 
-import copy
 import gzip
 import json
 import os
@@ -16,26 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import dataset_config
 from dtstudy import data
 
-BASE_CFG = {
-    "name": "imagefolder",
-    "root": None,
-    "download": False,
-    "subset": None,
-    "val_fraction": 0.25,
-    "split_seed": 0,
-    "test_fraction": 0.2,
-    "corrupt_images": "error",
-    "image_size": 16,
-    "synthetic": {"train_size": 4096, "test_size": 512, "channels": 3, "classes": 10},
-}
+BASE_KEYS = {"name": "imagefolder", "val_fraction": 0.25, "test_fraction": 0.2, "image_size": 16}
 
 
 def make_cfg(**changes):
-    cfg = copy.deepcopy(BASE_CFG)
-    cfg.update(changes)
-    return cfg
+    """The dataset section of a config: BASE_KEYS, `changes`, the schema's defaults for the rest."""
+    return dataset_config(**{**BASE_KEYS, **changes})
 
 
 def write_images(folder: Path, n: int, seed: int, suffix: str = ".png") -> list[Path]:
