@@ -1,6 +1,7 @@
-"""The alpha-beta performance model (dtstudy.perfmodel, calibration, hardware, projection):
-hand-computed cases of every strategy's formula, the alpha-beta fit, straggler order
-statistics, bad inputs, the `project` command on a measurement file alone, and the model
+"""The alpha-beta performance model (dtstudy.perfmodel, calibration, hardware, projection,
+layer_profiles): hand-computed cases of every strategy's formula and of the wait-free-backprop
+timeline, the alpha-beta fit, straggler order statistics, bad inputs, the layer profiles
+against torch's FLOP counter, the `project` command on a measurement file alone, and the model
 against this machine's measured N=2 throughput."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import yaml
 
 from conftest import REPO
 
-from dtstudy import calibration, hardware, perfmodel as pm, projection
+from dtstudy import calibration, hardware, layer_profiles, perfmodel as pm, projection
 from dtstudy.config import ConfigError
 from dtstudy.perfmodel import Link, Machine, Stragglers, Workload
 
@@ -134,6 +135,102 @@ def test_registry_matches_the_strategies():
     assert pm.knob_defaults() == {name: cls.check_params({}, 2) for name, cls in STRATEGIES.items()}
 
 
+# ----- the wait-free-backprop overlap: buckets in backprop order --------------------------
+
+
+def test_wait_free_timeline_hand_computed():
+    # backward takes 1 s; 3 buckets ready at 0.2, 0.5, 0.8 s
+    # each exchange done before the next bucket is ready, the last by 0.9: all hidden
+    assert pm.wait_free_exposed([(0.2, 0.1), (0.5, 0.1), (0.8, 0.1)], 1.0) == 0.0
+    # the 2nd waits for the 1st (0.2 + 0.4 = 0.6, then 0.95), the 3rd for the 2nd: ends at 1.05
+    assert pm.wait_free_exposed([(0.2, 0.4), (0.5, 0.35), (0.8, 0.1)], 1.0) == pytest.approx(0.05, rel=1e-12)
+    # two stages on separate links (a sum inside, then a push): the 2nd bucket's sum runs
+    # beside the 1st one's push; pushes end at 0.2+0.1+0.3 = 0.6, 0.9, then 0.9 + 0.3 = 1.2
+    assert pm.wait_free_exposed([(0.2, 0.1, 0.3), (0.5, 0.1, 0.3), (0.8, 0.1, 0.3)], 1.0) == pytest.approx(
+        0.2, rel=1e-12)
+
+
+# 4 MB of gradients in 3 tensors, in backprop order: half of them ready at a quarter of
+# backward, a quarter at half of it, the last quarter (the first layer) at its end
+TOY = pm.LayerProfile("toy", tensors=((500_000, 0.25), (250_000, 0.5), (250_000, 1.0)), backward_share=0.6)
+
+
+def test_wait_free_overlap_in_the_step_hand_computed():
+    # 0.5 MiB buckets: one tensor each (2, 1, 1 MB); 8 messages (ceil(4e6 / 2**19)), so the
+    # exchange is ALLREDUCE_8 with 7 more latency terms (6e-5 inside, 2e-4 across), split
+    # over the buckets by bytes; backward = 0.6 x 0.1 s, buckets ready at 0.015, 0.03, 0.06 s
+    workload = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1, layers=TOY)
+    s = pm.step("allreduce", workload, MACHINE, 8, knobs("allreduce", bucket_cap_mb=0.5))
+    exchange = ALLREDUCE_8 + 7 * (6e-5 + 2e-4)
+    first_two = 0.015 + exchange * 0.75  # the 2nd bucket is ready (0.03) before the 1st is done
+    assert first_two < 0.06
+    assert s.exchange_s == pytest.approx(exchange, rel=1e-9)
+    assert s.exposed_s == pytest.approx(exchange * 0.25, rel=1e-9)  # the last bucket, after backward
+    assert s.overlap == "wait-free backprop (toy)"
+    # one 25 MiB bucket is ready only at backward's end: nothing hides
+    assert step_time("allreduce", 8, workload=workload).exposed_s == pytest.approx(ALLREDUCE_8, rel=1e-9)
+    # the compressed all-reduces take the same timeline; the parameter servers do not overlap
+    half = pm.step("allreduce_fp16", workload, MACHINE, 8, knobs("allreduce_fp16", bucket_cap_mb=0.5))
+    assert half.exposed_s == pytest.approx(half.exchange_s * 0.25, rel=1e-9)
+    assert step_time("ps_sync", 8, workload=workload, shards=2).overlap == "none"
+    assert step_time("allreduce", 8).overlap == "fixed 0 of compute"
+
+
+def test_buckets_go_in_backprop_order():
+    # the shipped profiles list the output layer first, the input layer last
+    layers = [name.rsplit(".", 1)[0] for name, _, _ in layer_profiles._shipped()["lenet5"]["tensors"]]
+    assert list(dict.fromkeys(layers)) == ["classifier.5", "classifier.3", "classifier.1", "features.3", "features.0"]
+    vgg = layer_profiles.load("vgg16", "test")
+    ready = [share for _, share in vgg.tensors]
+    assert ready == sorted(ready) and ready[-1] == 1.0
+    # VGG-16's fully connected layers (89% of its values) are ready within 1% of backward
+    early = sum(values for values, share in vgg.tensors if share < 0.01)
+    assert early / sum(values for values, _ in vgg.tensors) > 0.89
+    # the timeline takes the buckets in that order: the big early bucket hides, and the
+    # same bytes in forward order would not
+    workload = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1, layers=TOY)
+    cap = knobs("allreduce", bucket_cap_mb=0.5)
+    forward = pm.LayerProfile("forward", tuple(zip([v for v, _ in reversed(TOY.tensors)], [0.25, 0.5, 1.0])), 0.6)
+    backprop = pm.step("allreduce", workload, MACHINE, 8, cap).exposed_s
+    reordered = pm.step("allreduce", Workload(1_000_000, 4, 10, 0.1, layers=forward), MACHINE, 8, cap).exposed_s
+    assert reordered == pytest.approx(backprop * 2, rel=1e-9)  # the last bucket holds 2 MB, not 1
+
+
+def test_shipped_profile_matches_the_flop_counter():
+    measured = layer_profiles.measure("lenet5")
+    shipped = layer_profiles._shipped()["lenet5"]
+    assert measured["tensors"] == shipped["tensors"]
+    assert (measured["forward_flops"], measured["backward_flops"]) == (shipped["forward_flops"],
+                                                                      shipped["backward_flops"])
+    assert measured["parameters"] == 61706  # the study's LeNet-5
+
+
+def test_command_with_a_layer_profile(tmp_path):
+    m, h = write_inputs(tmp_path)
+    fixed = projection.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
+    measured = yaml.safe_load((tmp_path / "M.yaml").read_text())
+    measured["model"]["layer_profile"] = "resnet50"
+    (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
+    out = tmp_path / "projection.csv"
+    script = ("import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": WORKFLOW}
+    done = subprocess.run([sys.executable, "-c", script, *project_args(m, h, str(out), workers="1,8,64")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(out) as handle:
+        rows = {(r["strategy"], int(r["workers"])): r for r in csv.DictReader(handle)}
+    before = {(r["strategy"], r["workers"]): r for r in fixed}
+    assert rows[("allreduce", 64)]["overlap"] == "wait-free backprop (resnet50)"
+    assert before[("allreduce", 64)]["overlap"] == "fixed 0 of compute"
+    assert rows[("ps_sync", 64)]["overlap"] == "none"
+    # both fitted to the same measured N=8; at N=64 the timeline hides part of the exchange
+    assert float(rows[("allreduce", 8)]["throughput"]) == pytest.approx(378, rel=1e-3)
+    assert float(rows[("allreduce", 64)]["step_exchange_s"]) < 0.9 * before[("allreduce", 64)]["step_exchange_s"]
+    assert float(rows[("ps_sync", 64)]["throughput"]) == pytest.approx(before[("ps_sync", 64)]["throughput"], rel=1e-5)
+    assert "wait-free backprop on the layer profile 'resnet50'" in (tmp_path / "projection.md").read_text()
+
+
 # ----- stragglers: order statistics -------------------------------------------------------
 
 
@@ -235,6 +332,8 @@ def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
     ("missing_key", ["per_worker_batch", "missing"]),
     ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "colocated or dedicated"]),
     ("bad_period", ["strategy_params.local_sgd.period", "0", "whole number >= 1"]),
+    ("unknown_layer_profile", ["model.layer_profile", "'resnet5'", "allowed:", "resnet152, resnet50, vgg16"]),
+    ("other_network_profile", ["model.layer_profile", "'vgg16'", "138357544", "model.parameters", "1000"]),
 ])
 def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
     measured = {"model": {"name": "x", "parameters": 1000, "bytes_per_parameter": 4}, "per_worker_batch": 8,
@@ -254,6 +353,10 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
     elif case == "bad_period":
         profile["strategy_params"] = {"local_sgd": {"period": 0}}
         strategies = "local_sgd"
+    elif case == "unknown_layer_profile":
+        measured["model"]["layer_profile"] = "resnet5"
+    elif case == "other_network_profile":  # a profile of another network than model.parameters counts
+        measured["model"]["layer_profile"] = "vgg16"
     m, h = write_inputs(tmp_path, measured, profile)
     out = tmp_path / "p.csv"
     assert run_main(project_args(m, h, str(out), strategies)) == 2

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from . import layer_profiles
 from .config import ConfigError
 from .perfmodel import Workload
 
@@ -54,7 +55,8 @@ def _positive(value, key: str, where: str, kind=(int, float)) -> float:
 
 def load_measured(path: str | Path) -> dict:
     """Read and check M.yaml: model {name, parameters, bytes_per_parameter}, per_worker_batch,
-    throughput {N: images/s} with N=1; optional model.tensors, model.matrices [[n, m], ...]."""
+    throughput {N: images/s} with N=1; optional model.tensors, model.matrices [[n, m], ...],
+    model.layer_profile (a shipped architecture: the wait-free-backprop overlap)."""
     where = f"measurement file {path}"
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -81,7 +83,20 @@ def load_measured(path: str | Path) -> dict:
     if 1 not in measured:
         raise ConfigError(f"{where}: key 'throughput': {sorted(measured)} has no N=1; the images/s of one "
                           f"worker is required (it calibrates the compute time)")
-    return {"model": model, "per_worker_batch": batch, "throughput": measured, "source": str(path)}
+    layers = None
+    if "layer_profile" in model:
+        layers = layer_profiles.load(model["layer_profile"], f"{where}: key 'model.layer_profile'")
+        values = sum(v for v, _ in layers.tensors)
+        # the bytes come from model.parameters, the shares from the profile: the same network
+        if abs(values / model["parameters"] - 1) > PROFILE_PARAMETER_TOLERANCE:
+            raise ConfigError(f"{where}: key 'model.layer_profile': {layers.name!r} has {values} parameters, "
+                              f"key 'model.parameters' says {model['parameters']}; allowed: a profile within "
+                              f"{PROFILE_PARAMETER_TOLERANCE:.0%} of the model's parameters")
+    return {"model": model, "per_worker_batch": batch, "throughput": measured, "source": str(path), "layers": layers}
+
+
+#: how far model.parameters may be from its layer profile's count (other heads, class counts)
+PROFILE_PARAMETER_TOLERANCE = 0.10
 
 
 def powersgd_ratio(matrices: list, rank: int) -> float:
@@ -100,7 +115,7 @@ def workload_from_measured(measured: dict, rank: int = 2) -> Workload:
     ratio = powersgd_ratio(model["matrices"], rank) if model.get("matrices") else None
     return Workload(parameters=int(model["parameters"]), bytes_per_parameter=int(model["bytes_per_parameter"]),
                     batch=batch, compute_s=batch / measured["throughput"][1], tensors=int(model.get("tensors", 0)),
-                    powersgd_ratio=ratio)
+                    powersgd_ratio=ratio, layers=measured.get("layers"))
 
 
 # ----- a study's runs ------------------------------------------------------------------

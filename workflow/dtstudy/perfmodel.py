@@ -65,6 +65,31 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class LayerProfile:
+    """An architecture's parameter tensors in the order backprop produces their gradients:
+    (values, share of backward's FLOPs done when the gradient is ready); and backward's
+    share of a step's compute (dtstudy.layer_profiles ships them)."""
+
+    name: str
+    tensors: tuple[tuple[int, float], ...]
+    backward_share: float
+
+    def buckets(self, cap_bytes: float, bytes_per_value: float) -> list[tuple[float, float]]:
+        """(bytes, ready share) per bucket: tensors in backprop order fill a bucket until it
+        holds cap_bytes or more (DDP's assignment by size, Horovod's fusion buffer); a bucket
+        is ready with its last tensor."""
+        out, size = [], 0.0
+        for values, ready in self.tensors:
+            size += values * bytes_per_value
+            if size >= cap_bytes:
+                out.append((size, ready))
+                size = 0.0
+        if size:
+            out.append((size, self.tensors[-1][1]))
+        return out
+
+
+@dataclass(frozen=True)
 class Workload:
     """What is measured of the model on one worker."""
 
@@ -74,6 +99,8 @@ class Workload:
     compute_s: float  # one step's forward, backward, update (and batch assembly) at N=1
     tensors: int = 0  # parameter tensors (1-bit SGD sends one scale each); 0 = not counted
     powersgd_ratio: float | None = None  # bytes PowerSGD reduces / the gradient's bytes
+    #: where the parameters sit (wait-free-backprop overlap); None = the machine's fixed overlap
+    layers: LayerProfile | None = None
 
     @property
     def model_bytes(self) -> float:
@@ -113,6 +140,7 @@ class Step:
     straggler_s: float = 0.0  # waiting for slow workers
     throughput: float = 0.0  # images/s over all workers
     bound: str = "compute"
+    overlap: str = "none"  # how the exchange overlaps backward (overlap_used)
 
 
 # ----- collectives ------------------------------------------------------------------
@@ -304,8 +332,52 @@ def buckets(nbytes: float, params: dict) -> int:
     return max(1, math.ceil(nbytes / (params.get("bucket_cap_mb", 25) * 2**20)))
 
 
-def _overlapped(workload: Workload, machine: Machine, exchange: float) -> float:
-    return max(0.0, exchange - machine.overlap * workload.compute_s)
+def wait_free_exposed(buckets: list[tuple[float, ...]], backward_s: float) -> float:
+    """Wait-free backprop (Zhang et al. 2017, Poseidon; DDP's buckets, Li et al. 2020):
+    `buckets` = (seconds after backward starts when backprop has produced it, seconds its
+    exchange takes), in backprop order; each exchange starts when its bucket is ready and
+    the previous exchange is done. More than one duration: stages on separate links (a sum
+    inside the node, then a push through the NIC), each bucket through them in turn, each
+    link one bucket at a time. The exposed part: the last one's end past backward's end."""
+    ends: list[float] = []
+    for ready_s, *stages_s in buckets:
+        ends += [0.0] * (len(stages_s) - len(ends))
+        done = ready_s
+        for k, stage_s in enumerate(stages_s):
+            done = ends[k] = max(ends[k], done) + stage_s
+    return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
+
+
+#: DDP's default bucket (MiB): the bucket of a strategy whose knobs do not reach _overlapped
+DEFAULT_BUCKET_MB = 25
+
+
+def _overlapped(workload: Workload, machine: Machine, exchange: float, params: dict | None = None) -> float:
+    """The exchange's exposed part: with the workload's layer profile, its buckets' timeline
+    (each bucket's exchange the total's share of its bytes: latency and compression spread
+    with them); without, the machine's fixed share of compute hides it."""
+    layers = workload.layers
+    if layers is None:
+        return max(0.0, exchange - machine.overlap * workload.compute_s)
+    cap = (params or {}).get("bucket_cap_mb", DEFAULT_BUCKET_MB) * 2**20
+    groups = layers.buckets(cap, workload.bytes_per_parameter)
+    total = sum(size for size, _ in groups)
+    backward = layers.backward_share * workload.compute_s
+    return wait_free_exposed([(ready * backward, exchange * size / total) for size, ready in groups], backward)
+
+
+#: the strategies whose exchange runs during backward (DDP buckets and comm hooks); the
+#: others exchange after it (the parameter servers push once update() is called)
+OVERLAPS_BACKWARD = ("allreduce", "allreduce_fp16", "allreduce_bf16", "allreduce_powersgd", "allreduce_onebit")
+
+
+def overlap_used(strategy: str, workload: Workload, machine: Machine) -> str:
+    """What hid the exchange behind backward, for the tables."""
+    if strategy not in OVERLAPS_BACKWARD:
+        return "none"
+    if workload.layers is not None:
+        return f"wait-free backprop ({workload.layers.name})"
+    return f"fixed {machine.overlap:g} of compute"
 
 
 def _allreduce_family(strategy: str, wire_bytes: float, workload, machine, workers, params, stragglers,
@@ -316,7 +388,7 @@ def _allreduce_family(strategy: str, wire_bytes: float, workload, machine, worke
     messages = buckets(workload.model_bytes, params) * messages_per_bucket
     exchange = allreduce_time(wire_bytes, workers, machine, messages)
     exchange += compression_time(strategy, workload.model_bytes, machine) if strategy in COMPRESSION_PASSES else 0.0
-    return _finish(strategy, workload, workers, compute, exchange, _overlapped(workload, machine, exchange),
+    return _finish(strategy, workload, workers, compute, exchange, _overlapped(workload, machine, exchange, params),
                    straggler=synchronous_wait(stragglers, workers))
 
 
@@ -549,7 +621,8 @@ def step(strategy: str, workload: Workload, machine: Machine, workers: int, para
     scale = machine.compute_scale.get(machine.local(workers), 1.0) if machine.compute_scale else 1.0
     if scale != 1.0:
         workload = dataclasses.replace(workload, compute_s=workload.compute_s * scale)
-    result = MODELS[strategy](workload, machine, workers, params, stragglers)
+    result = dataclasses.replace(MODELS[strategy](workload, machine, workers, params, stragglers),
+                                 overlap=overlap_used(strategy, workload, machine))
     jitter = natural_wait(machine, workload.compute_s, *JITTER_BARRIER[strategy](workers, params))
     if jitter <= 0:  # a strategy without a barrier has one participant (JITTER_BARRIER): none
         return result

@@ -12,7 +12,7 @@ from .config import ConfigError
 from .perfmodel import Link, Machine, Stragglers, Workload
 
 COLUMNS = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
-           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s"]
+           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s", "overlap"]
 
 
 def parse_list(text: str, what: str, allowed: list[str] | None = None, kind=str) -> list:
@@ -82,7 +82,7 @@ def project(workload: Workload, machine: Machine, strategies: list[str], workers
                 "step_compute_s": s.compute_s, "step_exchange_s": s.exposed_s, "bound": s.bound, "profile": profile,
                 "step_s": s.step_s, "exchange_total_s": s.exchange_s, "server_s": s.server_s,
                 "straggler_s": s.straggler_s, "measured_throughput": measured.get((name, n), ""),
-                "measured_exchange_s": measured_exchange.get((name, n), ""),
+                "measured_exchange_s": measured_exchange.get((name, n), ""), "overlap": s.overlap,
             })
     return rows
 
@@ -104,7 +104,7 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
 
 def write_markdown(rows: list[dict], path: str | Path, provenance: dict) -> None:
     shown = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
-             "bound", "measured_throughput", "measured_exchange_s"]
+             "bound", "overlap", "measured_throughput", "measured_exchange_s"]
     lines = ["# Projected throughput (alpha-beta model)", "", f"Profile: {rows[0]['profile'] if rows else '-'}", "",
              "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     for row in rows:
@@ -191,6 +191,12 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
                                     f"at N={g} run at the measured {measured['throughput'][g]:g} images/s")
     provenance["compute_s"] = (f"measured: per_worker_batch / throughput at N=1 = {workload.compute_s:.4g} s "
                                f"({measured_path})")
+    if workload.layers is not None:
+        provenance["overlap"] = (
+            f"wait-free backprop on the layer profile {workload.layers.name!r} (model.layer_profile; "
+            f"dtstudy/layer_profiles.json, FLOPs by torch.utils.flop_counter): backward "
+            f"{workload.layers.backward_share:.3g} of t_c, each bucket's exchange starts when backprop has "
+            f"produced it; the profile's fixed overlap is unused")
     observed = {(measured_strategy, n): thr for n, thr in measured["throughput"].items()}
     rows = project(workload, machine, strategies, workers, params, profile["name"], measured=observed)
     write_csv(rows, out)

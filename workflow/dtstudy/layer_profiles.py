@@ -1,0 +1,115 @@
+"""Layer profiles of architectures (layer_profiles.json): each parameter tensor in backprop order with the share of backward done when its gradient is ready.
+
+The performance model's wait-free-backprop overlap (perfmodel.LayerProfile) reads them; they
+are computed once, by torch's own FLOP counter on meta tensors (shapes only: nothing is
+initialised, trained or downloaded), and shipped as data so that a projection needs no torch:
+
+    PYTHONPATH=workflow python3 -m dtstudy.layer_profiles    # rewrites layer_profiles.json
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+from .errors import ConfigError
+from .perfmodel import LayerProfile
+
+DATA = Path(__file__).with_name("layer_profiles.json")
+
+#: name -> (how the model is built, the input of one image (C, H, W)); the ImageNet models
+#: as torchvision builds them (Inception V3 without its auxiliary head, as tf_cnn_benchmarks
+#: trains it), LeNet-5 as the study trains it on Fashion-MNIST
+ARCHITECTURES = {
+    "lenet5": ("dtstudy.models.build_model('lenet5', 1, 10, 28)", (1, 28, 28)),
+    "resnet50": ("torchvision.models.resnet50()", (3, 224, 224)),
+    "resnet101": ("torchvision.models.resnet101()", (3, 224, 224)),
+    "resnet152": ("torchvision.models.resnet152()", (3, 224, 224)),
+    "vgg16": ("torchvision.models.vgg16()", (3, 224, 224)),
+    "inception_v3": ("torchvision.models.inception_v3(aux_logits=False, init_weights=False)", (3, 299, 299)),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped() -> dict:
+    return json.loads(DATA.read_text())["architectures"]
+
+
+def names() -> list[str]:
+    return sorted(_shipped())
+
+
+def load(name, where: str) -> LayerProfile:
+    """The shipped profile `name`; `where` names the file and key it came from (for the error)."""
+    profiles = _shipped()
+    if not isinstance(name, str) or name not in profiles:
+        raise ConfigError(f"{where}: {name!r} is not allowed; allowed: {', '.join(names())} "
+                          f"(the architectures of {DATA.name}; regenerate with python -m dtstudy.layer_profiles)")
+    entry = profiles[name]
+    backward_share = entry["backward_flops"] / (entry["forward_flops"] + entry["backward_flops"])
+    return LayerProfile(name=name, tensors=tuple((values, ready) for _, values, ready in entry["tensors"]),
+                        backward_share=backward_share)
+
+
+# ----- the generator (imports torch) -----------------------------------------------------
+
+
+def _build(name: str):
+    import torchvision
+
+    from .models import build_model
+
+    if name == "lenet5":
+        return build_model("lenet5", 1, 10, 28)
+    if name == "inception_v3":
+        return torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False)
+    return getattr(torchvision.models, name)(weights=None)
+
+
+def measure(name: str) -> dict:
+    """One step's forward and backward of `name` on meta tensors under FlopCounterMode; each
+    parameter's gradient-accumulated hook notes the backward FLOPs counted so far, which
+    gives both the order backprop produces the gradients in and when (in FLOPs) each is ready."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, shape = ARCHITECTURES[name]
+    with torch.device("meta"):
+        model = _build(name)
+        images = torch.empty(2, *shape)  # the shares do not depend on the batch
+    model.train()
+    counter = FlopCounterMode(display=False)
+    ready = []
+    for label, parameter in model.named_parameters():
+        parameter.register_post_accumulate_grad_hook(
+            lambda p, label=label: ready.append((label, p.numel(), counter.get_total_flops())))
+    with counter:
+        loss = model(images).sum()
+        forward = counter.get_total_flops()
+        loss.backward()
+        total = counter.get_total_flops()
+    backward = total - forward
+    return {"model": ARCHITECTURES[name][0], "input": list(shape),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "forward_flops": forward, "backward_flops": backward,
+            "tensors": [[label, values, round((done - forward) / backward, 6)] for label, values, done in ready]}
+
+
+def main() -> int:
+    import torch
+    import torchvision
+
+    data = {"generated_by": f"PYTHONPATH=workflow python3 -m dtstudy.layer_profiles (torch {torch.__version__}, "
+                            f"torchvision {torchvision.__version__}, torch.utils.flop_counter.FlopCounterMode)",
+            "fields": "tensors: [name, values, share of backward FLOPs done when its gradient is ready], "
+                      "in the order backprop produces them",
+            "architectures": {name: measure(name) for name in ARCHITECTURES}}
+    DATA.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"{len(ARCHITECTURES)} profiles written to {DATA}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
