@@ -34,7 +34,8 @@ class Machine:
     intra_p2p: Link | None = None  # point-to-point inside a node (default: intra)
     inter_p2p: Link | None = None  # point-to-point between nodes (default: inter)
     #: the fraction of a step's compute that the all-reduce of DDP/Horovod can hide behind
-    #: (gradients are handed to the exchange during backward); the same for every case
+    #: (gradients are handed to the exchange during backward); the same for every case.
+    #: Unused for a workload with a layer profile (the wait-free timeline instead)
     overlap: float = 0.0
     #: bytes/s of a memory pass of the compression kernels (cast, quantise) on a worker
     compression_bandwidth: float | None = None
@@ -327,9 +328,13 @@ def compression_time(strategy: str, nbytes: float, machine: Machine) -> float:
     return 0.0
 
 
+#: DDP's default bucket (MiB); also that of a strategy whose knobs do not reach _overlapped
+DEFAULT_BUCKET_MB = 25
+
+
 def buckets(nbytes: float, params: dict) -> int:
     """DDP's gradient buckets (one all-reduce each): bucket_cap_mb MiB."""
-    return max(1, math.ceil(nbytes / (params.get("bucket_cap_mb", 25) * 2**20)))
+    return max(1, math.ceil(nbytes / (params.get("bucket_cap_mb", DEFAULT_BUCKET_MB) * 2**20)))
 
 
 def wait_free_exposed(buckets: list[tuple[float, ...]], backward_s: float) -> float:
@@ -346,10 +351,6 @@ def wait_free_exposed(buckets: list[tuple[float, ...]], backward_s: float) -> fl
         for k, stage_s in enumerate(stages_s):
             done = ends[k] = max(ends[k], done) + stage_s
     return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
-
-
-#: DDP's default bucket (MiB): the bucket of a strategy whose knobs do not reach _overlapped
-DEFAULT_BUCKET_MB = 25
 
 
 def _overlapped(workload: Workload, machine: Machine, exchange: float, params: dict | None = None) -> float:
