@@ -374,3 +374,20 @@ def test_onebit_training_learns(two_worker_runs):
     """1 bit per value costs accuracy this early in training (see the README's numbers),
     but the error feedback keeps it learning."""
     assert two_worker_runs["allreduce_onebit"]["final_val_top1"] > 0.3
+
+
+def test_onebit_reduce_scatter_modelled_hand_computed():
+    """perfmodel: two all-gathers of M/N (the all-to-all and the gather of averaged chunks)."""
+    from dtstudy import perfmodel as pm
+
+    workload = pm.Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1)
+    machine = pm.Machine(gpus_per_node=4, intra=pm.Link(1e-5, 1e9), inter=pm.Link(1e-4, 1e8))
+    knobs = {**pm.knob_defaults()["allreduce_onebit"], "exchange": "reduce_scatter"}
+    # N=8 = 2 nodes of 4; a chunk's message 1e6/8/8 = 15625 bytes: inside 3*1e-5 + 3*15625/1e9,
+    # across 1e-4 + 4*15625/1e8; twice. (allgather: inside 3e-5 + 3.75e-4, across 1e-4 + 5e-3)
+    step = pm.step("allreduce_onebit", workload, machine, 8, knobs, pm.NO_STRAGGLERS)
+    assert step.exchange_s == pytest.approx(2 * (3e-5 + 4.6875e-5 + 1e-4 + 6.25e-4), rel=1e-9)
+    # 1e-9 s per byte of the 4e6: (1/2 + 1/2 + 1/8 + 1/2) x 4e-3
+    timed = pm.Machine(4, machine.intra, machine.inter, compression_s_per_byte={"allreduce_onebit": 1e-9})
+    step = pm.step("allreduce_onebit", workload, timed, 8, knobs, pm.NO_STRAGGLERS)
+    assert step.exchange_s == pytest.approx(2 * (3e-5 + 4.6875e-5 + 1e-4 + 6.25e-4) + 4e-3 * 1.625, rel=1e-9)
