@@ -1,7 +1,10 @@
-"""Compressed all-reduce: 1-bit quantisation with error feedback (pure functions), and real
-N=2 training runs of fp16, bf16, PowerSGD and 1-bit against the plain all-reduce."""
+"""Compressed all-reduce: 1-bit quantisation with error feedback (pure functions), its two
+exchanges (all-gather; compressed reduce-scatter + all-gather) in 2 and 4 gloo processes, and
+real N=2 training runs of fp16, bf16, PowerSGD and 1-bit against the plain all-reduce."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from dtstudy.config import ConfigError
 from dtstudy.strategies import compressed
 from dtstudy.strategies.compressed import (
     AllReduceOneBit,
+    chunk_groups,
     compress_with_feedback,
     decode,
     dequantize,
@@ -116,45 +120,196 @@ def _sends_zeros(values, groups, quantizer="column", index=None):
 _real_quantize = compressed.quantize
 
 
-def _check_onebit_exchange(ctx, quantizer, broken):
-    """Every step, each worker's fixed batch: DDP's gradient is the mean of what the workers
-    sent. sum of the means sent + the mean residual == sum of the mean true gradients (the
-    residual persists across steps); and what is sent tracks the gradient (the residual
-    stays small against the sum; per column it sums to 0), which a quantiser sending zeros
-    fails: with `broken`, the identity still holds and the tracking checks must fail."""
-    if broken:
+_real_reduce_chunk = compressed.reduce_chunk
+
+
+def _drops_server_residual(messages, residual, groups, quantizer, index):
+    """A server step that keeps its quantisation error but never adds it back."""
+    return _real_reduce_chunk(messages, torch.zeros_like(residual), groups, quantizer, index)
+
+
+def _server_residual(strategy, parameters) -> torch.Tensor:
+    if strategy.params["exchange"] == "allgather":
+        return torch.zeros(sum(p.numel() for p in parameters))
+    return _flat(strategy.server_residuals[p] for p in parameters)
+
+
+def _onebit_setup(ctx, model, **params):
+    strategy = AllReduceOneBit(ctx, AllReduceOneBit.check_params(params, ctx.workers))
+    module = strategy.setup(model, lambda parameters: torch.optim.SGD(parameters, lr=0.0))
+    return strategy, module
+
+
+def _step(strategy, module, parameters, inputs, labels) -> torch.Tensor:
+    """One backward through DDP's hook; returns the averaged gradient it left (flat), grads cleared."""
+    strategy.backward(F.cross_entropy(module(inputs), labels))
+    gradient = _flat(p.grad for p in parameters)
+    for parameter in parameters:
+        parameter.grad = None
+    return gradient
+
+
+def _check_onebit_exchange(ctx, quantizer, broken, exchange):
+    """Every step, each worker's fixed batch: DDP's gradient is what the exchange delivered.
+    With e_i worker i's residual and s the server residuals (reduce_scatter; each entry's held
+    by its owner, so s is the sum over workers; 0 for allgather), per step
+    sent + mean_i e_i' + s' = mean_i g_i + mean_i e_i + s, so that over the steps
+    sum of the sent + mean_i e_i + s == sum of the mean true gradients (the residuals persist
+    across steps); the replicas get identical gradients; and what is sent tracks the gradient
+    (the residuals stay small against the sum; per column they sum to 0). `broken`: "zeros",
+    a quantiser sending zeros (the identity still holds, tracking must fail);
+    "no_server_residual", a server step that never adds its residual back (the identity must fail)."""
+    if broken == "zeros":
         compressed.quantize = _sends_zeros
+    if broken == "no_server_residual":
+        compressed.reduce_chunk = _drops_server_residual
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    strategy = AllReduceOneBit(ctx, AllReduceOneBit.check_params({"quantizer": quantizer}, ctx.workers))
-    module = strategy.setup(model, lambda parameters: torch.optim.SGD(parameters, lr=0.0))
+    strategy, module = _onebit_setup(ctx, model, quantizer=quantizer, exchange=exchange)
     parameters = list(model.parameters())
     torch.manual_seed(10 + ctx.rank)
     inputs, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
     true_gradient = _mean_over_workers(_flat(torch.autograd.grad(F.cross_entropy(model(inputs), labels), parameters)))
     sent_total = torch.zeros_like(true_gradient)
-    steps = 40
+    steps, identity = 40, True
     for step in range(1, steps + 1):
-        strategy.backward(F.cross_entropy(module(inputs), labels))
-        sent_total += _flat(p.grad for p in parameters)
-        for parameter in parameters:
-            parameter.grad = None
-        residual = _flat(strategy.residuals[p] for p in parameters)
-        torch.testing.assert_close(sent_total + _mean_over_workers(residual), step * true_gradient,
-                                   atol=1e-5, rtol=0)
+        sent = _step(strategy, module, parameters, inputs, labels)
+        assert torch.equal(_mean_over_workers(sent), sent), "the replicas got different gradients"
+        sent_total += sent
+        kept = (_mean_over_workers(_flat(strategy.residuals[p] for p in parameters))
+                + ctx.workers * _mean_over_workers(_server_residual(strategy, parameters)))
+        identity = identity and torch.allclose(sent_total + kept, step * true_gradient, atol=1e-5, rtol=0)
+    assert identity != (broken == "no_server_residual"), f"{exchange}, {quantizer}, {broken}: identity {identity}"
     tracks = (sent_total - steps * true_gradient).norm() < 0.25 * (steps * true_gradient).norm()
     if quantizer == "column":
-        column_sums = [r.view(p.shape[0], -1).sum(1) if p.dim() > 1 else r.sum().view(1)
-                       for p, r in ((p, strategy.residuals[p]) for p in parameters)]
+        residuals = [strategy.residuals] + ([strategy.server_residuals] if exchange == "reduce_scatter" else [])
+        column_sums = [r[p].view(p.shape[0], -1).sum(1) if p.dim() > 1 else r[p].sum().view(1)
+                       for r in residuals for p in parameters]
         tracks = tracks and bool(torch.cat(column_sums).abs().max() < 1e-5)
-    assert tracks != broken, f"quantizer {quantizer} (sending zeros: {broken}): tracking the gradient is {tracks}"
-    error = strategy.summary()["quantization_error"]  # mean |e|/|g| over the exchanges
-    assert error == pytest.approx(1.0) if broken else 0 < error < 1
+    if broken != "no_server_residual":
+        assert tracks != (broken == "zeros"), f"{exchange}, {quantizer}, {broken}: tracking the gradient is {tracks}"
+    summary = strategy.summary()
+    error = summary["quantization_error"]  # mean |e|/|g| over the exchanges
+    assert error == pytest.approx(1.0) if broken == "zeros" else 0 < error < 1
+    if exchange == "reduce_scatter" and broken is None:
+        assert 0 < summary["server_quantization_error"] < 1
+        _check_hand_over(ctx, strategy, parameters)
 
 
-@pytest.mark.parametrize("quantizer, broken", [("column", False), ("tensor", False), ("column", True)])
+def _check_hand_over(ctx, strategy, parameters):
+    """A new bucket layout (here: the bucket's parameters reversed) gives entries new owners:
+    each worker's server residual outside its new chunk moves into its worker residual, so
+    mean_i e_i + s is unchanged and no worker holds a server residual it no longer reduces."""
+    def kept():
+        return (_mean_over_workers(_flat(strategy.residuals[p] for p in parameters))
+                + ctx.workers * _mean_over_workers(_server_residual(strategy, parameters)))
+
+    before = kept()
+    assert _server_residual(strategy, parameters).abs().max() > 1e-3  # something to hand over
+    chunks = strategy._chunks_of(list(reversed(parameters)))
+    torch.testing.assert_close(kept(), before, atol=1e-6, rtol=0)
+    owned = {p: (lo, hi) for p, lo, hi in chunks.owned}
+    for p in parameters:
+        outside = strategy.server_residuals[p].clone()
+        lo, hi = owned.get(p, (0, 0))
+        outside[lo:hi] = 0
+        assert not outside.any(), "a server residual stayed with a worker that no longer reduces it"
+
+
+@pytest.mark.parametrize("quantizer, broken", [("column", None), ("tensor", None), ("column", "zeros")])
 def test_onebit_exchange_keeps_the_residual_and_sends_the_gradient(tmp_path, quantizer, broken):
-    in_workers(tmp_path, 2, _check_onebit_exchange, quantizer, broken)
+    in_workers(tmp_path, 2, _check_onebit_exchange, quantizer, broken, "allgather")
+
+
+@pytest.mark.parametrize("workers, quantizer, broken", [
+    (2, "column", None), (4, "column", None), (4, "tensor", None),
+    (4, "column", "zeros"), (2, "column", "no_server_residual"), (4, "tensor", "no_server_residual"),
+])
+def test_onebit_reduce_scatter_keeps_both_residuals(tmp_path, workers, quantizer, broken):
+    in_workers(tmp_path, workers, _check_onebit_exchange, quantizer, broken, "reduce_scatter")
+
+
+def test_chunks_are_balanced_and_keep_columns_whole():
+    groups = [3, 5, 5, 5, 5, 6, 6, 6, 6, 6]  # 53 values: ends nearest to 13.25, 26.5, 39.75
+    assert chunk_groups(groups, 4, cut=False) == [[3, 5, 5], [5, 5], [6, 6, 6], [6, 6]]
+    assert chunk_groups([10], 4, cut=False) == [[], [], [10], []]  # fewer columns than workers
+    # tensor groups are cut at 13, 26, 40 of 53 values, each piece with its own scale
+    assert chunk_groups([30, 23], 4, cut=True) == [[13], [13], [4, 10], [13]]
+
+
+def _check_bytes(ctx, out):
+    """One step of Linear(512, 8) without bias (one bucket: 8 columns of 512, 4096 values);
+    rank 0 writes each exchange's bytes sent and ring all-reduce's to `out`."""
+    sent = {}
+    for exchange in ("allgather", "reduce_scatter"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(512, 8, bias=False)
+        strategy, module = _onebit_setup(ctx, model, exchange=exchange)
+        _step(strategy, module, list(model.parameters()), torch.randn(4, 512), torch.randint(0, 8, (4,)))
+        sent[exchange] = strategy.meter.bytes_sent
+    sent["ring"] = strategy.bytes_per_step()
+    if ctx.rank == 0:
+        out.write_text(json.dumps(sent))
+
+
+def test_onebit_bytes_per_worker(tmp_path):
+    """reduce_scatter's ratio to ring all-reduce is the same at N=2 and N=4 (1/32 plus the
+    values); allgather's doubles (N/64)."""
+    sent = {}
+    for workers in (2, 4):
+        out = tmp_path / f"bytes-{workers}.json"
+        (tmp_path / str(workers)).mkdir()  # a rendezvous of its own
+        in_workers(tmp_path / str(workers), workers, _check_bytes, out)
+        sent[workers] = json.loads(out.read_text())
+    # N=4, reduce_scatter: chunks of 2 columns (1024 values), 2 x 2 x 4 + 1024 / 8 = 144 bytes
+    # each; 3 chunks sent + the own averaged one to 3 others: 6 x 144 = 864. allgather: the
+    # whole message, 8 x 2 x 4 + 4096 / 8 = 576 bytes, to 3 others: 1728. Ring: 2 x 3/4 x 16384
+    assert sent[4] == {"reduce_scatter": 864, "allgather": 1728, "ring": 24576}
+    # N=2: chunks of 4 columns, 32 + 256 = 288 bytes, twice: 576 = allgather's at N=2
+    assert sent[2] == {"reduce_scatter": 576, "allgather": 576, "ring": 16384}
+    ratio = {n: sent[n]["reduce_scatter"] / sent[n]["ring"] for n in sent}
+    assert ratio[4] == pytest.approx(ratio[2], rel=1e-9) and ratio[2] < 1 / 32 + 0.004
+    assert sent[4]["allgather"] / sent[4]["ring"] == pytest.approx(2 * sent[2]["allgather"] / sent[2]["ring"])
+
+
+def _check_resume(ctx):
+    """Three steps, the state saved, a fourth; a fresh strategy that takes DDP's first step
+    (as a resumed run replays it), loads the state and steps gets the fourth step's gradient
+    exactly: both residuals came back."""
+    torch.manual_seed(10 + ctx.rank)
+    inputs, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        return (*_onebit_setup(ctx, model, exchange="reduce_scatter"), list(model.parameters()))
+
+    strategy, module, parameters = fresh()
+    for _ in range(3):
+        _step(strategy, module, parameters, inputs, labels)
+    saved = strategy.state_dict()
+    assert saved.keys() == {"residuals", "server_residuals"}
+    assert _mean_over_workers(torch.cat(saved["server_residuals"]).abs()).max() > 1e-3
+    fourth = _step(strategy, module, parameters, inputs, labels)
+
+    resumed, resumed_module, resumed_parameters = fresh()
+    _step(resumed, resumed_module, resumed_parameters, inputs, labels)  # throwaway, as worker.throwaway_step
+    resumed.load_state_dict(saved)
+    for key in ("residuals", "server_residuals"):
+        for loaded, value in zip(resumed.state_dict()[key], saved[key], strict=True):
+            assert torch.equal(loaded, value)
+    assert torch.equal(_step(resumed, resumed_module, resumed_parameters, inputs, labels), fourth)
+
+
+def test_onebit_reduce_scatter_resumes_both_residuals(tmp_path):
+    in_workers(tmp_path, 2, _check_resume)
+
+
+def test_onebit_exchange_knob_is_checked():
+    assert AllReduceOneBit.check_params({}, 2)["exchange"] == "allgather"
+    with pytest.raises(ConfigError, match=r"strategy_params\.allreduce_onebit\.exchange'.*'ring'"):
+        validated(tiny_study(strategies=["allreduce_onebit"],
+                             strategy_params={"allreduce_onebit": {"exchange": "ring"}}))
 
 
 # ----- real N=2 runs on the tiny study: one full epoch each, shared by the tests below ---------
@@ -219,3 +374,20 @@ def test_onebit_training_learns(two_worker_runs):
     """1 bit per value costs accuracy this early in training (see the README's numbers),
     but the error feedback keeps it learning."""
     assert two_worker_runs["allreduce_onebit"]["final_val_top1"] > 0.3
+
+
+def test_onebit_reduce_scatter_modelled_hand_computed():
+    """perfmodel: two all-gathers of M/N (the all-to-all and the gather of averaged chunks)."""
+    from dtstudy import perfmodel as pm
+
+    workload = pm.Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1)
+    machine = pm.Machine(gpus_per_node=4, intra=pm.Link(1e-5, 1e9), inter=pm.Link(1e-4, 1e8))
+    knobs = {**pm.knob_defaults()["allreduce_onebit"], "exchange": "reduce_scatter"}
+    # N=8 = 2 nodes of 4; a chunk's message 1e6/8/8 = 15625 bytes: inside 3*1e-5 + 3*15625/1e9,
+    # across 1e-4 + 4*15625/1e8; twice. (allgather: inside 3e-5 + 3.75e-4, across 1e-4 + 5e-3)
+    step = pm.step("allreduce_onebit", workload, machine, 8, knobs, pm.NO_STRAGGLERS)
+    assert step.exchange_s == pytest.approx(2 * (3e-5 + 4.6875e-5 + 1e-4 + 6.25e-4), rel=1e-9)
+    # 1e-9 s per byte of the 4e6: (1/2 + 1/2 + 1/8 + 1/2) x 4e-3
+    timed = pm.Machine(4, machine.intra, machine.inter, compression_s_per_byte={"allreduce_onebit": 1e-9})
+    step = pm.step("allreduce_onebit", workload, timed, 8, knobs, pm.NO_STRAGGLERS)
+    assert step.exchange_s == pytest.approx(2 * (3e-5 + 4.6875e-5 + 1e-4 + 6.25e-4) + 4e-3 * 1.625, rel=1e-9)

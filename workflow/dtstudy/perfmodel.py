@@ -433,16 +433,25 @@ def allreduce_powersgd(workload, machine, workers, params, stragglers):
 
 @model("allreduce_onebit")
 def allreduce_onebit(workload, machine, workers, params, stragglers):
-    """Signs (1 bit per value) and one fp32 scale per tensor, all-gathered; each worker
-    dequantises and sums the N messages (compression time grows with N)."""
+    """Signs (1 bit per value) and one fp32 scale per tensor. `exchange: allgather`: every
+    worker's message all-gathered; each dequantises and sums the N messages (compression time
+    grows with N). `reduce_scatter`: the message in N chunks, sent chunk j to worker j (an
+    all-to-all, timed as an all-gather of M/N) and the N averaged chunks all-gathered: two
+    all-gathers of M/N; quantise the bucket, dequantise N chunks, quantise and dequantise one
+    chunk again, dequantise the N gathered chunks."""
     compute = workload.compute_s
     if workers == 1:
         return _finish("allreduce_onebit", workload, 1, compute, 0.0, 0.0, straggler=synchronous_wait(stragglers, 1))
     message = workload.parameters / 8.0 + 4.0 * workload.tensors
     per_byte = compression_time("allreduce_onebit", workload.model_bytes, machine)
-    # quantise once, dequantise N messages: half the passes each way
-    compression = per_byte / 2 + per_byte / 2 * workers
-    exchange = allgather_time(message, workers, machine, buckets(workload.model_bytes, params)) + compression
+    messages = buckets(workload.model_bytes, params)
+    if params.get("exchange") == "reduce_scatter":
+        compression = per_byte * (1.5 + 1 / workers)  # half the passes each way, as below
+        exchange = 2 * allgather_time(message / workers, workers, machine, messages) + compression
+    else:
+        # quantise once, dequantise N messages: half the passes each way
+        compression = per_byte / 2 + per_byte / 2 * workers
+        exchange = allgather_time(message, workers, machine, messages) + compression
     return _finish("allreduce_onebit", workload, workers, compute, exchange, _overlapped(workload, machine, exchange),
                    straggler=synchronous_wait(stragglers, workers))
 

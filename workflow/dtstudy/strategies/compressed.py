@@ -1,10 +1,14 @@
 """`allreduce` with the gradients compressed before the exchange, as DDP communication hooks:
 half precision (fp16, bf16), PowerSGD (Vogels et al. 2019) and 1-bit SGD with error
-feedback (Seide et al. 2014). Each counts the bytes it really sends."""
+feedback (Seide et al. 2014), exchanged by all-gather or by 1-bit Adam's compressed
+reduce-scatter + all-gather (Tang et al. 2021). Each counts the bytes it really sends."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -225,8 +229,86 @@ def encode(packed: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 def decode(message: torch.Tensor, groups: int, per_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed signs, levels) of `encode`: `per_group` float32 values for each of `groups`."""
     level_bytes = groups * per_group * 4
-    levels = message[:level_bytes].view(torch.float32)
+    levels = message[:level_bytes]
+    if levels.storage_offset() % 4:  # a message split out of a concatenation may start unaligned
+        levels = levels.clone()
+    levels = levels.view(torch.float32)
     return message[level_bytes:], levels.view(groups, per_group) if per_group > 1 else levels
+
+
+# ----- the compressed reduce-scatter: the bucket in N chunks, chunk j reduced by worker j ----------
+def chunk_groups(groups: list[int], chunks: int, cut: bool) -> list[list[int]]:
+    """The bucket's quantisation groups dealt into `chunks` contiguous chunks of about n/chunks
+    values each. cut=False (`column`): a chunk ends on the group boundary nearest to its
+    balanced end, so the columns stay whole; a bucket with fewer groups than chunks (or a
+    group larger than n/chunks) leaves some chunks empty, their owners reducing nothing of
+    that bucket. cut=True (`tensor`, whose groups are whole tensors): a chunk ends exactly at
+    its balanced end, cutting the group there in two, each piece with its own scale."""
+    numel = sum(groups)
+    ends = [round(j * numel / chunks) for j in range(1, chunks)]
+    starts = list(itertools.accumulate(groups, initial=0))
+    if cut:
+        bounds = [0, *ends, numel]
+        return [[min(hi, start + size) - max(lo, start) for start, size in zip(starts, groups)
+                 if min(hi, start + size) > max(lo, start)]
+                for lo, hi in zip(bounds, bounds[1:])]
+    cuts = [0]
+    for end in ends:
+        k = bisect.bisect_left(starts, end)  # starts[k-1] < end <= starts[k]
+        cuts.append(k if k < len(starts) and (k == 0 or starts[k] - end < end - starts[k - 1]) else k - 1)
+    cuts.append(len(groups))
+    return [groups[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+
+
+def message_bytes(numel: int, groups: int, per_group: int) -> int:
+    """Bytes of `encode`'s message for `numel` values in `groups` groups (nothing for an empty chunk)."""
+    return groups * per_group * 4 + -(-numel // 8) if groups else 0
+
+
+def compress_chunk(values: torch.Tensor, groups: list[int], quantizer: str,
+                   index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(message, what it decodes to) of one chunk; an empty chunk is an empty message."""
+    if not groups:
+        return torch.empty(0, dtype=torch.uint8, device=values.device), values
+    packed, levels = quantize(values, groups, quantizer, index)
+    return encode(packed, levels), dequantize(packed, levels, groups, index)
+
+
+def decompress_chunk(message: torch.Tensor, groups: list[int], quantizer: str,
+                     index: torch.Tensor | None) -> torch.Tensor:
+    """The values of `compress_chunk`'s message."""
+    if not groups:
+        return torch.empty(0, device=message.device)
+    return dequantize(*decode(message, len(groups), 1 if quantizer == "tensor" else 2), groups, index)
+
+
+def reduce_chunk(messages, residual: torch.Tensor, groups: list[int], quantizer: str,
+                 index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The owner's step of the compressed reduce-scatter (1-bit Adam's server side): the mean
+    of the N workers' decoded messages for its chunk, plus the chunk's server residual, is
+    quantised again; returns (message, new server residual, its |e|/|v|), the new residual
+    being what this second quantisation lost (the second error feedback)."""
+    mean = sum(decompress_chunk(message, groups, quantizer, index) for message in messages) / len(messages)
+    corrected = mean + residual
+    message, decoded = compress_chunk(corrected, groups, quantizer, index)
+    lost = corrected - decoded
+    return message, lost, lost.norm() / corrected.norm().clamp(min=1e-30)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """One bucket's chunks, as this worker sees them: chunk j is worker j's to reduce."""
+
+    sizes: list[int]  # values per chunk
+    groups: list[list[int]]  # each chunk's quantisation groups
+    index: list[torch.Tensor | None]  # each chunk's group of every value (`column`)
+    message_bytes: list[int]  # each chunk's compressed message
+    owned: list[tuple[torch.Tensor, int, int]]  # (parameter, start, end): the entries of this worker's chunk
+
+    def bytes_sent(self, rank: int) -> int:
+        """Chunk j to worker j for every j but this worker's own, then its averaged chunk to the N-1 others."""
+        workers = len(self.sizes)
+        return sum(self.message_bytes) - self.message_bytes[rank] + (workers - 1) * self.message_bytes[rank]
 
 
 class AllReduceOneBit(CompressedAllReduce):
@@ -234,15 +316,31 @@ class AllReduceOneBit(CompressedAllReduce):
     its gradient, send the signs (8 per byte) and the reconstruction values of each group
     (`quantizer`: `column`, two per column, the means of its non-negative and of its negative
     values, Seide et al. 2014; `tensor`, one mean |value| per tensor), keep the quantisation
-    error as the new residual; every worker gathers all messages (all-gather) and averages
-    the dequantised gradients, in the same order everywhere, so the replicas stay identical.
-    Residuals are kept per parameter, as DDP reorders its buckets after the first step.
+    error as the new residual. Residuals are kept per parameter, as DDP reorders its buckets
+    after the first step. Replicas stay identical: every worker decodes the same messages in
+    the same order.
 
-    Bytes: an all-gather sends this worker's message to the N-1 others: (N-1) (numel/8 + 4 x
-    values) per bucket, against 2 (N-1)/N x 4 numel for the ring all-reduce of fp32: the
-    ratio is N/64, so the all-gather saves nothing from N = 64 workers on (README).
-    `quantization_error` in the summary: the mean over exchanges of |e|/|g|, e the
-    quantisation error of g = gradient + residual.
+    `exchange: allgather`: every worker gathers all messages and averages the dequantised
+    gradients. It sends its message to the N-1 others: (N-1) (n/8 + 4 x values) bytes per
+    bucket, against 2 (N-1)/N x 4n for the ring all-reduce of fp32: the ratio is N/64, so
+    it saves nothing from N = 64 workers on.
+    `exchange: reduce_scatter` (1-bit Adam's compressed all-reduce, Tang et al. 2021): the
+    bucket in N chunks (`chunk_groups`), chunk j of every worker's message sent to worker j
+    (all_to_all); worker j averages the N decoded chunks, adds its server residual for that
+    chunk, quantises again and keeps what that lost as the new server residual; the N
+    averaged chunks are then all-gathered (each chunk's message sent by its owner to the N-1
+    others). Per step, with e_i worker i's residual and s the server residuals (each entry's
+    held by its owner only): sent + mean_i e_i' + s' = mean_i g_i + mean_i e_i + s, so that
+    from zero residuals sum_t sent_t + mean_i e_i + s = sum_t mean_i g_i. Bytes: 2 (N-1)/N
+    of the compressed bucket plus the chunks' values, 1/32 of ring all-reduce's at any N.
+    The server residual is kept per parameter at full size on every worker (zero outside
+    its chunks): when DDP's new buckets give an entry another owner, the old owner's server
+    residual for it moves into its own worker residual, times N (`_hand_over`).
+
+    `quantization_error` in the summary: the mean over exchanges of |e|/|g|, e the worker's
+    quantisation error of g = gradient + residual (the same in both exchanges);
+    `server_quantization_error` (reduce_scatter): the same for the owner's second
+    quantisation of its averaged chunk plus server residual.
     """
 
     name = "allreduce_onebit"
@@ -252,24 +350,40 @@ class AllReduceOneBit(CompressedAllReduce):
                           if p.requires_grad}
         self._groups: dict[tuple[int, ...], tuple[list[int], torch.Tensor | None]] = {}
         self._error_sum, self._exchanges = 0.0, 0
+        if self.params["exchange"] == "reduce_scatter":
+            self.server_residuals = {p: torch.zeros_like(r) for p, r in self.residuals.items()}
+            self._chunks: dict[tuple[int, ...], Chunks] = {}
+            self._server_error_sum, self._reductions = 0.0, 0
         return super().comm_hook()
 
     def state_dict(self):
         if self.ctx.workers == 1:
             return {}
-        return {"residuals": [residual.detach().cpu() for residual in self.residuals.values()]}  # model order
+        # copies, in model order: the server residuals are updated in place by later steps
+        kept = {"residuals": self.residuals}
+        if self.params["exchange"] == "reduce_scatter":
+            kept["server_residuals"] = self.server_residuals
+        return {key: [r.detach().to("cpu", copy=True) for r in residuals.values()] for key, residuals in kept.items()}
 
     def load_state_dict(self, saved):
         if self.ctx.workers == 1:
             return
+        kept = [(self.residuals, "residuals")]
+        if self.params["exchange"] == "reduce_scatter":
+            kept.append((self.server_residuals, "server_residuals"))
         with torch.no_grad():
-            for residual, value in zip(self.residuals.values(), saved["residuals"], strict=True):
-                residual.copy_(value)
+            for residuals, key in kept:
+                for residual, value in zip(residuals.values(), saved[key], strict=True):
+                    residual.copy_(value)
 
     def summary(self):
         if self.ctx.workers == 1 or not self._exchanges:
             return {}
-        return {"quantizer": self.params["quantizer"], "quantization_error": float(self._error_sum) / self._exchanges}
+        summary = {"quantizer": self.params["quantizer"], "exchange": self.params["exchange"],
+                   "quantization_error": float(self._error_sum) / self._exchanges}
+        if self.params["exchange"] == "reduce_scatter" and self._reductions:
+            summary["server_quantization_error"] = float(self._server_error_sum) / self._reductions
+        return summary
 
     def _groups_of(self, parameters) -> tuple[list[int], torch.Tensor | None]:
         key = tuple(id(p) for p in parameters)
@@ -281,16 +395,15 @@ class AllReduceOneBit(CompressedAllReduce):
         return self._groups[key]
 
     def exchange(self, bucket):
+        if self.params["exchange"] == "reduce_scatter":
+            return self._reduce_scatter(bucket)
         buffer, parameters = bucket.buffer(), bucket.parameters()
         sizes = [p.numel() for p in parameters]
         groups, index = self._groups_of(parameters)
         quantizer = self.params["quantizer"]
         corrected = buffer + torch.cat([self.residuals[p] for p in parameters])
         packed, levels = quantize(corrected, groups, quantizer, index)
-        residual = corrected - dequantize(packed, levels, groups, index)
-        self._error_sum += (residual.norm() / corrected.norm().clamp(min=1e-30)).detach()  # no host sync here
-        self._exchanges += 1
-        self.residuals.update(zip(parameters, residual.split(sizes)))
+        self._keep_residual(parameters, corrected, corrected - dequantize(packed, levels, groups, index))
         message = encode(packed, levels)
         gathered = [torch.empty_like(message) for _ in range(self.ctx.workers)]
         self.meter.bytes_sent += (self.ctx.workers - 1) * message.numel()
@@ -302,3 +415,85 @@ class AllReduceOneBit(CompressedAllReduce):
             return buffer.copy_(total.div_(self.ctx.workers))
 
         return future.then(average)
+
+    def _keep_residual(self, parameters, corrected: torch.Tensor, residual: torch.Tensor) -> None:
+        """Keep `residual`, the worker's quantisation error of `corrected`, per parameter, and note |e|/|g|."""
+        self._error_sum += (residual.norm() / corrected.norm().clamp(min=1e-30)).detach()  # no host sync here
+        self._exchanges += 1
+        self.residuals.update(zip(parameters, residual.split([p.numel() for p in parameters])))
+
+    # ----- exchange: reduce_scatter ---------------------------------------------------------
+    def _chunks_of(self, parameters) -> Chunks:
+        key = tuple(id(p) for p in parameters)
+        if key not in self._chunks:
+            quantizer, workers, rank = self.params["quantizer"], self.ctx.workers, self.ctx.rank
+            groups = quantization_groups([p.shape for p in parameters], quantizer)
+            per_chunk = chunk_groups(groups, workers, cut=quantizer == "tensor")
+            sizes = [sum(g) for g in per_chunk]
+            device = parameters[0].device
+            index = [group_index(g, device) if quantizer == "column" and g else None for g in per_chunk]
+            per_group = 1 if quantizer == "tensor" else 2
+            start = sum(sizes[:rank])
+            end, owned, offset = start + sizes[rank], [], 0
+            for p in parameters:
+                lo, hi = max(start, offset), min(end, offset + p.numel())
+                if hi > lo:
+                    owned.append((p, lo - offset, hi - offset))
+                offset += p.numel()
+            self._chunks[key] = Chunks(sizes, per_chunk, index,
+                                       [message_bytes(n, len(g), per_group) for n, g in zip(sizes, per_chunk)], owned)
+            self._hand_over(parameters, owned)
+        return self._chunks[key]
+
+    def _hand_over(self, parameters, owned) -> None:
+        """A new bucket layout (DDP rebuilds its buckets after the first step) may give entries
+        this worker reduced to another owner, who holds no server residual for them: this
+        worker's server residual outside its new chunk moves into its worker residual, times N
+        (the exchange averages the worker residuals over the N workers and adds the server
+        residuals once), so the sums above stay exact and nothing is dropped."""
+        mine = {p: (lo, hi) for p, lo, hi in owned}
+        with torch.no_grad():
+            for p in parameters:
+                moved = self.server_residuals[p].clone()
+                lo, hi = mine.get(p, (0, 0))
+                moved[lo:hi] = 0
+                self.residuals[p].add_(moved, alpha=self.ctx.workers)
+                self.server_residuals[p].sub_(moved)
+
+    def _reduce_scatter(self, bucket):
+        buffer, parameters = bucket.buffer(), bucket.parameters()
+        chunks = self._chunks_of(parameters)
+        quantizer, workers, rank, group = self.params["quantizer"], self.ctx.workers, self.ctx.rank, self.ctx.worker_group
+        corrected = buffer + torch.cat([self.residuals[p] for p in parameters])
+        messages, decoded = zip(*(compress_chunk(values, groups, quantizer, index) for values, groups, index
+                                  in zip(corrected.split(chunks.sizes), chunks.groups, chunks.index)))
+        self._keep_residual(parameters, corrected, corrected - torch.cat(decoded))
+        mine = chunks.message_bytes[rank]
+        received = torch.empty(workers * mine, dtype=torch.uint8, device=buffer.device)
+        self.meter.bytes_sent += chunks.bytes_sent(rank)
+        # gloo has all_to_all_single with uneven splits (checked on torch 2.14.1); chunk j to worker j
+        future = dist.all_to_all_single(received, torch.cat(messages), [mine] * workers, chunks.message_bytes,
+                                        group=group, async_op=True).get_future()
+
+        def reduce_and_gather(_):
+            device = buffer.device
+            server = [self.server_residuals[p][lo:hi] for p, lo, hi in chunks.owned]
+            owned = torch.cat(server) if server else torch.empty(0, device=device)
+            message, kept, error = reduce_chunk(received.view(workers, mine).unbind(), owned,
+                                                chunks.groups[rank], quantizer, chunks.index[rank])
+            for piece, value in zip(server, kept.split([piece.numel() for piece in server])):
+                piece.copy_(value)
+            if server:
+                self._server_error_sum += error.detach()
+                self._reductions += 1
+            # the all-gather of uneven chunks: each owner's message to every worker (gloo's
+            # all_gather wants equal sizes; this sends no padding); waited here, as
+            # torch's PowerSGD hook waits for its second all-reduce
+            gathered = torch.empty(sum(chunks.message_bytes), dtype=torch.uint8, device=device)
+            dist.all_to_all_single(gathered, message.repeat(workers), chunks.message_bytes, [mine] * workers,
+                                   group=group, async_op=True).wait()
+            averaged = [decompress_chunk(m, groups, quantizer, index) for m, groups, index
+                        in zip(gathered.split(chunks.message_bytes), chunks.groups, chunks.index)]
+            return buffer.copy_(torch.cat(averaged))
+
+        return future.then(reduce_and_gather)
