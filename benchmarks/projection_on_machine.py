@@ -69,7 +69,10 @@ def main(tmp_path: Path) -> None:
             continue
         predicted = pm.step(r["strategy"], workload, machine, 2, params[r["strategy"]]).throughput
         report.append((r["strategy"], predicted, r["throughput"], predicted / r["throughput"] - 1))
-    print(f"\nN=1 compute {workload.compute_s * 1e3:.2f} ms; skew {machine.skew_fraction:.3f}; "
+    fit = bench["fit"]["allreduce"]  # printed: the calibration inputs are what swings between repeats
+    print(f"\nall-reduce fit: latency {fit['latency_s'] * 1e6:.0f} us, bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s; "
+          f"compute scale at 2 busy {bench['compute_scale']['2']:.3f}")
+    print(f"N=1 compute {workload.compute_s * 1e3:.2f} ms; skew {machine.skew_fraction:.3f}; "
           f"core share {bench['cpu_share']}; strategy, predicted, measured images/s at N=2, error")
     for line in report:
         print(f"{line[0]:16s} {line[1]:8.0f} {line[2]:8.0f} {100 * line[3]:+6.1f}%")
