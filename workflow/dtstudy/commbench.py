@@ -83,36 +83,41 @@ def _burst_net():
     return burst
 
 
-def burst_mean(count: int = 40) -> float:
-    """Mean time of one burst on one process alone (this process, one thread)."""
-    import torch
-
-    torch.set_num_threads(1)
-    burst = _burst_net()
-    samples = [burst() for _ in range(count + 5)][5:]
-    return sum(samples) / len(samples)
-
-
 def _bursts(rank: int, world: int, count: int = 40) -> dict:
     """The same burst on every process at once, between barriers: the mean gives the compute
-    slowdown of `world` busy workers, the spread the natural jitter a barrier waits out."""
+    slowdown of `world` busy workers, the spread the natural jitter a barrier waits out.
+    Each round also times rank 0 alone (the others wait at the barrier), right after the
+    round together: this machine's speed moves by tens of percent from minute to minute, so
+    the slowdown is the median of the rounds' ratios, alone and together seconds apart, not
+    the ratio of two blocks timed at different moments."""
+    import statistics
+
     import torch
     import torch.distributed as dist
 
     burst = _burst_net()
-    samples = []
+    samples, ratios, alone = [], [], []
     for i in range(count + 5):
         dist.barrier()
         elapsed = burst()
+        dist.barrier()
+        solo = burst() if rank == 0 else 0.0
+        dist.barrier()
         if i >= 5:
             samples.append(elapsed)
+            if rank == 0:
+                alone.append(solo)
+                ratios.append(elapsed / solo)
     mine = torch.tensor(samples, dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     every = torch.stack(gathered)  # world x count
     mean = every.mean().item()
     skew = (every.max(dim=0).values - every.mean(dim=0)).mean().item()
-    return {"mean_s": mean, "max_minus_mean_s": skew, "skew_fraction": skew / mean}
+    result = {"mean_s": mean, "max_minus_mean_s": skew, "skew_fraction": skew / mean}
+    if rank == 0:
+        result.update(alone_s=sum(alone) / len(alone), slowdown=statistics.median(ratios))
+    return result
 
 
 def _spin(seconds: float, queue) -> None:
@@ -205,7 +210,6 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     results = queue.get()
     for worker in workers:
         worker.join()
-    alone = burst_mean()
     return {
         "processes": processes,
         "backend": "gloo",
@@ -215,8 +219,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
         "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
         "kernels_s_per_byte": _kernel_seconds_per_byte(repeats),
         "jitter": results["bursts"],
-        "burst_alone_s": alone,
-        "compute_scale": {"1": 1.0, str(processes): results["bursts"]["mean_s"] / alone},
+        "burst_alone_s": results["bursts"]["alone_s"],  # interleaved with the rounds together
+        "compute_scale": {"1": 1.0, str(processes): results["bursts"]["slowdown"]},
         "cpu_share": {str(k): cpu_share(k) for k in range(1, processes + 1)},
         "host": socket.gethostname(),
         "cores": os.cpu_count(),
