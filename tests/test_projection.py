@@ -205,6 +205,16 @@ def test_shipped_profile_matches_the_flop_counter():
     assert measured["parameters"] == 61706  # the study's LeNet-5
 
 
+def run_command_without_torch(tmp_path, args):
+    """`python -m dtstudy project ...` in a fresh interpreter that must not import torch."""
+    script = ("import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": WORKFLOW}
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_command_with_a_layer_profile(tmp_path):
     m, h = write_inputs(tmp_path)
     fixed = projection.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
@@ -212,12 +222,7 @@ def test_command_with_a_layer_profile(tmp_path):
     measured["model"]["layer_profile"] = "resnet50"
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
     out = tmp_path / "projection.csv"
-    script = ("import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
-              "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)")
-    env = {**os.environ, "PYTHONPATH": WORKFLOW}
-    done = subprocess.run([sys.executable, "-c", script, *project_args(m, h, str(out), workers="1,8,64")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_command_without_torch(tmp_path, project_args(m, h, str(out), workers="1,8,64"))
     with open(out) as handle:
         rows = {(r["strategy"], int(r["workers"])): r for r in csv.DictReader(handle)}
     before = {(r["strategy"], r["workers"]): r for r in fixed}
@@ -369,12 +374,7 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
 def test_command_on_a_measurement_file_alone(tmp_path):
     m, h = write_inputs(tmp_path)
     out = tmp_path / "projection.csv"
-    script = ("import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
-              "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)")
-    env = {**os.environ, "PYTHONPATH": WORKFLOW}
-    done = subprocess.run([sys.executable, "-c", script, *project_args(m, h, str(out), workers="1,8,16,32,64")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_command_without_torch(tmp_path, project_args(m, h, str(out), workers="1,8,16,32,64"))
     with open(out) as handle:
         rows = list(csv.DictReader(handle))
     assert list(rows[0])[:9] == ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s",
