@@ -328,7 +328,7 @@ def compression_time(strategy: str, nbytes: float, machine: Machine) -> float:
     return 0.0
 
 
-#: DDP's default bucket (MiB); also that of a strategy whose knobs do not reach _overlapped
+#: DDP's default bucket (MiB)
 DEFAULT_BUCKET_MB = 25
 
 
@@ -337,15 +337,15 @@ def buckets(nbytes: float, params: dict) -> int:
     return max(1, math.ceil(nbytes / (params.get("bucket_cap_mb", DEFAULT_BUCKET_MB) * 2**20)))
 
 
-def wait_free_exposed(buckets: list[tuple[float, ...]], backward_s: float) -> float:
+def wait_free_exposed(timeline: list[tuple[float, ...]], backward_s: float) -> float:
     """Wait-free backprop (Zhang et al. 2017, Poseidon; DDP's buckets, Li et al. 2020):
-    `buckets` = (seconds after backward starts when backprop has produced it, seconds its
+    `timeline` = per bucket (seconds after backward starts when backprop has produced it, seconds its
     exchange takes), in backprop order; each exchange starts when its bucket is ready and
     the previous exchange is done. More than one duration: stages on separate links (a sum
     inside the node, then a push through the NIC), each bucket through them in turn, each
     link one bucket at a time. The exposed part: the last one's end past backward's end."""
     ends: list[float] = []
-    for ready_s, *stages_s in buckets:
+    for ready_s, *stages_s in timeline:
         ends += [0.0] * (len(stages_s) - len(ends))
         done = ready_s
         for k, stage_s in enumerate(stages_s):
@@ -353,14 +353,14 @@ def wait_free_exposed(buckets: list[tuple[float, ...]], backward_s: float) -> fl
     return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
 
 
-def _overlapped(workload: Workload, machine: Machine, exchange: float, params: dict | None = None) -> float:
+def _overlapped(workload: Workload, machine: Machine, exchange: float, params: dict) -> float:
     """The exchange's exposed part: with the workload's layer profile, its buckets' timeline
     (each bucket's exchange the total's share of its bytes: latency and compression spread
     with them); without, the machine's fixed share of compute hides it."""
     layers = workload.layers
     if layers is None:
         return max(0.0, exchange - machine.overlap * workload.compute_s)
-    cap = (params or {}).get("bucket_cap_mb", DEFAULT_BUCKET_MB) * 2**20
+    cap = params.get("bucket_cap_mb", DEFAULT_BUCKET_MB) * 2**20
     groups = layers.buckets(cap, workload.bytes_per_parameter)
     total = sum(size for size, _ in groups)
     backward = layers.backward_share * workload.compute_s
@@ -452,7 +452,8 @@ def allreduce_onebit(workload, machine, workers, params, stragglers):
         # quantise once, dequantise N messages: half the passes each way
         compression = per_byte / 2 + per_byte / 2 * workers
         exchange = allgather_time(message, workers, machine, messages) + compression
-    return _finish("allreduce_onebit", workload, workers, compute, exchange, _overlapped(workload, machine, exchange),
+    return _finish("allreduce_onebit", workload, workers, compute, exchange,
+                   _overlapped(workload, machine, exchange, params),
                    straggler=synchronous_wait(stragglers, workers))
 
 

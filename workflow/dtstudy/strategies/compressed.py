@@ -274,12 +274,17 @@ def compress_chunk(values: torch.Tensor, groups: list[int], quantizer: str,
     return encode(packed, levels), dequantize(packed, levels, groups, index)
 
 
+def levels_per_group(quantizer: str) -> int:
+    """Reconstruction values per group: one scale (`tensor`) or the two means (`column`)."""
+    return 1 if quantizer == "tensor" else 2
+
+
 def decompress_chunk(message: torch.Tensor, groups: list[int], quantizer: str,
                      index: torch.Tensor | None) -> torch.Tensor:
     """The values of `compress_chunk`'s message."""
     if not groups:
         return torch.empty(0, device=message.device)
-    return dequantize(*decode(message, len(groups), 1 if quantizer == "tensor" else 2), groups, index)
+    return dequantize(*decode(message, len(groups), levels_per_group(quantizer)), groups, index)
 
 
 def reduce_chunk(messages, residual: torch.Tensor, groups: list[int], quantizer: str,
@@ -398,7 +403,6 @@ class AllReduceOneBit(CompressedAllReduce):
         if self.params["exchange"] == "reduce_scatter":
             return self._reduce_scatter(bucket)
         buffer, parameters = bucket.buffer(), bucket.parameters()
-        sizes = [p.numel() for p in parameters]
         groups, index = self._groups_of(parameters)
         quantizer = self.params["quantizer"]
         corrected = buffer + torch.cat([self.residuals[p] for p in parameters])
@@ -408,7 +412,7 @@ class AllReduceOneBit(CompressedAllReduce):
         gathered = [torch.empty_like(message) for _ in range(self.ctx.workers)]
         self.meter.bytes_sent += (self.ctx.workers - 1) * message.numel()
         future = dist.all_gather(gathered, message, group=self.ctx.worker_group, async_op=True).get_future()
-        per_group = 1 if quantizer == "tensor" else 2
+        per_group = levels_per_group(quantizer)
 
         def average(_):
             total = sum(dequantize(*decode(m, len(groups), per_group), groups, index) for m in gathered)
@@ -432,7 +436,7 @@ class AllReduceOneBit(CompressedAllReduce):
             sizes = [sum(g) for g in per_chunk]
             device = parameters[0].device
             index = [group_index(g, device) if quantizer == "column" and g else None for g in per_chunk]
-            per_group = 1 if quantizer == "tensor" else 2
+            per_group = levels_per_group(quantizer)
             start = sum(sizes[:rank])
             end, owned, offset = start + sizes[rank], [], 0
             for p in parameters:
