@@ -4,12 +4,13 @@ by side in one run. Not a test: the machine's noise (identical runs differ by te
 percent) decides too much of it; the figures are quoted in README ("Projection past the
 machine").
 
-    python3 benchmarks/projection_on_machine.py [--repeats 5]
+    python3 benchmarks/projection_on_machine.py [--repeats 5] [--steps 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -36,7 +37,7 @@ MIN_CORE_SHARE = 0.8  # each of 2 busy processes must get this much of a core
 
 
 
-def one_repeat(tmp_path: Path) -> dict:
+def one_repeat(tmp_path: Path, steps: int) -> dict:
     """The benchmark, the tiny study and the model once: {strategy: (predicted, measured)}."""
     from dtstudy import commbench
 
@@ -44,9 +45,10 @@ def one_repeat(tmp_path: Path) -> dict:
     if bench["cpu_share"]["2"] < MIN_CORE_SHARE:
         raise SystemExit(f"the 2 cores are shared with other work (2 busy processes get {bench['cpu_share']['2']:.2f} "
                     f"of a core each): a throughput comparison would measure that contention")
-    study = tiny_study(strategies=ON_MACHINE, workers=[1, 2],
-                       dataset={"subset": 9000},  # 8100 training images: 63 steps of 2 x 64
-                       train={"epochs": 1, "batch_size": 64, "max_steps": 60, "steady_state_skip": 10})
+    # 8100 training images: 63 steps of 2 x 64 per epoch; enough epochs for `steps` at N=1
+    study = tiny_study(strategies=ON_MACHINE, workers=[1, 2], dataset={"subset": 9000},
+                       train={"epochs": math.ceil(steps * 64 / 8100), "batch_size": 64, "max_steps": steps,
+                              "steady_state_skip": 10})
     targets = ["results/runs/allreduce/n1/seed0/metrics.json"] + [
         f"results/runs/{s}/n2/seed0/metrics.json" for s in ON_MACHINE]
     env_path = os.environ.get("PYTHONPATH", "")
@@ -80,14 +82,14 @@ def one_repeat(tmp_path: Path) -> dict:
     return result
 
 
-def main(repeats: int) -> None:
+def main(repeats: int, steps: int) -> None:
     """`repeats` rounds one after the other; the verdict on the medians of each side, with the
     rounds' ranges beside them (a single round of 60 steps moves by tens of percent here)."""
     rounds = []
     for k in range(repeats):
         print(f"round {k + 1} of {repeats}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
-            rounds.append(one_repeat(Path(folder)))
+            rounds.append(one_repeat(Path(folder), steps))
     print(f"\nmedians over {repeats} rounds (min-max); strategy, predicted, measured images/s at N=2, error")
     misses, single = [], 0
     for strategy in ON_MACHINE:
@@ -107,4 +109,7 @@ def main(repeats: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds, one after the other (default 5)")
-    main(parser.parse_args().repeats)
+    parser.add_argument("--steps", type=int, default=300,
+                        help="training steps of every run, N=1 (the calibration) and N=2 (default 300)")
+    args = parser.parse_args()
+    main(args.repeats, args.steps)

@@ -7,6 +7,7 @@ against this machine's measured N=2 throughput."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import random
@@ -82,6 +83,13 @@ def test_onebit_hand_computed():
     comm = 3e-5 + 3.75e-4 + 1e-4 + 5e-3
     assert step_time("allreduce_onebit", 8).exchange_s == pytest.approx(comm, rel=1e-9)
     assert step_time("allreduce_onebit", 8, machine=machine).exchange_s == pytest.approx(comm + 2e-3 * 9, rel=1e-9)
+    # the levels: 3 tensors of 100 column groups; `column` (default) two fp32 means per group
+    # (800 bytes more per message), `tensor` one fp32 scale per tensor (12)
+    counted = dataclasses.replace(W, tensors=3, column_groups=100)
+    for quantizer, message in (("column", 125_800), ("tensor", 125_012)):
+        expected = 3e-5 + 3 * message / 1e9 + 1e-4 + 4 * message / 1e8
+        assert step_time("allreduce_onebit", 8, workload=counted, quantizer=quantizer).exchange_s == pytest.approx(
+            expected, rel=1e-9)
 
 
 def test_parameter_server_hand_computed():
@@ -178,7 +186,7 @@ def test_wait_free_overlap_in_the_step_hand_computed():
 
 def test_buckets_go_in_backprop_order():
     # the shipped profiles list the output layer first, the input layer last
-    layers = [name.rsplit(".", 1)[0] for name, _, _ in layer_profiles._shipped()["lenet5"]["tensors"]]
+    layers = [name.rsplit(".", 1)[0] for name, *_ in layer_profiles._shipped()["lenet5"]["tensors"]]
     assert list(dict.fromkeys(layers)) == ["classifier.5", "classifier.3", "classifier.1", "features.3", "features.0"]
     vgg = layer_profiles.load("vgg16", "test")
     ready = [share for _, share in vgg.tensors]
@@ -203,6 +211,21 @@ def test_shipped_profile_matches_the_flop_counter():
     assert (measured["forward_flops"], measured["backward_flops"]) == (shipped["forward_flops"],
                                                                       shipped["backward_flops"])
     assert measured["parameters"] == 61706  # the study's LeNet-5
+
+
+def test_profile_column_groups_are_the_quantisers():
+    # the profile's count of 1-bit column groups is the one the strategy quantises with
+    import torchvision
+
+    from dtstudy.models import build_model
+    from dtstudy.strategies.compressed import quantization_groups
+
+    for name, model in (("lenet5", build_model("lenet5", 1, 10, 28)), ("vgg16", torchvision.models.vgg16())):
+        shapes = [p.shape for p in model.parameters()]
+        profile = layer_profiles.load(name, "test")
+        assert profile.column_groups == len(quantization_groups(shapes, "column"))
+        assert len(profile.tensors) == len(quantization_groups(shapes, "tensor"))
+    assert layer_profiles.load("lenet5", "test").column_groups == 6 + 16 + 120 + 84 + 10 + 5  # rows + 5 biases
 
 
 def run_command_without_torch(tmp_path, args):
@@ -444,7 +467,7 @@ def test_project_rule_on_recorded_runs(tmp_path):
     import json
 
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"strategies": ["allreduce", "gossip"], "strategy_params": {}, "stragglers": {},
+    config = {"model": "lenet5", "strategies": ["allreduce", "gossip"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [1, 2, 64, 1024], "hardware": "this_machine"}}
     out = tmp_path / "tables/projection.csv"
     rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(out),
@@ -464,6 +487,18 @@ def test_project_rule_on_recorded_runs(tmp_path):
     assert first[("gossip", 2)]["measured_exchange_s"] == 0.0008
     assert first[("allreduce", 1024)]["bound"] in {"network", "straggler"}
     assert "measured (gloo" in (tmp_path / "tables/projection.md").read_text()
+    # the study's LeNet-5 has a shipped profile: the wait-free timeline (its one bucket is
+    # ready at backward's end, so all of the exchange shows, as computed above)
+    assert first[("allreduce", 2)]["overlap"] == "wait-free backprop (lenet5)"
+    assert "'lenet5' (config key 'model'" in (tmp_path / "tables/projection.md").read_text()
+    # a model without a profile keeps the hardware profile's fixed overlap, and says why
+    other = projection.run_study(metrics, str(tmp_path / "bench.json"), {**config, "model": "resnet18"}, str(out),
+                                 str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
+    assert {r["overlap"] for r in other if r["strategy"] == "allreduce"} == {"fixed 0 of compute"}
+    assert "no layer profile of 'resnet18'" in (tmp_path / "tables/projection.md").read_text()
+    # a shipped name on another network (LeNet-5 on 3-channel 32x32 images: more parameters)
+    assert calibration.study_layers("lenet5", 83126)[0] is None
+    assert "83126" in calibration.study_layers("lenet5", 83126)[1]
     # without an N=1 run: the per-worker compute (exchange excluded) at the smallest N, both runs
     workload, source = calibration.workload_from_runs(calibration.read_runs(metrics[1:]), 61706)
     assert workload.compute_s == pytest.approx(((128 / 14000 - 0.0005) + (128 / 13000 - 0.0008)) / 2)

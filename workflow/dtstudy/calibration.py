@@ -55,7 +55,8 @@ def _positive(value, key: str, where: str, kind=(int, float)) -> float:
 
 def load_measured(path: str | Path) -> dict:
     """Read and check M.yaml: model {name, parameters, bytes_per_parameter}, per_worker_batch,
-    throughput {N: images/s} with N=1; optional model.tensors, model.matrices [[n, m], ...],
+    throughput {N: images/s} with N=1; optional model.tensors and model.column_groups (1-bit's
+    levels; taken from the layer profile when not given), model.matrices [[n, m], ...],
     model.layer_profile (a shipped architecture: the wait-free-backprop overlap)."""
     where = f"measurement file {path}"
     try:
@@ -86,17 +87,35 @@ def load_measured(path: str | Path) -> dict:
     layers = None
     if "layer_profile" in model:
         layers = layer_profiles.load(model["layer_profile"], f"{where}: key 'model.layer_profile'")
-        values = sum(v for v, _ in layers.tensors)
-        # the bytes come from model.parameters, the shares from the profile: the same network
-        if abs(values / model["parameters"] - 1) > PROFILE_PARAMETER_TOLERANCE:
-            raise ConfigError(f"{where}: key 'model.layer_profile': {layers.name!r} has {values} parameters, "
-                              f"key 'model.parameters' says {model['parameters']}; allowed: a profile within "
-                              f"{PROFILE_PARAMETER_TOLERANCE:.0%} of the model's parameters")
+        mismatch = profile_mismatch(layers, model["parameters"])
+        if mismatch:
+            raise ConfigError(f"{where}: key 'model.layer_profile': {mismatch} (key 'model.parameters'); allowed: "
+                              f"a profile within {PROFILE_PARAMETER_TOLERANCE:.0%} of the model's parameters")
     return {"model": model, "per_worker_batch": batch, "throughput": measured, "source": str(path), "layers": layers}
 
 
 #: how far model.parameters may be from its layer profile's count (other heads, class counts)
 PROFILE_PARAMETER_TOLERANCE = 0.10
+
+
+def profile_mismatch(layers, parameters: int) -> str:
+    """Why `layers` is not the network of `parameters` values ('' when it is): the bytes come
+    from the parameter count, the timeline's shares from the profile, so both must be one network."""
+    values = sum(v for v, _ in layers.tensors)
+    if abs(values / parameters - 1) > PROFILE_PARAMETER_TOLERANCE:
+        return f"{layers.name!r} has {values} parameters, the model {parameters}"
+    return ""
+
+
+def study_layers(model_name: str, parameters: int) -> tuple[object, str]:
+    """The shipped layer profile of a study's model, or None with the reason (then the
+    hardware profile's fixed overlap holds): its name not shipped, or another network by
+    its parameter count (e.g. LeNet-5 on 3-channel images)."""
+    if model_name not in layer_profiles.names():
+        return None, f"no layer profile of {model_name!r} is shipped ({', '.join(layer_profiles.names())})"
+    layers = layer_profiles.load(model_name, "config key 'model'")
+    mismatch = profile_mismatch(layers, parameters)
+    return (None, f"the shipped layer profile does not fit: {mismatch}") if mismatch else (layers, "")
 
 
 def powersgd_ratio(matrices: list, rank: int) -> float:
@@ -113,9 +132,17 @@ def workload_from_measured(measured: dict, rank: int = 2) -> Workload:
     model = measured["model"]
     batch = measured["per_worker_batch"]
     ratio = powersgd_ratio(model["matrices"], rank) if model.get("matrices") else None
+    layers = measured.get("layers")
+    tensors, groups = counts_for_onebit(layers)
     return Workload(parameters=int(model["parameters"]), bytes_per_parameter=int(model["bytes_per_parameter"]),
-                    batch=batch, compute_s=batch / measured["throughput"][1], tensors=int(model.get("tensors", 0)),
-                    powersgd_ratio=ratio, layers=measured.get("layers"))
+                    batch=batch, compute_s=batch / measured["throughput"][1],
+                    tensors=int(model.get("tensors", tensors)), column_groups=int(model.get("column_groups", groups)),
+                    powersgd_ratio=ratio, layers=layers)
+
+
+def counts_for_onebit(layers) -> tuple[int, int]:
+    """(tensors, column groups) of a layer profile, for 1-bit's levels; (0, 0) without one."""
+    return (len(layers.tensors), layers.column_groups) if layers is not None else (0, 0)
 
 
 # ----- a study's runs ------------------------------------------------------------------

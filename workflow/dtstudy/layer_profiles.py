@@ -1,4 +1,4 @@
-"""Layer profiles of architectures (layer_profiles.json): each parameter tensor in backprop order with the share of backward done when its gradient is ready.
+"""Layer profiles of architectures (layer_profiles.json): each parameter tensor in backprop order with the share of backward done when its gradient is ready, and its 1-bit column groups.
 
 The performance model's wait-free-backprop overlap (perfmodel.LayerProfile) reads them; they
 are computed once, by torch's own FLOP counter on meta tensors (shapes only: nothing is
@@ -49,8 +49,9 @@ def load(name, where: str) -> LayerProfile:
                           f"(the architectures of {DATA.name}; regenerate with python -m dtstudy.layer_profiles)")
     entry = profiles[name]
     backward_share = entry["backward_flops"] / (entry["forward_flops"] + entry["backward_flops"])
-    return LayerProfile(name=name, tensors=tuple((values, ready) for _, values, ready in entry["tensors"]),
-                        backward_share=backward_share)
+    return LayerProfile(name=name, tensors=tuple((values, ready) for _, values, ready, _ in entry["tensors"]),
+                        backward_share=backward_share,
+                        column_groups=sum(groups for *_, groups in entry["tensors"]))
 
 
 # ----- the generator (imports torch) -----------------------------------------------------
@@ -71,7 +72,9 @@ def _build(name: str):
 def measure(name: str) -> dict:
     """One step's forward and backward of `name` on meta tensors under FlopCounterMode; each
     parameter's gradient-accumulated hook notes the backward FLOPs counted so far, which
-    gives both the order backprop produces the gradients in and when (in FLOPs) each is ready."""
+    gives both the order backprop produces the gradients in and when (in FLOPs) each is ready;
+    with each tensor's groups of 1-bit's `column` quantiser (its first dimension, a vector one:
+    strategies.compressed.quantization_groups)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -84,7 +87,8 @@ def measure(name: str) -> dict:
     ready = []
     for label, parameter in model.named_parameters():
         parameter.register_post_accumulate_grad_hook(
-            lambda p, label=label: ready.append((label, p.numel(), counter.get_total_flops())))
+            lambda p, label=label: ready.append((label, p.numel(), counter.get_total_flops(),
+                                                 p.shape[0] if p.dim() >= 2 else 1)))
     with counter:
         loss = model(images).sum()
         forward = counter.get_total_flops()
@@ -94,7 +98,8 @@ def measure(name: str) -> dict:
     return {"model": ARCHITECTURES[name][0], "input": list(shape),
             "parameters": sum(p.numel() for p in model.parameters()),
             "forward_flops": forward, "backward_flops": backward,
-            "tensors": [[label, values, round((done - forward) / backward, 6)] for label, values, done in ready]}
+            "tensors": [[label, values, round((done - forward) / backward, 6), groups]
+                        for label, values, done, groups in ready]}
 
 
 def main() -> int:
@@ -103,8 +108,8 @@ def main() -> int:
 
     data = {"generated_by": f"PYTHONPATH=workflow python3 -m dtstudy.layer_profiles (torch {torch.__version__}, "
                             f"torchvision {torchvision.__version__}, torch.utils.flop_counter.FlopCounterMode)",
-            "fields": "tensors: [name, values, share of backward FLOPs done when its gradient is ready], "
-                      "in the order backprop produces them",
+            "fields": "tensors: [name, values, share of backward FLOPs done when its gradient is ready, "
+                      "groups of 1-bit's column quantiser], in the order backprop produces them",
             "architectures": {name: measure(name) for name in ARCHITECTURES}}
     DATA.write_text(json.dumps(data, indent=1) + "\n")
     print(f"{len(ARCHITECTURES)} profiles written to {DATA}")

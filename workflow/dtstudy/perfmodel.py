@@ -74,6 +74,7 @@ class LayerProfile:
     name: str
     tensors: tuple[tuple[int, float], ...]
     backward_share: float
+    column_groups: int = 0  # 1-bit's `column` groups over all tensors (first dimension, a vector one)
 
     def buckets(self, cap_bytes: float, bytes_per_value: float) -> list[tuple[float, float]]:
         """(bytes, ready share) per bucket: tensors in backprop order fill a bucket until it
@@ -98,7 +99,8 @@ class Workload:
     bytes_per_parameter: int
     batch: int  # per worker
     compute_s: float  # one step's forward, backward, update (and batch assembly) at N=1
-    tensors: int = 0  # parameter tensors (1-bit SGD sends one scale each); 0 = not counted
+    tensors: int = 0  # parameter tensors (1-bit's `tensor` quantiser sends one scale each); 0 = not counted
+    column_groups: int = 0  # 1-bit's `column` groups (two fp32 levels each); 0 = not counted
     powersgd_ratio: float | None = None  # bytes PowerSGD reduces / the gradient's bytes
     #: where the parameters sit (wait-free-backprop overlap); None = the machine's fixed overlap
     layers: LayerProfile | None = None
@@ -431,9 +433,17 @@ def allreduce_powersgd(workload, machine, workers, params, stragglers):
                              machine, workers, params, stragglers, messages_per_bucket=2)
 
 
+def onebit_level_bytes(workload: Workload, quantizer: str | None) -> float:
+    """The reconstruction values in one worker's 1-bit message: `tensor`, one fp32 scale per
+    tensor; `column` (the default), two fp32 means per column group. 0 where not counted."""
+    if quantizer == "tensor":
+        return 4.0 * workload.tensors
+    return 8.0 * workload.column_groups
+
+
 @model("allreduce_onebit")
 def allreduce_onebit(workload, machine, workers, params, stragglers):
-    """Signs (1 bit per value) and one fp32 scale per tensor. `exchange: allgather`: every
+    """Signs (1 bit per value) and fp32 levels (onebit_level_bytes). `exchange: allgather`: every
     worker's message all-gathered; each dequantises and sums the N messages (compression time
     grows with N). `reduce_scatter`: the message in N chunks, sent chunk j to worker j (an
     all-to-all, timed as an all-gather of M/N) and the N averaged chunks all-gathered: two
@@ -442,7 +452,7 @@ def allreduce_onebit(workload, machine, workers, params, stragglers):
     compute = workload.compute_s
     if workers == 1:
         return _finish("allreduce_onebit", workload, 1, compute, 0.0, 0.0, straggler=synchronous_wait(stragglers, 1))
-    message = workload.parameters / 8.0 + 4.0 * workload.tensors
+    message = workload.parameters / 8.0 + onebit_level_bytes(workload, params.get("quantizer"))
     per_byte = compression_time("allreduce_onebit", workload.model_bytes, machine)
     messages = buckets(workload.model_bytes, params)
     if params.get("exchange") == "reduce_scatter":

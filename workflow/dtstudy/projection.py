@@ -191,18 +191,24 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
                                     f"at N={g} run at the measured {measured['throughput'][g]:g} images/s")
     provenance["compute_s"] = (f"measured: per_worker_batch / throughput at N=1 = {workload.compute_s:.4g} s "
                                f"({measured_path})")
-    if workload.layers is not None:
-        provenance["overlap"] = (
-            f"wait-free backprop on the layer profile {workload.layers.name!r} (model.layer_profile; "
-            f"dtstudy/layer_profiles.json, FLOPs by torch.utils.flop_counter): backward "
-            f"{workload.layers.backward_share:.3g} of t_c, each bucket's exchange starts when backprop has "
-            f"produced it; the profile's fixed overlap is unused")
+    provenance["overlap"] = overlap_source(workload, machine, "model.layer_profile", "model.layer_profile not given")
     observed = {(measured_strategy, n): thr for n, thr in measured["throughput"].items()}
     rows = project(workload, machine, strategies, workers, params, profile["name"], measured=observed)
     write_csv(rows, out)
     md = Path(out).with_suffix(".md")
     write_markdown(rows, md, provenance)
     return rows
+
+
+def overlap_source(workload, machine, key: str, without: str) -> str:
+    """Where the overlap of the exchange behind backward came from, for the provenance."""
+    layers = workload.layers
+    if layers is None:
+        return f"the hardware profile's fixed overlap, {machine.overlap:g} of compute: {without}"
+    return (f"wait-free backprop on the layer profile {layers.name!r} ({key}; dtstudy/layer_profiles.json, "
+            f"FLOPs by torch.utils.flop_counter): backward {layers.backward_share:.3g} of t_c, each bucket's "
+            f"exchange starts when backprop has produced it; the hardware profile's fixed overlap is unused; "
+            f"1-bit's levels: {len(layers.tensors)} tensors, {layers.column_groups} column groups")
 
 
 # ----- the workflow rule: the study's runs, this machine's benchmark, a profile -----------------
@@ -227,6 +233,10 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
         parameters = calibration.parameters_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
         counted = "counted in a run's model.pt"
     workload, provenance = calibration.workload_from_runs(runs, parameters)
+    layers, why_not = calibration.study_layers(config["model"], parameters)
+    if layers is not None:
+        tensors, groups = calibration.counts_for_onebit(layers)
+        workload = dataclasses.replace(workload, layers=layers, tensors=tensors, column_groups=groups)
     commbench = hardware.load_commbench(commbench_path)
     profile = hardware.load_profile(settings["hardware"])
     strategies = list(config["strategies"])
@@ -238,6 +248,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
         raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
                           f"needs it, or 'measured')")
     provenance.update(machine_source)
+    provenance["overlap"] = overlap_source(workload, machine, "config key 'model'", why_not)
     provenance["model_parameters"] = f"{parameters} ({counted})"
     by_run: dict[tuple, list[dict]] = {}
     for r in runs:

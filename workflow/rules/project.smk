@@ -26,7 +26,7 @@ rule project:
     log:
         "results/logs/project.log",
     params:
-        config=config_json(["strategies", "strategy_params", "stragglers", "projection"]),
+        config=config_json(["model", "strategies", "strategy_params", "stragglers", "projection"]),
     conda:
         "../../envs/study.yaml"
     shell:
