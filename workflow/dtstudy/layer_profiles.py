@@ -19,16 +19,16 @@ from .perfmodel import LayerProfile
 
 DATA = Path(__file__).with_name("layer_profiles.json")
 
-#: name -> (how the model is built, the input of one image (C, H, W)); the ImageNet models
-#: as torchvision builds them (Inception V3 without its auxiliary head, as tf_cnn_benchmarks
-#: trains it), LeNet-5 as the study trains it on Fashion-MNIST
+#: name -> (the function that builds the model, its arguments, the input of one image
+#: (C, H, W)); the ImageNet models as torchvision builds them (Inception V3 without its
+#: auxiliary head, as tf_cnn_benchmarks trains it), LeNet-5 as the study trains it on
+#: Fashion-MNIST. `_build` calls them; the JSON records them as text (`_describe`).
 ARCHITECTURES = {
-    "lenet5": ("dtstudy.models.build_model('lenet5', 1, 10, 28)", (1, 28, 28)),
-    "resnet50": ("torchvision.models.resnet50()", (3, 224, 224)),
-    "resnet101": ("torchvision.models.resnet101()", (3, 224, 224)),
-    "resnet152": ("torchvision.models.resnet152()", (3, 224, 224)),
-    "vgg16": ("torchvision.models.vgg16()", (3, 224, 224)),
-    "inception_v3": ("torchvision.models.inception_v3(aux_logits=False, init_weights=False)", (3, 299, 299)),
+    "lenet5": ("dtstudy.models.build_model", ("lenet5", 1, 10, 28), {}, (1, 28, 28)),
+    **{name: (f"torchvision.models.{name}", (), {"weights": None}, (3, 224, 224))
+       for name in ("resnet50", "resnet101", "resnet152", "vgg16")},
+    "inception_v3": ("torchvision.models.inception_v3", (),
+                     {"weights": None, "aux_logits": False, "init_weights": False}, (3, 299, 299)),
 }
 
 
@@ -58,15 +58,17 @@ def load(name, where: str) -> LayerProfile:
 
 
 def _build(name: str):
-    import torchvision
+    """The model of ARCHITECTURES[name] (no weights)."""
+    import importlib
 
-    from .models import build_model
+    function, args, kwargs, _ = ARCHITECTURES[name]
+    module, _, attribute = function.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)(*args, **kwargs)
 
-    if name == "lenet5":
-        return build_model("lenet5", 1, 10, 28)
-    if name == "inception_v3":
-        return torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False)
-    return getattr(torchvision.models, name)(weights=None)
+
+def _describe(name: str) -> str:
+    function, args, kwargs, _ = ARCHITECTURES[name]
+    return f"{function}({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
 
 
 def measure(name: str) -> dict:
@@ -78,7 +80,7 @@ def measure(name: str) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    _, shape = ARCHITECTURES[name]
+    shape = ARCHITECTURES[name][-1]
     with torch.device("meta"):
         model = _build(name)
         images = torch.empty(2, *shape)  # the shares do not depend on the batch
@@ -95,7 +97,7 @@ def measure(name: str) -> dict:
         loss.backward()
         total = counter.get_total_flops()
     backward = total - forward
-    return {"model": ARCHITECTURES[name][0], "input": list(shape),
+    return {"model": _describe(name), "input": list(shape),
             "parameters": sum(p.numel() for p in model.parameters()),
             "forward_flops": forward, "backward_flops": backward,
             "tensors": [[label, values, round((done - forward) / backward, 6), groups]
