@@ -275,8 +275,34 @@ def test_ps_backup_closes_a_short_version_when_every_worker_is_idle_or_waiting()
     assert shard.stats.updates == 2 and sum(shard.stats.staleness.values()) == 4  # 3 + 1 gradients applied
 
 
+def test_implicit_momentum_compensation_hand_computed():
+    from dtstudy.strategies.parameter_server import implicit_momentum_compensation as compensation
+
+    # (1 - mu') / N = 1 - mu: N=4, mu=0.9 -> mu' = 0.6 and the rate x 0.4 / 0.1 = 4
+    assert compensation(0.9, 4) == (pytest.approx(0.6), pytest.approx(4.0))
+    assert compensation(0.9, 2) == (pytest.approx(0.8), pytest.approx(2.0))
+    assert compensation(0.9, 1) == (pytest.approx(0.9), pytest.approx(1.0))  # one worker: plain SGD
+    # past N = 1 / (1 - mu) asynchrony alone carries more: no explicit momentum, rate x 1 / (1 - mu)
+    assert compensation(0.9, 20) == (0.0, pytest.approx(10.0))
+    assert compensation(0.0, 4) == (0.0, 1.0)  # without momentum nothing changes (ssp s=0 = ps_sync)
+
+
+def test_async_pushes_carry_the_rate_factor():
+    # the worker's push is what the shard applies: its rate is the schedule's times the factor
+    from types import SimpleNamespace
+
+    from dtstudy.strategies.base import CommMeter
+
+    strategy = object.__new__(STRATEGIES["ps_async"])
+    pushed = []
+    strategy.meter, strategy.rate_factor = CommMeter(), 4.0
+    strategy.client = SimpleNamespace(push=lambda lr: pushed.append(lr) or 0)
+    strategy.update(0.025)
+    assert pushed == [pytest.approx(0.1)]
+
+
 def test_registry_and_knob_defaults():
-    asynchronous = {"shards": 1, "staleness_lr": True, "momentum": None}
+    asynchronous = {"shards": 1, "staleness_lr": True, "momentum": None, "implicit_momentum": True}
     defaults = {"ps_sync": {"shards": 1}, "ps_backup": {"shards": 1, "backup": 1},
                 "ps_async": asynchronous, "ssp": {**asynchronous, "staleness": 2}}
     for name, knobs in defaults.items():
@@ -295,6 +321,7 @@ def test_registry_and_knob_defaults():
         ("ssp", {"staleness": 1.5}, [1, 2], ["strategy_params.ssp.staleness", "1.5", "null"]),
         ("ps_async", {"momentum": 1.0}, [2], ["strategy_params.ps_async.momentum", "1.0", "[0, 1)"]),
         ("ps_async", {"staleness_lr": "yes"}, [2], ["strategy_params.ps_async.staleness_lr", "'yes'"]),
+        ("ssp", {"implicit_momentum": 1}, [2], ["strategy_params.ssp.implicit_momentum", "1"]),
     ],
 )
 def test_bad_knobs_are_rejected_before_any_job(strategy, knobs, workers, words):

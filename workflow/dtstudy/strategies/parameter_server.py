@@ -275,34 +275,61 @@ class PsBackup(ParameterServer):
         return UpdatePolicy.synchronous(self.ctx.workers - self.backups(self.params, self.ctx.workers))
 
 
+def implicit_momentum_compensation(momentum: float, workers: int) -> tuple[float, float]:
+    """(explicit momentum, rate factor) for N asynchronous workers whose updates carry an
+    implicit momentum of 1 - 1/N (Mitliagkas et al. 2016): mu' = max(0, 1 - N (1 - mu)) makes
+    (1 - mu') (1 - (1 - 1/N)) = 1 - mu; the factor (1 - mu') / (1 - mu) keeps lr / (1 - mu)."""
+    explicit = max(0.0, 1.0 - workers * (1.0 - momentum))
+    return explicit, (1.0 - explicit) / (1.0 - momentum)
+
+
 class AsyncParameterServer(ParameterServer):
     """Every gradient is an update of its own, applied on arrival: the rate is that of one
     worker's batch b (Dean et al. 2012; Zhang et al. 2016). Knobs shared by ps_async and ssp:
 
     staleness_lr: divide each update's rate by its staleness (>= 1) at the shard (Zhang et al.
-        2016, staleness-aware async SGD). Default false: the rate of b alone already keeps
-        ps_async within a few points of allreduce on the study (README, Strategies).
-    momentum: the shards' momentum (null: train.momentum, as every other strategy).
-        Asynchrony adds an implicit momentum of about 1 - 1/N (Mitliagkas et al. 2016);
-        a lower explicit momentum compensates.
+        2016, staleness-aware async SGD).
+    momentum: the momentum mu the run asks for (null: train.momentum, as every other strategy).
+    implicit_momentum: count the momentum asynchrony adds by itself, about 1 - 1/N
+        (Mitliagkas et al. 2016, "Asynchrony begets momentum"): the shards' explicit momentum
+        becomes mu' = max(0, 1 - N (1 - mu)), so that (1 - mu') / N = 1 - mu, and every rate
+        is multiplied by (1 - mu') / (1 - mu), so that the effective step lr / (1 - mu) is
+        the one asked for (implicit_momentum_compensation). N=1: mu and the rate unchanged.
     """
 
-    update_batch_rule = "b: every worker's gradient is applied on arrival as an update of its own"
+    update_batch_rule = ("b: every worker's gradient is applied on arrival as an update of its own (times "
+                         "strategy_metrics.momentum.rate_factor with implicit_momentum)")
 
     @classmethod
     def update_batch(cls, params, workers, per_worker_batch):
         return per_worker_batch
 
     def setup(self, model, make_optimizer):
-        if self.params["momentum"] is not None:
-            momentum = self.params["momentum"]
+        asked = self.params["momentum"]
+        if asked is None:  # train.momentum, read off the run's own optimizer factory
+            asked = make_optimizer([torch.zeros(1, requires_grad=True)]).param_groups[0]["momentum"]
+        self.momentum_asked = asked
+        self.momentum, self.rate_factor = (implicit_momentum_compensation(asked, self.ctx.workers)
+                                           if self.params["implicit_momentum"] else (asked, 1.0))
 
-            def make_optimizer(parameters, make=make_optimizer):
-                optimizer = make(parameters)
-                for group in optimizer.param_groups:
-                    group["momentum"] = momentum
-                return optimizer
-        return super().setup(model, make_optimizer)
+        def with_momentum(parameters, make=make_optimizer):
+            optimizer = make(parameters)
+            for group in optimizer.param_groups:
+                group["momentum"] = self.momentum
+            return optimizer
+
+        return super().setup(model, with_momentum)
+
+    def update(self, lr: float) -> None:
+        super().update(lr * self.rate_factor)
+
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary()
+        if summary:
+            summary["momentum"] = {"asked": self.momentum_asked, "explicit": self.momentum,
+                                   "rate_factor": self.rate_factor,
+                                   "implicit_momentum": bool(self.params["implicit_momentum"])}
+        return summary
 
     def clock_bound(self) -> float:
         return math.inf
