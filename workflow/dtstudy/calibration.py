@@ -9,7 +9,7 @@ import yaml
 
 from . import layer_profiles
 from .config import ConfigError
-from .perfmodel import Workload
+from .perfmodel import LayerProfile, Workload
 
 
 def least_squares_line(points: list[list[float]]) -> tuple[float, float]:
@@ -107,7 +107,7 @@ def profile_mismatch(layers, parameters: int) -> str:
     return ""
 
 
-def study_layers(model_name: str, parameters: int) -> tuple[object, str]:
+def study_layers(model_name: str, parameters: int) -> tuple[LayerProfile | None, str]:
     """The shipped layer profile of a study's model, or None with the reason (then the
     hardware profile's fixed overlap holds): its name not shipped, or another network by
     its parameter count (e.g. LeNet-5 on 3-channel images)."""
