@@ -72,3 +72,13 @@ def test_overlap():
     a = intervals.Interval(1.0, 0.9, 1.1, 3, "t95")
     assert intervals.overlaps(a, intervals.Interval(1.15, 1.05, 1.25, 3, "t95"))
     assert not intervals.overlaps(a, intervals.Interval(1.3, 1.2, 1.4, 3, "t95"))
+
+
+def test_row_nanmedians_by_hand_and_against_numpy():
+    rows = np.array([[1.0, np.nan, 3.0, 2.0], [4.0, 1.0, np.nan, np.nan], [7.0, np.nan, np.nan, np.nan]])
+    assert intervals.row_nanmedians(rows).tolist() == [2.0, 2.5, 7.0]
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(500, 9))
+    values[rng.random(values.shape) < 0.4] = np.nan
+    values[:, 0] = rng.normal(size=500)  # every row keeps a number, as every drawn run has a window
+    assert np.array_equal(intervals.row_nanmedians(values), np.nanmedian(values, axis=1))

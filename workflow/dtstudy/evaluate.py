@@ -16,7 +16,7 @@ from .runspec import CHECKPOINT_FILE, METRICS_FILE
 
 
 @torch.no_grad()
-def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = 1000) -> dict[int, float]:
+def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = data_module.EVAL_BATCH) -> dict[int, float]:
     model.eval()
     correct = {k: 0 for k in ks}
     seen = 0

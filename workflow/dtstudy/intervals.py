@@ -82,7 +82,18 @@ def _resampled_medians(groups: Sequence[Sequence[float]], rng: np.random.Generat
     positions = np.floor(rng.random((resamples, len(arrays), lengths.max())) * drawn_lengths).astype(int)
     values = padded[runs[..., None], positions]
     values[np.arange(lengths.max()) >= drawn_lengths] = np.nan  # a shorter run's unused slots
-    return np.nanmedian(values.reshape(resamples, -1), axis=1)
+    return row_nanmedians(values.reshape(resamples, -1))
+
+
+def row_nanmedians(values: np.ndarray) -> np.ndarray:
+    """np.nanmedian(values, axis=1) for rows with at least one number, by one sort (NaN sorts
+    last): numpy's nanmedian takes a masked-array path per call that was 3/4 of the aggregate's
+    time in the default study."""
+    ordered = np.sort(values, axis=1)
+    counts = np.count_nonzero(~np.isnan(values), axis=1)
+    low = np.take_along_axis(ordered, ((counts - 1) // 2)[:, None], axis=1)[:, 0]
+    high = np.take_along_axis(ordered, (counts // 2)[:, None], axis=1)[:, 0]
+    return (low + high) / 2
 
 
 def pooled_median(groups: Sequence[Sequence[float]]) -> float:

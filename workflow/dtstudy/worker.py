@@ -60,7 +60,7 @@ def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2,
 
 
 @torch.no_grad()
-def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = 512,
+def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = data_module.EVAL_BATCH,
                      images: int | None = None) -> float:
     """Top-1 accuracy of `model` on `dataset` (its first `images` images; None = all), each
     worker scoring a 1/N share."""
