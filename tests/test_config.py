@@ -34,6 +34,8 @@ def test_shipped_configs_are_valid(path):
         ({"workers": [1, 0]}, ["workers[1]", "0", "minimum of 1"]),
         ({"train": {"batch_size": 0}}, ["train.batch_size", "0", "minimum of 1"]),
         ({"train": {"lr_scaling": "cubic"}}, ["train.lr_scaling", "cubic", "linear", "sqrt", "none"]),
+        ({"train": {"label_smoothing": 1.0}}, ["train.label_smoothing", "1.0"]),
+        ({"train": {"nesterov": "yes"}}, ["train.nesterov", "'yes'"]),
         ({"tracking": {"experiment": ""}}, ["tracking.experiment"]),
     ],
 )
@@ -56,6 +58,7 @@ def test_schema_errors_name_key_value_and_allowed(override, words):
         ({"dataset": {"name": "cifar10"}}, ["dataset.root", "cifar10"]),
         ({"train": {"batch_size": 1500}}, ["train.batch_size", "3000", "1800"]),
         ({"train": {"scaling": "strong", "batch_size": 63}}, ["train.batch_size", "63", "strong"]),
+        ({"train": {"nesterov": True, "momentum": 0}}, ["train.nesterov", "train.momentum is 0"]),
         ({"launcher": {"timeout_min": 2, "signal_delay_s": 60}}, ["launcher.signal_delay_s", "60 s after", "timeout_min"]),
     ],
 )

@@ -287,6 +287,27 @@ def test_implicit_momentum_compensation_hand_computed():
     assert compensation(0.0, 4) == (0.0, 1.0)  # without momentum nothing changes (ssp s=0 = ps_sync)
 
 
+def test_async_shards_drop_nesterov_with_the_last_of_the_momentum(monkeypatch):
+    # train.nesterov with the implicit-momentum compensation: at N=4 the shards keep mu' = 0.6 and
+    # Nesterov; at N=20 no explicit momentum is left, and torch's SGD refuses Nesterov without it
+    from types import SimpleNamespace
+
+    from dtstudy.strategies.parameter_server import ParameterServer
+    from dtstudy.worker import make_optimizer_factory
+
+    built = []
+    monkeypatch.setattr(ParameterServer, "setup",
+                        lambda self, model, make: built.append(make([torch.zeros(1, requires_grad=True)])))
+    train = {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}
+    for workers in (4, 20):
+        strategy = object.__new__(STRATEGIES["ps_async"])
+        strategy.params, strategy.ctx = {"momentum": None, "implicit_momentum": True}, SimpleNamespace(workers=workers)
+        strategy.setup(None, make_optimizer_factory(train))
+    (at_4,), (at_20,) = (optimizer.param_groups for optimizer in built)
+    assert (at_4["momentum"], at_4["nesterov"]) == (pytest.approx(0.6), True)
+    assert (at_20["momentum"], at_20["nesterov"]) == (0.0, False)
+
+
 def test_async_pushes_carry_the_rate_factor():
     # the worker's push is what the shard applies: its rate is the schedule's times the factor
     from types import SimpleNamespace

@@ -25,6 +25,23 @@ def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny
         assert_same_parameters(params_other, params_1, atol=1e-5)
 
 
+def test_label_smoothing_loss_by_hand():
+    # (1 - e) * (-log p_y) + e * mean_k(-log p_k), Szegedy et al. 2016, for one image of 3 classes
+    import math
+
+    import torch
+
+    from dtstudy.worker import make_criterion
+
+    values, label, eps = (2.0, 0.0, -1.0), torch.tensor([0]), 0.3
+    logits = torch.tensor([values])
+    log_z = math.log(sum(math.exp(v) for v in values))
+    log_p = [v - log_z for v in values]
+    expected = (1 - eps) * -log_p[0] + eps * -sum(log_p) / 3
+    assert make_criterion({"label_smoothing": eps})(logits, label).item() == pytest.approx(expected, rel=1e-6)
+    assert make_criterion({"label_smoothing": 0.0})(logits, label).item() == pytest.approx(-log_p[0], rel=1e-6)
+
+
 def test_metrics_record_what_the_study_needs(tmp_path, tiny_data):
     metrics, _, out = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=None)
     assert read_json(out / METRICS_FILE) == metrics

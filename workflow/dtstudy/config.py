@@ -67,6 +67,12 @@ def check_config(config: dict, check_data: bool = True) -> None:
             for workers in config["workers"]:
                 RunSpec(name, workers, 0, run_config(config, name), "", "").layout()
 
+    train = config["train"]
+    if train["nesterov"] and train["momentum"] == 0:
+        raise ConfigError(
+            "config key 'train.nesterov': true needs momentum, but train.momentum is 0 "
+            "(Nesterov's look-ahead is along the momentum); set train.momentum > 0 or nesterov: false"
+        )
     try:
         stragglers.check(config["stragglers"], config["workers"])
     except ValueError as err:

@@ -41,9 +41,14 @@ def seed_everything(seed: int) -> None:
 def make_optimizer_factory(train: dict):
     def make_optimizer(parameters):
         # lr is set by the schedule every step (strategy.update)
-        return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"])
+        return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"],
+                               nesterov=train["nesterov"])
 
     return make_optimizer
+
+
+def make_criterion(train: dict) -> nn.Module:
+    return nn.CrossEntropyLoss(label_smoothing=train["label_smoothing"])
 
 
 def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2, skip: int = 0):
@@ -153,7 +158,7 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     if train["evals_per_epoch"] > 1:
         grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
     grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
-    return WorkerRun(spec, ctx, strategy, model, module, nn.CrossEntropyLoss(), train_set, val_set, meta,
+    return WorkerRun(spec, ctx, strategy, model, module, make_criterion(train), train_set, val_set, meta,
                      sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),
                      progress, preemption, tracker, grid_images, grid_every)
 

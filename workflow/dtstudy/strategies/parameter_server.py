@@ -316,6 +316,8 @@ class AsyncParameterServer(ParameterServer):
             optimizer = make(parameters)
             for group in optimizer.param_groups:
                 group["momentum"] = self.momentum
+                # no momentum left to look ahead along (N >= 1 / (1 - mu)): plain SGD, as torch requires
+                group["nesterov"] = group["nesterov"] and self.momentum > 0
             return optimizer
 
         return super().setup(model, with_momentum)
