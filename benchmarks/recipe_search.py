@@ -16,7 +16,7 @@ prints where the two training losses part and both test top-1.
         --epochs 3 --workers 1 4 --seeds 0 1 2 \\
         --variant base --variant label_smoothing=0.1 --variant nesterov=true
 
-A variant is `name` (the study's default recipe) or comma-separated key=value overrides of
+A variant is `base` (config/config.yaml's train section) or comma-separated key=value overrides of
 the `train` section (e.g. `base_lr=0.3,warmup_epochs=0.5`).
 """
 
@@ -26,19 +26,19 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from dtstudy.config import validate_schema
-from dtstudy.data import iterate_batches, load_split
+from dtstudy.config import load_config, validate_schema
+from dtstudy.data import load_split
+from dtstudy.evaluate import topk_accuracy
 from dtstudy.models import build_model
 from dtstudy.schedule import make_schedule
 from dtstudy.worker import make_criterion, make_optimizer_factory, seed_everything
 
-DEFAULT_TRAIN = {"batch_size": 32, "base_lr": 0.2, "lr_scaling": "linear", "warmup_epochs": 0.3,
-                 "momentum": 0.9, "weight_decay": 5.0e-4}
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"  # its train section is "base"
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -47,44 +47,37 @@ def parse_variant(text: str) -> tuple[str, dict]:
     overrides = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        overrides[key] = json.loads(value) if value not in ("", None) else value
+        overrides[key] = json.loads(value) if value else value
     return text, overrides
 
 
-def global_batches(train_set, workers: int, batch_size: int, seed: int, epoch: int):
+def worker_batch_samplers(train_set, workers: int, batch_size: int, seed: int) -> list[BatchSampler]:
+    """Each worker's batches, as the study's workers draw them (worker.set_up)."""
+    return [BatchSampler(DistributedSampler(train_set, num_replicas=workers, rank=rank, shuffle=True, seed=seed),
+                         batch_size, drop_last=True) for rank in range(workers)]
+
+
+def global_batches(samplers: list[BatchSampler], epoch: int):
     """The indices each synchronous step averages: the N workers' batches of that step."""
-    samplers = []
-    for rank in range(workers):
-        sampler = DistributedSampler(train_set, num_replicas=workers, rank=rank, shuffle=True, seed=seed)
-        sampler.set_epoch(epoch)
-        samplers.append(BatchSampler(sampler, batch_size, drop_last=True))
+    for sampler in samplers:
+        sampler.sampler.set_epoch(epoch)
     for per_rank in zip(*samplers):
         yield torch.as_tensor([index for batch in per_rank for index in batch])
-
-
-@torch.no_grad()
-def top1(model: nn.Module, dataset) -> float:
-    model.eval()
-    correct = 0
-    for inputs, labels in iterate_batches(dataset, range(len(dataset)), 1000, drop_last=False):
-        correct += int((model(inputs).argmax(dim=1) == labels).sum())
-    model.train()
-    return correct / len(dataset)
 
 
 def replay(data_dir: str, train: dict, workers: int, seed: int, model_name: str = "lenet5") -> dict:
     torch.set_num_threads(1)
     seed_everything(seed)
     train_set, test_set = load_split(data_dir, "train"), load_split(data_dir, "test")
-    meta = json.loads((__import__("pathlib").Path(data_dir) / "meta.json").read_text())
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
     model = build_model(model_name, meta["channels"], meta["classes"], meta["height"], {})
     optimizer = make_optimizer_factory(train)(model.parameters())
     criterion = make_criterion(train)
-    steps_per_epoch = len(train_set) // workers // train["batch_size"]
-    schedule = make_schedule(train, workers * train["batch_size"], steps_per_epoch)
+    samplers = worker_batch_samplers(train_set, workers, train["batch_size"], seed)
+    schedule = make_schedule(train, workers * train["batch_size"], len(samplers[0]))
     step, start, losses = 0, time.perf_counter(), []
     for epoch in range(train["epochs"]):
-        for indices in global_batches(train_set, workers, train["batch_size"], seed, epoch):
+        for indices in global_batches(samplers, epoch):
             for group in optimizer.param_groups:
                 group["lr"] = schedule(step)
             inputs, labels = train_set.batch(indices)
@@ -94,7 +87,7 @@ def replay(data_dir: str, train: dict, workers: int, seed: int, model_name: str 
             optimizer.step()
             losses.append(loss.item())
             step += 1
-    return {"test_top1": top1(model, test_set), "steps": step, "seconds": time.perf_counter() - start,
+    return {"test_top1": topk_accuracy(model, test_set, ks=(1,))[1], "steps": step, "seconds": time.perf_counter() - start,
             "train_loss": losses}
 
 
@@ -110,8 +103,6 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.check:
-        from pathlib import Path
-
         folder = Path(args.check)
         metrics = json.loads((folder / "metrics.json").read_text())
         study_top1 = json.loads((folder / "eval.json").read_text())["top1"]
@@ -127,9 +118,10 @@ def main() -> None:
         return
 
     variants = [parse_variant(text) for text in (args.variant or ["base"])]
+    base = load_config(DEFAULT_CONFIG)["train"]
     rows = []
     for name, overrides in variants:
-        config = validate_schema({"train": {**DEFAULT_TRAIN, "epochs": args.epochs, **overrides}})
+        config = validate_schema({"train": {**base, "epochs": args.epochs, **overrides}})
         for workers in args.workers:
             values = []
             for seed in args.seeds:
