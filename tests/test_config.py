@@ -37,6 +37,7 @@ def test_shipped_configs_are_valid(path):
         ({"train": {"label_smoothing": 1.0}}, ["train.label_smoothing", "1.0"]),
         ({"train": {"nesterov": "yes"}}, ["train.nesterov", "'yes'"]),
         ({"tracking": {"experiment": ""}}, ["tracking.experiment"]),
+        ({"launcher": {"gloo_loop_nice": 20}}, ["launcher.gloo_loop_nice", "20", "maximum of 19"]),
     ],
 )
 def test_schema_errors_name_key_value_and_allowed(override, words):

@@ -131,7 +131,7 @@ def cmd_project(args) -> None:
     if args.commbench_out:
         from . import commbench
 
-        commbench.write(args.commbench_out)
+        commbench.write(args.commbench_out, gloo_loop_nice=args.gloo_loop_nice)
         print(f"communication benchmark written to {args.commbench_out}")
         return
     for flag in ("measured", "hardware", "strategies", "workers"):
@@ -154,6 +154,8 @@ def _add_project_parser(commands) -> None:
     p.add_argument("--out-md", help="with --study: the Markdown table")
     p.add_argument("--plot", help="with --study: the plot (PNG)")
     p.add_argument("--commbench-out", help="run this machine's communication benchmark into this JSON file")
+    p.add_argument("--gloo-loop-nice", type=int, default=0,
+                   help="with --commbench-out: gloo's event loops at this nice value (launcher.gloo_loop_nice)")
     _add_config_args(p)
     p.set_defaults(func=cmd_project)
 

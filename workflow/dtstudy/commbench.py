@@ -23,13 +23,16 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2]
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gloo_loop_nice: int, queue) -> None:
     import torch
     import torch.distributed as dist
+
+    from .gloo_loops import lower_gloo_event_loops
 
     torch.set_num_threads(1)  # as a training worker
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    lower_gloo_event_loops(gloo_loop_nice)  # as in a training run (launcher.gloo_loop_nice)
     results = {"allreduce": [], "p2p": []}
     for size in sizes:
         buffer = torch.ones(size // 4, dtype=torch.float32)
@@ -192,9 +195,11 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     }
 
 
-def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2) -> dict:
+def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2,
+            gloo_loop_nice: int = 0) -> dict:
     """Median gloo all-reduce and one-way send times per message size across `processes`
-    local processes, the fitted (alpha, beta) of each, and this machine's kernels."""
+    local processes (gloo's event loops at `gloo_loop_nice`, as the study's runs have them),
+    the fitted (alpha, beta) of each, and this machine's kernels."""
     import torch.multiprocessing as mp
 
     from .calibration import fit_allreduce, fit_p2p
@@ -203,7 +208,7 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = _free_port()
-    workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, queue))
+    workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, gloo_loop_nice, queue))
                for rank in range(processes)]
     for worker in workers:
         worker.start()
@@ -213,6 +218,7 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     return {
         "processes": processes,
         "backend": "gloo",
+        "gloo_loop_nice": gloo_loop_nice,
         "repeats": repeats,
         "allreduce": results["allreduce"],
         "p2p": results["p2p"],
@@ -227,8 +233,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     }
 
 
-def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS) -> dict:
-    result = measure(sizes, repeats)
+def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS, gloo_loop_nice: int = 0) -> dict:
+    result = measure(sizes, repeats, gloo_loop_nice=gloo_loop_nice)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
     return result

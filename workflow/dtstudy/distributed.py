@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic_files import write_json, write_text
+from .gloo_loops import lower_gloo_event_loops
 from .ports import free_port
 from .task_layout import TaskLayout
 from .strategies import DistContext
@@ -69,7 +70,7 @@ def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
 
 
 def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: int = 30,
-                       comm_timeout_s: float = 45) -> DistContext | None:
+                       comm_timeout_s: float = 45, gloo_loop_nice: int = 0) -> DistContext | None:
     """Join the job's process group: gloo on CPU (one torch thread per worker), NCCL on GPU.
 
     `layout` (RunSpec.layout) maps the job's tasks to ranks: workers first, then a
@@ -86,15 +87,17 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_env, job_env.global_rank == 0, timeout_min * 60))
     # MASTER_ADDR (the first node), and locally MASTER_PORT as the launcher pinned it
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    return join_process_group(layout, rank, env.local_rank, device_preference, timeout_min, comm_timeout_s)
+    return join_process_group(layout, rank, env.local_rank, device_preference, timeout_min, comm_timeout_s,
+                              gloo_loop_nice)
 
 
 def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_preference: str,
-                       timeout_min: float, comm_timeout_s: float = 45) -> DistContext:
+                       timeout_min: float, comm_timeout_s: float = 45, gloo_loop_nice: int = 0) -> DistContext:
     """Join the run's process group as `rank` (MASTER_ADDR/MASTER_PORT in the environment):
     gloo on CPU (one torch thread per worker), NCCL on GPU. The rendezvous may take up to
     `timeout_min` (tasks start when the scheduler starts them); every wait after it, at
-    most `comm_timeout_s`."""
+    most `comm_timeout_s`. gloo's event loops run at `gloo_loop_nice`
+    (`lower_gloo_event_loops`)."""
     workers = layout.workers
     workers_device = pick_device(device_preference, local_rank)
     # every rank must name the same backend; a strategy's extra processes (parameter-server
@@ -117,6 +120,7 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
     if layout.world_size > workers:  # strategies with extra processes get a workers-only group
         # a new group takes the backend's default time-out (30 min), not the default group's
         worker_group = dist.new_group(list(range(workers)), timeout=timeout)
+    lower_gloo_event_loops(gloo_loop_nice)
     return DistContext(
         rank=rank,
         world_size=layout.world_size,
@@ -127,6 +131,7 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
         worker_group=worker_group,
         comm_timeout_s=comm_timeout_s,
         startup_timeout_s=timeout_min * 60,
+        gloo_loop_nice=gloo_loop_nice,
     )
 
 

@@ -17,7 +17,8 @@ def run_submitit_task(spec: RunSpec, timings: dict) -> dict | None:
     import submitit
 
     launcher = spec.config["launcher"]
-    ctx = init_from_submitit(spec.layout(), launcher["device"], launcher["timeout_min"], launcher["comm_timeout_s"])
+    ctx = init_from_submitit(spec.layout(), launcher["device"], launcher["timeout_min"], launcher["comm_timeout_s"],
+                             launcher["gloo_loop_nice"])
     if ctx is None:  # an idle slot of the job's task layout
         return None
     # nothing but the peers stops the others when one is lost (submitit's local controller
@@ -34,7 +35,7 @@ def run_forked_process(spec: RunSpec, rank: int, timings: dict) -> dict | None:
     watches the ranks itself and stops them all when one dies)."""
     launcher = spec.config["launcher"]
     ctx = join_process_group(spec.layout(), rank, rank, launcher["device"], launcher["timeout_min"],
-                             launcher["comm_timeout_s"])
+                             launcher["comm_timeout_s"], launcher["gloo_loop_nice"])
     return _train_in_group(spec, ctx, timings)
 
 

@@ -6,12 +6,16 @@ rule commbench:
         result="results/commbench/commbench.json",
     log:
         "results/logs/commbench.log",
+    params:
+        # gloo's event loops as the training runs have them
+        gloo_loop_nice=config["launcher"]["gloo_loop_nice"],
     # two processes measuring each other: both cores to itself, never beside a training run
     threads: 2
     conda:
         "../../envs/study.yaml"
     shell:
-        "python -m dtstudy project --commbench-out {output.result} > {log} 2>&1"
+        "python -m dtstudy project --commbench-out {output.result}"
+        " --gloo-loop-nice {params.gloo_loop_nice} > {log} 2>&1"
 
 
 rule project:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..gloo_loops import lower_gloo_event_loops
 from .base import OptimizerFactory, Strategy
 from .ps_protocol import (
     SETUP_FIELDS,
@@ -160,6 +161,7 @@ class ParameterServer(Strategy):
         # (a new group's time-out is the backend's default, not the run's: given here)
         self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
                       if ctx.backend != "gloo" else None)
+        lower_gloo_event_loops(ctx.gloo_loop_nice)  # the new group's loop, if any
         self.shard_stats: list[ShardStats] = []
 
     @abstractmethod
