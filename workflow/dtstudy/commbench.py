@@ -147,10 +147,13 @@ def cpu_share(processes: int, seconds: float = 0.5) -> float:
 
 
 def _kernel_seconds_per_byte(repeats: int) -> dict:
-    """This machine's compression and shard kernels, one thread, per fp32 gradient byte."""
+    """This machine's compression, gossip-averaging and shard kernels, one thread, per fp32
+    gradient (or parameter) byte."""
     import torch
 
     from .strategies.compressed import compress_with_feedback, decode, dequantize, encode
+    from .strategies.gossip import average_into
+    from .strategies.local import flatten
 
     torch.set_num_threads(1)
     numel = 2**18
@@ -159,7 +162,7 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     residual = torch.zeros(numel)
     sizes = [numel // 4] * 4
 
-    def timed(fn) -> float:
+    def timed(fn, nbytes: int = nbytes) -> float:
         for _ in range(2):
             fn()
         samples = []
@@ -186,10 +189,21 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
         momentum.mul_(0.9).add_(gradient)
         total.add_(momentum, alpha=-0.1)
 
+    # gossip's averaging at about LeNet-5's size (61706 values in ten tensors): its per-byte
+    # cost is far from linear here (4x higher at 2^18 values: fresh allocations past
+    # malloc's mmap threshold), so it is timed at the size the study's model has
+    mix_numel = 2**16
+    parameters = [torch.randn(mix_numel // 10) for _ in range(9)] + [torch.randn(mix_numel - 9 * (mix_numel // 10))]
+    peer = torch.randn(mix_numel)
+
+    def gossip_mix():  # flatten, the mean with one neighbour's copy, back into the tensors
+        average_into(parameters, flatten(parameters), [peer])
+
     return {
         "allreduce_fp16": timed(half(torch.float16)),
         "allreduce_bf16": timed(half(torch.bfloat16)),
         "allreduce_onebit": timed(onebit),
+        "gossip": timed(gossip_mix, mix_numel * 4),
         "server_pass": timed(server_pass),
         "server_update": timed(sgd_update),
     }

@@ -150,7 +150,8 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         intra = Link(fit["allreduce"]["latency_s"], fit["allreduce"]["bandwidth"])
         kwargs["intra_p2p"] = Link(fit["p2p"]["latency_s"], fit["p2p"]["bandwidth"])
         kernels = commbench["kernels_s_per_byte"]
-        kwargs["compression_s_per_byte"] = {k: v for k, v in kernels.items() if k.startswith("allreduce_")}
+        kwargs["compression_s_per_byte"] = {k: v for k, v in kernels.items()
+                                            if k.startswith("allreduce_") or k == "gossip"}
         kwargs["server_bandwidth"] = 1.0 / kernels["server_pass"]
         kwargs["skew_fraction"] = commbench["jitter"]["skew_fraction"]
         kwargs["compute_scale"] = {int(k): v for k, v in commbench["compute_scale"].items()}

@@ -41,7 +41,8 @@ class Machine:
     compression_bandwidth: float | None = None
     #: bytes/s of a memory pass of a parameter-server shard (sum, SGD) on its CPU
     server_bandwidth: float | None = None
-    #: measured seconds per gradient byte of each strategy's compression (overrides passes)
+    #: measured seconds per gradient byte of each strategy's compression, and per parameter
+    #: byte of gossip's averaging ("gossip"); overrides the passes
     compression_s_per_byte: dict = field(default_factory=dict)
     #: natural step-time jitter: E[max of 2 workers' step] - mean, as a share of the step
     #: (measured on this machine; 0 = identical workers). Other N: Gaussian order statistics
@@ -299,6 +300,10 @@ MODELS: dict[str, ModelFn] = {}
 #: rank r: two matrix products over the gradient and the error feedback (~6 passes)
 COMPRESSION_PASSES = {"allreduce_fp16": 3.0, "allreduce_bf16": 3.0, "allreduce_onebit": 6.0,
                       "allreduce_powersgd": 6.0}
+#: memory passes over the parameter bytes of a gossip step's averaging with one neighbour
+#: (flatten: 2, stack of 2 copies: 4, their mean: 3, copy back: 2); with d neighbours
+#: the work is taken as growing with the 1 + d vectors averaged (gossip_mixing_time)
+GOSSIP_MIX_PASSES = 11.0
 #: memory passes of a shard per pushed gradient (accumulate) and per update (momentum, decay, step)
 SERVER_PASSES_PER_GRADIENT = 1.0
 SERVER_PASSES_PER_UPDATE = 4.0
@@ -327,6 +332,17 @@ def compression_time(strategy: str, nbytes: float, machine: Machine) -> float:
         return machine.compression_s_per_byte[strategy] * nbytes
     if machine.compression_bandwidth:
         return COMPRESSION_PASSES[strategy] * nbytes / machine.compression_bandwidth
+    return 0.0
+
+
+def gossip_mixing_time(nbytes: float, degree: int, machine: Machine) -> float:
+    """Seconds a gossip worker spends averaging its `nbytes` of parameters with `degree`
+    neighbours' (the measured kernel is for one neighbour: 2 vectors; scaled by (1+d)/2)."""
+    scale = (1 + degree) / 2
+    if "gossip" in machine.compression_s_per_byte:
+        return machine.compression_s_per_byte["gossip"] * nbytes * scale
+    if machine.compression_bandwidth:
+        return GOSSIP_MIX_PASSES * nbytes * scale / machine.compression_bandwidth
     return 0.0
 
 
@@ -604,8 +620,9 @@ def gossip_degree(topology: str, workers: int) -> int:
 def gossip(workload, machine, workers, params, stragglers):
     """After each step, the parameters (M) to and from each of `degree` neighbours (ring: 2,
     1 at N=2; random pairs: 1), sent at once. Across nodes a ring crosses each node's NIC
-    twice each way; random pairs cross it with probability (N-g)/(N-1) per worker. No global
-    barrier: a worker waits for its neighbours (a fixed straggler paces the connected ring)."""
+    twice each way; random pairs cross it with probability (N-g)/(N-1) per worker; then the
+    averaging (gossip_mixing_time). No global barrier: a worker waits for its neighbours (a
+    fixed straggler paces the connected ring)."""
     topology = params.get("topology", "ring")
     degree = gossip_degree(topology, workers)
     if degree == 0:
@@ -616,6 +633,7 @@ def gossip(workload, machine, workers, params, stragglers):
     if nodes > 1:
         crossing = 2 * m if topology == "ring" else local * m * (workers - local) / (workers - 1)
         exchange = max(exchange, machine.p2p_inter.time(crossing, messages=degree))
+    exchange += gossip_mixing_time(m, degree, machine)  # the averaging, after the messages
     if stragglers.distribution == "fixed":
         wait = synchronous_wait(stragglers, workers)
     else:

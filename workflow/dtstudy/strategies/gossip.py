@@ -37,10 +37,17 @@ def gossip_average(parameters: list[torch.Tensor], peers: Sequence[int], group=N
     operations += [dist.P2POp(dist.irecv, buffer, peer, group) for peer, buffer in zip(peers, theirs)]
     for work in dist.batch_isend_irecv(operations):
         work.wait()
+    average_into(parameters, mine, theirs)
+    return mine.numel() * mine.element_size() * len(peers)
+
+
+@torch.no_grad()
+def average_into(parameters: list[torch.Tensor], mine: torch.Tensor, theirs: Sequence[torch.Tensor]) -> None:
+    """`parameters` <- the mean of this worker's flat parameters and its peers': a gossip
+    step's own work besides the exchange (the communication benchmark times it as a kernel)."""
     mixed = torch.stack([mine, *theirs]).mean(dim=0)
     for parameter, part in zip(parameters, shaped_like(mixed, parameters)):
         parameter.copy_(part)
-    return mine.numel() * mine.element_size() * len(peers)
 
 
 class Gossip(LocalTraining):
