@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from dtstudy.gloo_loops import GLOO_LOOP_THREAD  # noqa: E402
+from dtstudy.gloo_loops import gloo_loop_threads, lower_gloo_event_loops  # noqa: E402
 from dtstudy.models import build_model  # noqa: E402
 
 NICE = 19
@@ -40,11 +40,6 @@ PATTERNS = (("gloo all-reduce after compute", "compute", "gloo"),
             ("TCP exchange after compute", "compute", "tcp"))
 
 
-def _loop_threads() -> set[int]:
-    tasks = Path("/proc/self/task")
-    return {int(t.name) for t in tasks.iterdir() if (t / "comm").read_text().strip() == GLOO_LOOP_THREAD}
-
-
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -55,10 +50,9 @@ def _worker(rank: int, port: int, rounds: int, queue) -> None:
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    default_loops = _loop_threads()
+    default_loops = gloo_loop_threads()
     quiet = dist.new_group([0, 1])  # a second group: its own gloo device and event loop
-    for thread in _loop_threads() - default_loops:
-        os.setpriority(os.PRIO_PROCESS, thread, NICE)
+    lower_gloo_event_loops(NICE, gloo_loop_threads() - default_loops)
     torch.manual_seed(rank)
     model, criterion = build_model("lenet5", 1, 10, 28), nn.CrossEntropyLoss()
     inputs, labels = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))

@@ -10,8 +10,21 @@ from pathlib import Path
 GLOO_LOOP_THREAD = "gloo_tcp_loop"  # the name gloo gives each device's event-loop thread
 
 
-def lower_gloo_event_loops(nice: int) -> int:
-    """Run this process's gloo event-loop threads at `nice` (0: leave them); returns how many.
+def gloo_loop_threads() -> set[int]:
+    """Thread ids of this process's gloo event loops (none where there is no /proc)."""
+    tasks = Path("/proc/self/task")
+    threads = set()
+    if tasks.is_dir():
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                if (task / "comm").read_text().strip() == GLOO_LOOP_THREAD:
+                    threads.add(int(task.name))
+    return threads
+
+
+def lower_gloo_event_loops(nice: int, threads: set[int] | None = None) -> int:
+    """Run this process's gloo event-loop threads (or `threads` of them) at `nice` (0: leave
+    them); returns how many.
 
     gloo's TCP event loop spins on epoll while a message waits for the thread that will
     take it (pytorch/gloo#246). When every core is busy, as with one worker per core, the
@@ -19,13 +32,11 @@ def lower_gloo_event_loops(nice: int) -> int:
     2-core machine half of LeNet-5's all-reduces took 4 ms instead of 0.3 ms
     (benchmarks/exchange_latency.py). At nice 19 the spinner yields to it at once. Threads
     of groups created later need another call; Linux only (elsewhere nothing is changed)."""
-    tasks = Path("/proc/self/task")
-    if nice == 0 or not tasks.is_dir():
+    if nice == 0:
         return 0
     lowered = 0
-    for task in tasks.iterdir():
+    for thread in gloo_loop_threads() if threads is None else threads:
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            if (task / "comm").read_text().strip() == GLOO_LOOP_THREAD:
-                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-                lowered += 1
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
+            lowered += 1
     return lowered

@@ -161,7 +161,8 @@ class ParameterServer(Strategy):
         # (a new group's time-out is the backend's default, not the run's: given here)
         self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
                       if ctx.backend != "gloo" else None)
-        lower_gloo_event_loops(ctx.gloo_loop_nice)  # the new group's loop, if any
+        if self.group is not None:
+            lower_gloo_event_loops(ctx.gloo_loop_nice)  # the new group's loop
         self.shard_stats: list[ShardStats] = []
 
     @abstractmethod
