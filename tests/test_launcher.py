@@ -73,3 +73,19 @@ def test_every_rank_has_exactly_one_task_and_workers_fill_the_first_slots(worker
 def test_slurm_job_carries_the_requeue_settings():
     parameters = job_parameters(spec_for(2, {"cluster": "slurm", "signal_delay_s": 45}))
     assert parameters["slurm_signal_delay_s"] == 45
+
+
+@pytest.mark.parametrize("preference", ["auto", "cuda"])
+def test_more_workers_on_a_node_than_visible_gpus_fails_before_the_group_forms(monkeypatch, preference):
+    """NCCL refuses two ranks on one GPU only at its first collective; the worker names the
+    key and the counts before it joins (the GPU count is faked: no GPU here)."""
+    import torch
+
+    from dtstudy.distributed import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device(preference, 1, workers_per_node=2) == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match=r"launcher.device .*4 workers on this node but 2 visible GPU"):
+        pick_device(preference, 3, workers_per_node=4)
+    assert pick_device("cpu", 3, workers_per_node=4) == torch.device("cpu")

@@ -74,6 +74,9 @@ def test_powersgd_hand_computed():
     # 10% of the bytes, two all-reduces (P, Q) per bucket: 2*3*2*1e-5 + 1.5 * 4e5 / 1e9
     assert step_time("allreduce_powersgd", 4).exchange_s == pytest.approx(1.2e-4 + 6e-4, rel=1e-9)
     assert calibration.powersgd_ratio([[100, 100], [10, 1]], rank=2) == pytest.approx((400 + 10) / 10010)
+    # torch compresses only when the factors are smaller by min_compression_rate (2): 10 x 10
+    # goes as 2 x (10 + 10) = 40 values; 8 x 8 (32 x 2 = 64, not < 64) goes whole
+    assert calibration.powersgd_ratio([[10, 10], [8, 8]], rank=2) == pytest.approx((40 + 64) / 164)
 
 
 def test_onebit_hand_computed():
@@ -511,3 +514,33 @@ def test_project_rule_on_recorded_runs(tmp_path):
     workload, source = calibration.workload_from_runs(calibration.read_runs(metrics[1:]), 61706)
     assert workload.compute_s == pytest.approx(((128 / 14000 - 0.0005) + (128 / 13000 - 0.0008)) / 2)
     assert "N=2" in source["compute_s"]
+
+
+def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(tmp_path):
+    """At N=1 PowerSGD exchanges nothing, so no run measures its bytes: the rule reads the
+    model's matrices from model.pt (LeNet-5, rank 2, hand-computed) instead of failing."""
+    import json
+
+    import torch
+
+    from dtstudy.models import build_model
+
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "p1", "allreduce_powersgd", 1, 7900.0, 0.0, 0.0)]
+    torch.save({"state_dict": build_model("lenet5", 1, 10, 28, {}).state_dict()}, tmp_path / "a1" / "model.pt")
+    assert calibration.matrices_from_checkpoint(tmp_path / "a1" / "model.pt") == [
+        [6, 25], [6, 1], [16, 150], [16, 1], [120, 400], [120, 1], [84, 120], [84, 1], [10, 84], [10, 1]]
+    # sent: (6+25)2 + (16+150)2 + (120+400)2 + (84+120)2 + (10+84)2 and the 236 bias values whole
+    ratio = (62 + 332 + 1040 + 408 + 188 + 236) / 61706
+    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+             "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
+             "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"model": "lenet5", "strategies": ["allreduce", "allreduce_powersgd"], "strategy_params": {},
+              "stragglers": {}, "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
+                                str(tmp_path / "p.md"), str(tmp_path / "p.png"))
+    exchange = {r["strategy"]: r["step_exchange_s"] for r in rows if r["workers"] == 2}
+    # two all-reduces (P, Q) of the ratio's bytes on 2 processes: 2 x (2 x 1e-4) + bytes / 2e9
+    assert exchange["allreduce_powersgd"] == pytest.approx(4e-4 + ratio * 61706 * 4 / 2e9, rel=1e-6)
+    assert "model's matrices in a run's model.pt (rank 2" in (tmp_path / "p.md").read_text()

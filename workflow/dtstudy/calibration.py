@@ -118,13 +118,17 @@ def study_layers(model_name: str, parameters: int) -> tuple[LayerProfile | None,
     return (None, f"the shipped layer profile does not fit: {mismatch}") if mismatch else (layers, "")
 
 
-def powersgd_ratio(matrices: list, rank: int) -> float:
+POWERSGD_MIN_COMPRESSION_RATE = 2  # torch's PowerSGDState default, which the strategy keeps
+
+
+def powersgd_ratio(matrices: list, rank: int, min_compression_rate: float = POWERSGD_MIN_COMPRESSION_RATE) -> float:
     """Share of the gradient's values PowerSGD all-reduces: a matrix n x m goes as rank-r P
-    (n x r) and Q (m x r) when that is smaller (torch's rule), whole otherwise."""
+    (n x r) and Q (m x r) when that is smaller by `min_compression_rate` (torch's
+    `_should_compress`), whole otherwise; a vector [n, 1] always goes whole."""
     total = sent = 0
     for n, m in matrices:
         total += n * m
-        sent += (n + m) * rank if (n + m) * rank < n * m else n * m
+        sent += (n + m) * rank if (n + m) * rank * min_compression_rate < n * m else n * m
     return sent / total
 
 
@@ -198,6 +202,16 @@ def parameters_from_checkpoint(path: str | Path) -> int:
 
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     return sum(t.numel() for k, t in state.items() if t.is_floating_point() and "running_" not in k)
+
+
+def matrices_from_checkpoint(path: str | Path) -> list[list[int]]:
+    """The gradient's tensors of a run's model.pt as PowerSGD sees them: [shape[0], the rest]
+    (vectors as [n, 1]), batch-norm statistics left out."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return [[t.shape[0] if t.dim() else 1, t[0].numel() if t.dim() > 1 else 1] for k, t in state.items()
+            if t.is_floating_point() and "running_" not in k]
 
 
 def parameters_from_runs(runs: list[dict]) -> int | None:

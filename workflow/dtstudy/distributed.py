@@ -41,13 +41,22 @@ from .task_layout import TaskLayout
 from .strategies import DistContext
 
 
-def pick_device(preference: str, local_rank: int) -> torch.device:
+def pick_device(preference: str, local_rank: int, workers_per_node: int = 1) -> torch.device:
+    """The device of a worker: its own GPU on CUDA, else the CPU. NCCL refuses two ranks on
+    one GPU (its first collective fails with "Duplicate GPU detected"), so a node with fewer
+    visible GPUs than workers is an error here, before the run joins its group."""
     use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("launcher.device is 'cuda' but this task sees no GPU")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    if workers_per_node > gpus:
+        raise RuntimeError(
+            f"launcher.device {preference!r}: {workers_per_node} workers on this node but {gpus} visible "
+            f"GPU(s); NCCL needs one GPU per worker. Use workers <= {gpus} per node "
+            "(launcher.gpus_per_node on SLURM), or launcher.device: cpu (gloo)")
+    return torch.device("cuda", local_rank)
 
 
 def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
@@ -99,7 +108,7 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
     most `comm_timeout_s`. gloo's event loops run at `gloo_loop_nice`
     (`lower_gloo_event_loops`)."""
     workers = layout.workers
-    workers_device = pick_device(device_preference, local_rank)
+    workers_device = pick_device(device_preference, local_rank, layout.workers_per_node)
     # every rank must name the same backend; a strategy's extra processes (parameter-server
     # shards) still compute on the CPU and talk over a gloo group of their own
     backend = "nccl" if workers_device.type == "cuda" else "gloo"

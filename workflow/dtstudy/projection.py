@@ -243,6 +243,12 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     params = hardware.check_strategy_params(profile, strategies, perfmodel.knob_defaults())
     for name in strategies:  # the study's own knobs win over the profile's
         params[name].update(config.get("strategy_params", {}).get(name, {}))
+    if workload.powersgd_ratio is None and "allreduce_powersgd" in strategies:
+        # no PowerSGD run exchanged anything (N=1 only): its bytes from the model's matrices
+        rank = params["allreduce_powersgd"]["rank"]
+        matrices = calibration.matrices_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
+        workload = dataclasses.replace(workload, powersgd_ratio=calibration.powersgd_ratio(matrices, rank))
+        provenance["powersgd_ratio"] = f"the model's matrices in a run's model.pt (rank {rank}; no PowerSGD run at N > 1)"
     machine, machine_source, needs_fit = hardware.machine_from_profile(profile, commbench)
     if needs_fit:
         raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The NCCL path on one GPU machine (the device tool's H200; see tests/device/README.md).
+# Every step runs even when one before it failed; what each printed is in $OUT.
+#   1. the study (snakemake) on the GPU: every strategy at N=1 over NCCL, evaluate,
+#      aggregate, project (tests/device/gpu-study.yaml)
+#   2. the same runs as fresh submitit tasks (launcher.local_processes: tasks)
+#   3. N=2 on one GPU: must fail at once, naming the key (NCCL needs one GPU per worker)
+set -u
+OUT=${OUT:-/tmp/nccl_check_out}; LOGS=/tmp/nccl_check_logs; mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # packages the machine lacks, carried as wheels (no network there)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH
+else
+    export PYTHONPATH=$PWD/workflow
+fi
+CONFIG=${CONFIG:-tests/device/gpu-study.yaml}
+step() {  # step NAME TIMEOUT_S COMMAND...: run, time, keep its output, go on
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - start)) s"; tail -n 15 "$LOGS/$name.log"
+}
+{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+  'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None)"; } 2>&1
+
+step study 300 snakemake --cores 8 --scheduler greedy --keep-going --configfile "$CONFIG"
+python3 - <<'PY' 2>&1 | tee "$OUT/runs.txt"
+import glob, json
+for path in sorted(glob.glob("results/runs/*/n*/seed*/metrics.json")):
+    m = json.load(open(path))
+    top1 = json.load(open(path.replace("metrics.json", "eval.json")))["top1"] if glob.glob(path.replace("metrics.json", "eval.json")) else None
+    env = m["environment"]
+    print(f"{m['strategy']:20s} N={m['workers']} {env['backend']:5s} {env['devices']} throughput {m['throughput_median']:8.0f} "
+          f"img/s step {m['step_time']['total_s'] * 1e3:.2f} ms (comm {m['step_time']['comm_s'] * 1e3:.2f}) "
+          f"val {m['final_val_top1']:.4f} test {top1}")
+PY
+
+mkdir -p /tmp/tasks && sed 's/local_processes: pool/local_processes: tasks/; s/cluster: local,/cluster: local, local_processes: tasks,/' "$CONFIG" > /tmp/tasks/config.yaml
+for strategy in allreduce ps_sync allreduce_powersgd; do
+    step "tasks_$strategy" 120 python3 -m dtstudy train --config /tmp/tasks/config.yaml --strategy $strategy --workers 1 \
+        --seed 0 --data results/data/fashion_mnist --out /tmp/tasks/$strategy --no-tracking
+done
+sed 's/workers: \[1\]/workers: [2]/' "$CONFIG" > /tmp/tasks/n2.yaml
+step n2_on_one_gpu 120 python3 -m dtstudy train --config /tmp/tasks/n2.yaml --strategy allreduce --workers 2 --seed 0 \
+    --data results/data/fashion_mnist --out /tmp/tasks/n2 --no-tracking
+grep -h -o "launcher.device.*gloo)" /tmp/tasks/n2/submitit/*.err 2>/dev/null | head -2
+# (the device tool brings back at most 8 files: everything else travels in one archive)
+tar czf "$OUT/results.tgz" "$LOGS" results/tables results/logs results/runs/*/n*/seed*/*.json /tmp/tasks/*/submitit \
+    .snakemake/log 2>/dev/null
+ls -la "$OUT"
