@@ -58,7 +58,7 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strategy="allreduce",
-              strategy_params=None, stragglers=None, **train):
+              strategy_params=None, stragglers=None, launcher=None, **train):
     """One training run through the real path (submitit LocalExecutor, torch.distributed on
     gloo), lr_scaling none and base_lr 0.1 unless `train` says otherwise.
     Returns (metrics, final state_dict, run folder)."""
@@ -73,6 +73,7 @@ def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strateg
         workers=[workers],
         strategy_params={strategy: strategy_params or {}},
         stragglers=stragglers or {},
+        **({"launcher": launcher} if launcher else {}),
         train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1, **train},
     ))
     out = tmp_path / f"{strategy}-n{workers}-b{batch_size}-s{seed}"

@@ -89,3 +89,20 @@ def test_more_workers_on_a_node_than_visible_gpus_fails_before_the_group_forms(m
     with pytest.raises(RuntimeError, match=r"launcher.device .*4 workers on this node but 2 visible GPU"):
         pick_device(preference, 3, workers_per_node=4)
     assert pick_device("cpu", 3, workers_per_node=4) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("processes", ["pool", "tasks"])
+@pytest.mark.parametrize("visible", [None, "5"])
+def test_a_local_run_sees_the_gpus_its_launcher_sees(tmp_path, tiny_data, monkeypatch, processes, visible):
+    """submitit's local executor sets CUDA_VISIBLE_DEVICES="" in its tasks (no GPU) unless
+    given gpus_per_node; the run's ranks must see what the launcher sees, unset included,
+    also when the pool was started by another run. Recorded in metrics.json."""
+    from conftest import train_run
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    metrics, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=4,
+                              launcher={"local_processes": processes})
+    assert metrics["environment"]["cuda_visible_devices"] == visible

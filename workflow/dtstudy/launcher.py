@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from . import pool
-from .job import PooledTrainingJob, TrainingJob
+from .job import PooledTrainingJob, TrainingJob, launcher_environment
 from .ports import free_port
 from .run_tracker import RUN_ID_FILE, recorded_run
 from .runspec import RunSpec, lost_rank_path
@@ -139,10 +139,11 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
     previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         timings = {"submitted": submitted_at}
+        environ = launcher_environment(spec.config["launcher"]["cluster"])
         if pooled:
-            callable_ = PooledTrainingJob(spec, pool.pool_address(), timings)
+            callable_ = PooledTrainingJob(spec, pool.pool_address(), timings, environ)
         else:
-            callable_ = TrainingJob(spec, timings)
+            callable_ = TrainingJob(spec, timings, environ)
         job = make_executor(spec, job_dir, pooled).submit(callable_)
         what = f"1 task (the warm pool forks its {spec.processes()} processes)" if pooled else f"{spec.processes()} tasks"
         print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)

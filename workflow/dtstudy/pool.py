@@ -104,6 +104,15 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
 
 # ----- client side ---------------------------------------------------------------------------
 
+def apply_environment(environ: dict[str, str | None]) -> None:
+    """Set these variables in this process (None: unset)."""
+    for key, value in environ.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _try_connect(address: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -162,11 +171,15 @@ def _request(address: str, message: dict) -> dict:
     return reply
 
 
-def request_training(address: str, spec: RunSpec, job_id: str, rank0_log: str, log_dir: str, timings: dict) -> dict:
+def request_training(address: str, spec: RunSpec, job_id: str, rank0_log: str, log_dir: str, timings: dict,
+                     environ: dict[str, str | None] | None = None) -> dict:
     """Run `spec` in the pool; rank 0 appends its output to `rank0_log`, its stderr and the
-    other ranks' output go to `<log_dir>/<job_id>_rank<r>.out/.err`. Returns rank 0's metrics."""
+    other ranks' output go to `<log_dir>/<job_id>_rank<r>.out/.err`. The ranks set `environ`
+    (None: unset) before they start: the pool may have been started by another run's task.
+    Returns rank 0's metrics."""
     _request(address, {"kind": "train", "spec": spec.__dict__, "job_id": job_id, "rank0_log": rank0_log,
-                        "log_dir": log_dir, "timings": {**timings, "task_start": time.time()}})
+                        "log_dir": log_dir, "timings": {**timings, "task_start": time.time()},
+                        "environ": environ or {}})
     return json.loads(spec.metrics_path.read_text())  # rank 0 wrote it; a failure raised above
 
 
@@ -293,7 +306,7 @@ def _train(conn: socket.socket, message: dict) -> dict:
             conn.close()
             if held is not None:
                 cores.pin(held.cores[rank])
-            os._exit(_run_rank(spec, rank, out, err, timings))
+            os._exit(_run_rank(spec, rank, out, err, timings, message.get("environ", {})))
         ranks[pid] = rank
     # which process is which rank, for whoever watches or debugs the run
     write_json(log_dir / f"{message['job_id']}_{RANKS_FILE}", {str(rank): pid for pid, rank in ranks.items()})
@@ -377,10 +390,12 @@ def _stop(running: dict[int, int]) -> None:
         running.pop(pid)
 
 
-def _run_rank(spec: RunSpec, rank: int, out: str, err: str, timings: dict) -> int:
-    """In a forked rank: its output to its log files, then the run's body."""
+def _run_rank(spec: RunSpec, rank: int, out: str, err: str, timings: dict, environ: dict) -> int:
+    """In a forked rank: the client's environment (the pool never touches CUDA, so a rank's
+    CUDA_VISIBLE_DEVICES still counts), its output to its log files, then the run's body."""
     import traceback
 
+    apply_environment(environ)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     for fd, path in ((1, out), (2, err)):

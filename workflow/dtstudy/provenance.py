@@ -76,5 +76,6 @@ def environment(device: torch.device, backend: str, processes: int) -> dict:
         "platform": platform.platform(),
         "versions": {p: _version(p) for p in ("torch", "torchvision", "submitit", "mlflow", "snakemake", "dtstudy")},
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # None: unset (every GPU)
         **git_commit(),
     }
