@@ -48,11 +48,12 @@ def study_config(strategy: str, seeds: list[int]) -> dict:
     }
 
 
-def run_study(workdir: Path, config: dict | None) -> float:
+def run_study(workdir: Path, config: dict | None, snakemake_args: tuple[str, ...] = ()) -> float:
     """Snakemake wall time of the study in `workdir` (config None: the default study)."""
     workdir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--cores", "all",
-               "--directory", str(workdir), "--quiet", "--configfile", str(REPO / "config/config.yaml")]
+               "--directory", str(workdir), "--quiet", *snakemake_args,
+               "--configfile", str(REPO / "config/config.yaml")]
     if config is not None:
         (workdir / "study.yaml").write_text(yaml.safe_dump(config))
         command += [str(workdir / "study.yaml")]

@@ -47,7 +47,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     overrides = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        overrides[key] = json.loads(value) if value else value
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:  # a bare word (lr_scaling=sqrt) is a string
+            overrides[key] = value
     return text, overrides
 
 

