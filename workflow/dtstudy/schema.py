@@ -16,7 +16,6 @@ import functools
 from pathlib import Path
 from typing import Any, Iterable
 
-import jsonschema
 import yaml
 
 from .errors import ConfigError
@@ -28,15 +27,20 @@ def _is_integer(checker, instance) -> bool:
     return isinstance(instance, int) and not isinstance(instance, bool)
 
 
-# jsonschema's documented way to change what a type means: redefine it in the type checker
-STRICT_TYPE_CHECKER = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer)
+@functools.lru_cache(maxsize=2)
+def validator_class(fill_defaults: bool):
+    """The strict validator class, filling defaults or not. jsonschema is imported here, on
+    the first validation (~0.15 s), not by every process that only reads the schema (a run's
+    submitit task, the evaluate client)."""
+    import jsonschema
 
-StrictValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=STRICT_TYPE_CHECKER)
-
-
-def _filling_defaults(validator_class):
-    """jsonschema's documented recipe: a validator that also writes `default`s into the instance."""
-    validate_properties = validator_class.VALIDATORS["properties"]
+    # jsonschema's documented way to change what a type means: redefine it in the type checker
+    strict_types = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer)
+    strict = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict_types)
+    if not fill_defaults:
+        return strict
+    # jsonschema's documented recipe: a validator that also writes `default`s into the instance
+    validate_properties = strict.VALIDATORS["properties"]
 
     def set_defaults(validator, properties, instance, schema):
         if isinstance(instance, dict):
@@ -45,10 +49,7 @@ def _filling_defaults(validator_class):
                     instance.setdefault(name, copy.deepcopy(subschema["default"]))
         yield from validate_properties(validator, properties, instance, schema)
 
-    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
-
-
-DefaultFillingValidator = _filling_defaults(StrictValidator)
+    return jsonschema.validators.extend(strict, {"properties": set_defaults})
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,7 +129,7 @@ def _unknown_key(path: tuple, key: str) -> str:
     return f"unknown key {key!r}"
 
 
-def messages(error: jsonschema.ValidationError, prefix: tuple = ()) -> list[str]:
+def messages(error, prefix: tuple = ()) -> list[str]:
     """One line per problem: "config key 'train.batch_size': 64.0 is not an integer; allowed: ..."."""
     path = (*prefix, *error.absolute_path)
     value, schema = error.instance, error.schema
@@ -151,7 +152,7 @@ def messages(error: jsonschema.ValidationError, prefix: tuple = ()) -> list[str]
 def problems(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False) -> list[str]:
     """Every problem of `instance` (found at config key `prefix`) against `schema`, one line
     each with its key; `fill_defaults`: also write the defaults in, in place."""
-    validator = (DefaultFillingValidator if fill_defaults else StrictValidator)(schema)
+    validator = validator_class(fill_defaults)(schema)
     errors = sorted(validator.iter_errors(instance), key=lambda e: [str(part) for part in e.absolute_path])
     # a value of the wrong type needs no second line on its range or enum
     mistyped = {tuple(e.absolute_path) for e in errors if e.validator == "type"}
