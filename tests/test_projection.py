@@ -544,3 +544,4 @@ def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(
     # two all-reduces (P, Q) of the ratio's bytes on 2 processes: 2 x (2 x 1e-4) + bytes / 2e9
     assert exchange["allreduce_powersgd"] == pytest.approx(4e-4 + ratio * 61706 * 4 / 2e9, rel=1e-6)
     assert "model's matrices in a run's model.pt (rank 2" in (tmp_path / "p.md").read_text()
+    assert "61706 (counted in a run's model.pt)" in (tmp_path / "p.md").read_text()  # no run sent bytes

@@ -3,7 +3,8 @@
 # Every step runs even when one before it failed; what each printed is in $OUT.
 #   1. the study (snakemake) on the GPU: every strategy at N=1 over NCCL, evaluate,
 #      aggregate, project (tests/device/gpu-study.yaml)
-#   2. the same runs as fresh submitit tasks (launcher.local_processes: tasks)
+#   2. allreduce, ps_sync and PowerSGD at N=1 as fresh submitit tasks (launcher.local_processes:
+#      tasks; the GPU config's keys alone, the schema's defaults for the rest)
 #   3. N=2 on one GPU: must fail at once, naming the key (NCCL needs one GPU per worker)
 set -u
 OUT=${OUT:-/tmp/nccl_check_out}; LOGS=/tmp/nccl_check_logs; mkdir -p "$OUT" "$LOGS"
@@ -28,17 +29,18 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, time, keep its output, go on
 
 step study 300 snakemake --cores 8 --scheduler greedy --keep-going --configfile "$CONFIG"
 python3 - <<'PY' 2>&1 | tee "$OUT/runs.txt"
-import glob, json
+import glob, json, os
 for path in sorted(glob.glob("results/runs/*/n*/seed*/metrics.json")):
     m = json.load(open(path))
-    top1 = json.load(open(path.replace("metrics.json", "eval.json")))["top1"] if glob.glob(path.replace("metrics.json", "eval.json")) else None
+    evaluation = path.replace("metrics.json", "eval.json")
+    top1 = json.load(open(evaluation))["top1"] if os.path.exists(evaluation) else None
     env = m["environment"]
     print(f"{m['strategy']:20s} N={m['workers']} {env['backend']:5s} {env['devices']} throughput {m['throughput_median']:8.0f} "
           f"img/s step {m['step_time']['total_s'] * 1e3:.2f} ms (comm {m['step_time']['comm_s'] * 1e3:.2f}) "
           f"val {m['final_val_top1']:.4f} test {top1}")
 PY
 
-mkdir -p /tmp/tasks && sed 's/local_processes: pool/local_processes: tasks/; s/cluster: local,/cluster: local, local_processes: tasks,/' "$CONFIG" > /tmp/tasks/config.yaml
+mkdir -p /tmp/tasks && sed 's/cluster: local,/cluster: local, local_processes: tasks,/' "$CONFIG" > /tmp/tasks/config.yaml
 for strategy in allreduce ps_sync allreduce_powersgd; do
     step "tasks_$strategy" 120 python3 -m dtstudy train --config /tmp/tasks/config.yaml --strategy $strategy --workers 1 \
         --seed 0 --data results/data/fashion_mnist --out /tmp/tasks/$strategy --no-tracking

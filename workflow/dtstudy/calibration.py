@@ -195,18 +195,10 @@ def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> t
     return workload, source
 
 
-def parameters_from_checkpoint(path: str | Path) -> int:
-    """Trainable-looking values of a run's model.pt (floating tensors, batch-norm statistics
-    left out); torch is imported here only."""
-    import torch
-
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-    return sum(t.numel() for k, t in state.items() if t.is_floating_point() and "running_" not in k)
-
-
 def matrices_from_checkpoint(path: str | Path) -> list[list[int]]:
     """The gradient's tensors of a run's model.pt as PowerSGD sees them: [shape[0], the rest]
-    (vectors as [n, 1]), batch-norm statistics left out."""
+    (vectors as [n, 1]): its floating tensors, batch-norm statistics left out, so that the
+    products n x m sum to the model's parameter count; torch is imported here only."""
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]

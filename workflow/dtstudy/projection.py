@@ -227,10 +227,13 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     every strategy of the study to projection.workers on projection.hardware."""
     settings = config["projection"]
     runs = calibration.read_runs(metrics)
+    checkpoint = Path(metrics[0]).with_name("model.pt")
+    matrices = None  # the model's tensors, read from a run's model.pt where the runs' bytes do not say
     parameters = calibration.parameters_from_runs(runs)
     counted = "from the bytes a run sent per step"
     if parameters is None:  # no plain exchange ran: count the checkpoint's values
-        parameters = calibration.parameters_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
+        matrices = calibration.matrices_from_checkpoint(checkpoint)
+        parameters = sum(n * m for n, m in matrices)
         counted = "counted in a run's model.pt"
     workload, provenance = calibration.workload_from_runs(runs, parameters)
     layers, why_not = calibration.study_layers(config["model"], parameters)
@@ -246,7 +249,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     if workload.powersgd_ratio is None and "allreduce_powersgd" in strategies:
         # no PowerSGD run exchanged anything (N=1 only): its bytes from the model's matrices
         rank = params["allreduce_powersgd"]["rank"]
-        matrices = calibration.matrices_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
+        matrices = matrices or calibration.matrices_from_checkpoint(checkpoint)
         workload = dataclasses.replace(workload, powersgd_ratio=calibration.powersgd_ratio(matrices, rank))
         provenance["powersgd_ratio"] = f"the model's matrices in a run's model.pt (rank {rank}; no PowerSGD run at N > 1)"
     machine, machine_source, needs_fit = hardware.machine_from_profile(profile, commbench)
