@@ -54,6 +54,7 @@ def test_schema_errors_name_key_value_and_allowed(override, words):
         ({"strategy_params": {"telepathy": {}}}, ["strategy_params.telepathy", "allowed: ", "allreduce"]),
         ({"strategy_params": {"allreduce": {"bucket_cap": 1}}}, ["strategy_params.allreduce.bucket_cap", "bucket_cap_mb"]),
         ({"strategy_params": {"allreduce": {"bucket_cap_mb": -1}}}, ["strategy_params.allreduce.bucket_cap_mb", "-1"]),
+        ({"strategy_params": {"no_exchange": {"steps": 10}}}, ["strategy_params.no_exchange.steps", "10", "50"]),
         ({"dataset": {"root": "/no/such/folder"}}, ["dataset.root", "/no/such/folder"]),
         ({"dataset": {"subset": 70000}}, ["dataset.subset", "70000", "60000"]),
         ({"dataset": {"name": "cifar10"}}, ["dataset.root", "cifar10"]),

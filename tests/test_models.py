@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtstudy.models import build_model
+from dtstudy.models import build_model, inference_layout
 
 
 @pytest.mark.parametrize(
@@ -27,3 +27,43 @@ def test_small_input_stem_keeps_resolution():
 def test_unknown_model_names_allowed_ones():
     with pytest.raises(ValueError, match="'vgg99'; allowed: lenet5, resnet18, resnet50"):
         build_model("vgg99", 1, 10, 28)
+
+
+
+@pytest.mark.parametrize("name, channels", [("lenet5", 1), ("resnet18", 3)])
+def test_the_inference_pass_gives_the_eval_models_logits_and_leaves_the_model_alone(name, channels):
+    """inference_layout: eval mode (BatchNorm's running statistics, not the batch's), the
+    convolutions read channels-last weights, the same logits as the model itself in eval
+    mode up to float rounding; the model comes back in its mode with its own tensors (the
+    same storage: a strategy's views into it stay valid)."""
+    torch.manual_seed(0)
+    model = build_model(name, channels, 10, 28, {"small_input": True})
+    for module in model.modules():  # running statistics far from any batch's
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.5, 2)
+    read = []  # per convolution: were its weights' strides NHWC's (1-channel ones included)?
+
+    def nhwc_strides(module, _):
+        weight = module.weight
+        read.append(weight.stride() == torch.empty_like(weight, memory_format=torch.channels_last).stride())
+
+    convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    for conv in convolutions:
+        conv.register_forward_pre_hook(nhwc_strides)
+    inputs = torch.randn(8, channels, 28, 28)
+    weights = [p.clone() for p in model.parameters()]
+    storage = [p.data_ptr() for p in model.parameters()]
+    with torch.no_grad():
+        with inference_layout(model) as same_model:
+            logits = same_model(inputs)
+        assert read == [True] * len(convolutions)
+        read.clear()
+        assert model.training and all(p.is_contiguous() for p in model.parameters())
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+        assert [p.data_ptr() for p in model.parameters()] == storage
+        expected = model.eval()(inputs)
+        assert read == [False] * len(convolutions)  # teeth: the model's own weights are NCHW
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+        if name == "resnet18":  # teeth: in training mode BatchNorm uses the batch's statistics
+            assert not torch.allclose(model.train()(inputs), expected, atol=1e-3)

@@ -225,3 +225,17 @@ def test_no_exchange_trains_each_worker_alone_at_the_rate_of_its_batch(tmp_path,
     assert metrics["lr_schedule"]["update_batch"] == 32
     assert metrics["lr_schedule"]["peak_lr"] == pytest.approx(0.1 * 32 / 256)
     assert len(metrics["throughput_windows"]) >= 1 and metrics["throughput_median"] > 0
+
+
+def test_the_ceilings_runs_stop_after_their_step_limit(tmp_path, tiny_data):
+    """no_exchange reports only throughput: its runs stop after strategy_params.no_exchange.steps
+    (or train.max_steps, the smaller), where the other strategies run their whole schedule."""
+    full, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=16, steps=None, strategy="allreduce")
+    assert full["steps"] == 1800 // 16  # one epoch
+    limited, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=16, steps=None, strategy="no_exchange",
+                              strategy_params={"steps": 60})
+    assert limited["steps"] == 60 and limited["lr_schedule"]["total_steps"] == 60
+    assert len(limited["throughput_windows"]) >= 4
+    smaller, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=16, steps=55, strategy="no_exchange",
+                              strategy_params={"steps": 60})
+    assert smaller["steps"] == 55

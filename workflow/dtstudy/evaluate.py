@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from . import data as data_module
-from .models import build_model
+from .models import build_model, inference_layout
 from .atomic_files import write_json
 from .tracking import log_test_metrics
 from .runspec import CHECKPOINT_FILE, METRICS_FILE
@@ -17,15 +17,16 @@ from .runspec import CHECKPOINT_FILE, METRICS_FILE
 
 @torch.no_grad()
 def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = data_module.EVAL_BATCH) -> dict[int, float]:
-    model.eval()
     correct = {k: 0 for k in ks}
     seen = 0
-    for inputs, labels in data_module.iterate_batches(dataset, list(range(len(dataset))), batch_size, drop_last=False):
-        top = model(inputs).topk(max(ks), dim=1).indices
-        hits = top == labels.unsqueeze(1)
-        for k in ks:
-            correct[k] += hits[:, :k].any(dim=1).sum().item()
-        seen += len(labels)
+    with inference_layout(model) as model:
+        for inputs, labels in data_module.iterate_batches(dataset, list(range(len(dataset))), batch_size,
+                                                          drop_last=False):
+            top = model(inputs).topk(max(ks), dim=1).indices
+            hits = top == labels.unsqueeze(1)
+            for k in ks:
+                correct[k] += hits[:, :k].any(dim=1).sum().item()
+            seen += len(labels)
     return {k: correct[k] / seen for k in ks}
 
 

@@ -134,6 +134,11 @@ class Strategy(ABC):
     def extra_processes(cls, params: dict[str, Any], workers: int) -> int:
         return cls.spec().extra_processes(params, workers)
 
+    @classmethod
+    def step_limit(cls, params: dict[str, Any]) -> int | None:
+        """The steps its runs stop after, besides train.max_steps (None: no limit of its own)."""
+        return None
+
     # ----- the training loop's calls ----------------------------------------------------
     @abstractmethod
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
