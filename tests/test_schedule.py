@@ -42,6 +42,10 @@ def test_make_schedule_from_config():
     assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.05), 100, 300)
     schedule = make_schedule({**train, "max_steps": 50}, update_batch=512, steps_per_epoch=100)
     assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.1), 50, 50)
+    # a strategy's own limit (no_exchange's steps): the first of the limits ends the schedule
+    assert make_schedule(train, update_batch=256, steps_per_epoch=100, step_limit=40).total_steps == 40
+    assert make_schedule({**train, "max_steps": 50}, update_batch=256, steps_per_epoch=100,
+                         step_limit=60).total_steps == 50
 
 
 def test_schedule_records_the_update_batch_and_its_rule():

@@ -152,10 +152,8 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
     # the rate of the batch one update really averages: the strategy's rule (Strategy.update_batch)
-    limits = [limit for limit in (train["max_steps"], strategy.step_limit(strategy.params)) if limit is not None]
-    schedule = make_schedule({**train, "max_steps": min(limits, default=None)},
-                             strategy.update_batch(strategy.params, spec.workers, batch_size),
-                             len(batch_sampler), strategy.update_batch_rule)
+    schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
+                             len(batch_sampler), strategy.update_batch_rule, strategy.step_limit(strategy.params))
     progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
     grid_every = None
     if train["evals_per_epoch"] > 1:
