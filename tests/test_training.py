@@ -218,6 +218,23 @@ def test_time_to_accuracy_on_a_finer_grid(tmp_path, tiny_data):
     assert "4 validation points on 100 images" in metrics["time_to_accuracy_basis"]
 
 
+def test_grid_points_per_epoch_and_the_whole_split_at_the_end_of_training(tmp_path, tiny_data):
+    """evals_per_epoch points an epoch, the epoch's end the last of them (56 steps in 5: at
+    11, 22, 33, 44 and 56, not also at 55); with a grid the whole split is scored once, at the
+    end of training, while the epochs' ends stay on the grid."""
+    metrics, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=None, epochs=2,
+                              evals_per_epoch=5, eval_images=100)
+    per_epoch = metrics["steps"] // 2
+    assert per_epoch == 1800 // 32 and per_epoch % 5 != 0  # the case where the old grid added a point
+    every = per_epoch // 5
+    expected = [epoch * per_epoch + k * every for epoch in (0, 1) for k in (1, 2, 3, 4)]
+    expected = sorted(expected + [per_epoch, 2 * per_epoch])
+    assert [g["step"] for g in metrics["val_grid"]] == expected
+    assert [g["epoch"] for g in metrics["val_grid"]] == [1] * 5 + [2] * 5
+    assert [(v["epoch"], v["step"], v["images"]) for v in metrics["val"]] == [(2, 2 * per_epoch, 200)]
+    assert metrics["final_val_top1"] == metrics["val"][0]["top1"] and metrics["epochs_run"] == 2
+
+
 def test_no_exchange_trains_each_worker_alone_at_the_rate_of_its_batch(tmp_path, tiny_data):
     metrics, _, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="no_exchange",
                               lr_scaling="linear")

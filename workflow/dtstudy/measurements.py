@@ -104,7 +104,7 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
         "bytes_per_step": mean("bytes_per_step"),
         "steps": steps,
         "images": sum(sum(w.images) for w in logs),
-        "epochs_run": len(epochs),
+        "epochs_run": max((v["epoch"] for v in val_history), default=0),  # each epoch end has a point
         "global_batch": global_batch_size(train, spec.workers),
         "per_worker_batch": per_worker_batch(train, spec.workers),
         "lr_schedule": {"rule": train["lr_scaling"], "base_lr": train["base_lr"],
