@@ -270,7 +270,6 @@ def validate(run: WorkerRun, state: LoopState, epoch: int, start: float, last: b
     """The epoch's end: the grid's point (when there is a grid) and the whole split. With a
     grid, the whole split is scored at the end of training only (`last`): the grid already
     has each epoch's end, and 3 whole-split passes cost a 4-epoch run of LeNet-5 about 2%."""
-    entry = None
     if run.grid_every is not None:
         entry = evaluate_point(run, state, epoch, start, "grid")
     if run.grid_every is None or last:
