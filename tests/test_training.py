@@ -25,6 +25,43 @@ def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny
         assert_same_parameters(params_other, params_1, atol=1e-5)
 
 
+@pytest.fixture
+def kernel_settings(monkeypatch):
+    """Restores torch's global kernel flags (and the cuBLAS variable) after the test."""
+    import torch
+
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[:2]
+    torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+
+
+def test_train_deterministic_sets_a_gpus_kernels_and_the_run_records_them(kernel_settings):
+    """No GPU here: the settings are torch's global flags, which a CUDA device's run sets
+    (train.deterministic, default true) and the CPU's leaves alone."""
+    import torch
+
+    from dtstudy.provenance import kernels
+    from dtstudy.worker import choose_kernels
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert validated(tiny_study())["train"]["deterministic"] is True
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    choose_kernels(True, cpu)
+    assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
+    assert kernels(cpu) is None
+
+    choose_kernels(True, cuda)
+    assert kernels(cuda) == {"cudnn_deterministic": True, "cudnn_benchmark": False,
+                             "deterministic_algorithms": True, "cublas_workspace_config": ":4096:8"}
+    assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op without one warns, the run goes on
+    choose_kernels(False, cuda)
+    assert kernels(cuda)["cudnn_deterministic"] is False and kernels(cuda)["cudnn_benchmark"] is True
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_label_smoothing_loss_by_hand():
     # (1 - e) * (-log p_y) + e * mean_k(-log p_k), Szegedy et al. 2016, for one image of 3 classes
     import math

@@ -4,7 +4,7 @@
 #   1. the study (snakemake) on the GPU: every strategy at N=1 over NCCL, evaluate,
 #      aggregate, project (tests/device/gpu-study.yaml)
 #   2. allreduce, ps_sync and PowerSGD at N=1 as fresh submitit tasks (launcher.local_processes:
-#      tasks; the GPU config's keys alone, the schema's defaults for the rest)
+#      tasks; the study's config), then each compared with the study's run (train.deterministic)
 #   3. N=2 on one GPU: must fail at once, naming the key (NCCL needs one GPU per worker)
 set -u
 OUT=${OUT:-/tmp/nccl_check_out}; LOGS=/tmp/nccl_check_logs; mkdir -p "$OUT" "$LOGS"
@@ -40,11 +40,32 @@ for path in sorted(glob.glob("results/runs/*/n*/seed*/metrics.json")):
           f"val {m['final_val_top1']:.4f} test {top1}")
 PY
 
-mkdir -p /tmp/tasks && sed 's/cluster: local,/cluster: local, local_processes: tasks,/' "$CONFIG" > /tmp/tasks/config.yaml
+# the study's config (config/config.yaml with $CONFIG over it, as snakemake merges them), with
+# one submitit task per process: the same numbers as the study's runs are expected
+mkdir -p /tmp/tasks && python3 - "$CONFIG" <<'PY'
+import sys, yaml
+from dtstudy.config import deep_merge
+merged = deep_merge(yaml.safe_load(open("config/config.yaml")), yaml.safe_load(open(sys.argv[1])))
+merged["launcher"]["local_processes"] = "tasks"
+yaml.safe_dump(merged, open("/tmp/tasks/config.yaml", "w"))
+PY
 for strategy in allreduce ps_sync allreduce_powersgd; do
     step "tasks_$strategy" 120 python3 -m dtstudy train --config /tmp/tasks/config.yaml --strategy $strategy --workers 1 \
         --seed 0 --data results/data/fashion_mnist --out /tmp/tasks/$strategy --no-tracking
 done
+# train.deterministic (default true): the fresh tasks repeat the study's runs of the same
+# strategy, seed and config, so they must end at the same numbers to the last digit
+python3 - <<'PY' 2>&1 | tee "$OUT/repeat.txt"
+import json, os
+for strategy in ("allreduce", "ps_sync", "allreduce_powersgd"):
+    paths = (f"results/runs/{strategy}/n1/seed0/metrics.json", f"/tmp/tasks/{strategy}/metrics.json")
+    if not all(os.path.exists(path) for path in paths):
+        print(f"repeat {strategy}: a run is missing"); continue
+    study, task = (json.load(open(path)) for path in paths)
+    same = study["train_loss"] == task["train_loss"] and study["final_val_top1"] == task["final_val_top1"]
+    print(f"repeat {strategy}: val top-1 {study['final_val_top1']} / {task['final_val_top1']}, "
+          f"{'the same' if same else 'DIFFERENT'} losses; kernels {task['environment'].get('kernels')}")
+PY
 sed 's/workers: \[1\]/workers: [2]/' "$CONFIG" > /tmp/tasks/n2.yaml
 step n2_on_one_gpu 120 python3 -m dtstudy train --config /tmp/tasks/n2.yaml --strategy allreduce --workers 2 --seed 0 \
     --data results/data/fashion_mnist --out /tmp/tasks/n2 --no-tracking

@@ -52,6 +52,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def kernels(device: torch.device) -> dict | None:
+    """What decides whether a GPU run repeats to the last digit (train.deterministic); None on
+    the CPU, whose kernels are deterministic."""
+    if device.type != "cuda":
+        return None
+    return {"cudnn_deterministic": torch.backends.cudnn.deterministic, "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
 def environment(device: torch.device, backend: str, processes: int) -> dict:
     """Facts about the machine and software of a run, for metrics.json and MLflow."""
     pinned = pinned_cores()
@@ -77,5 +87,6 @@ def environment(device: torch.device, backend: str, processes: int) -> dict:
         "versions": {p: _version(p) for p in ("torch", "torchvision", "submitit", "mlflow", "snakemake", "dtstudy")},
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # None: unset (every GPU)
+        "kernels": kernels(device),
         **git_commit(),
     }

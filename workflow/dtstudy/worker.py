@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -36,6 +37,23 @@ from .stragglers import Straggler
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def choose_kernels(deterministic: bool, device: torch.device) -> None:
+    """train.deterministic on a GPU: deterministic kernels (the same seed gives the same
+    numbers on the same GPU), or cuDNN's autotuned fastest ones. Before the first kernel runs:
+    cuBLAS reads its workspace setting when it starts. The CPU's kernels are deterministic
+    already and are left alone. metrics.json's `environment.kernels` records what was set."""
+    if device.type != "cuda":
+        return
+    if deterministic:
+        # cuBLAS is deterministic with a fixed workspace only (torch's reproducibility notes)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    # warn_only: an op without a deterministic kernel (e.g. adaptive average pooling's
+    # backward on CUDA) warns instead of stopping the run
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def make_optimizer_factory(train: dict):
@@ -142,6 +160,7 @@ class WorkerRun:
 def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Preemption, tracker: LiveRun) -> WorkerRun:
     cfg, train = spec.config, spec.config["train"]
     seed_everything(spec.seed)
+    choose_kernels(train["deterministic"], ctx.device)
     train_set = data_module.load_split(spec.data_dir, "train")
     val_set = data_module.load_split(spec.data_dir, "val")
     meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
