@@ -370,7 +370,9 @@ def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
     ("negative_bandwidth", ["inter_node", "bandwidth_gbit_s", "-10", "positive"]),
     ("missing_key", ["per_worker_batch", "missing"]),
     ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "colocated or dedicated"]),
-    ("bad_period", ["strategy_params.local_sgd.period", "0", "whole number >= 1"]),
+    ("bad_period", ["strategy_params.local_sgd.period", "0", "an integer >= 1"]),
+    ("knob_of_wrong_type", ["strategy_params.allreduce.bucket_cap_mb", "'25'", "is not a number"]),
+    ("unknown_knob", ["strategy_params.ps_sync.shard", "unknown knob", "shards", "placement"]),
     ("unknown_layer_profile", ["model.layer_profile", "'resnet5'", "allowed:", "resnet152, resnet50, vgg16"]),
     ("other_network_profile", ["model.layer_profile", "'vgg16'", "138357544", "model.parameters", "1000"]),
 ])
@@ -392,6 +394,10 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
     elif case == "bad_period":
         profile["strategy_params"] = {"local_sgd": {"period": 0}}
         strategies = "local_sgd"
+    elif case == "knob_of_wrong_type":  # the strategy's own schema checks a profile's knobs
+        profile["strategy_params"] = {"allreduce": {"bucket_cap_mb": "25"}}
+    elif case == "unknown_knob":
+        profile["strategy_params"] = {"ps_sync": {"shard": 4}}
     elif case == "unknown_layer_profile":
         measured["model"]["layer_profile"] = "resnet5"
     elif case == "other_network_profile":  # a profile of another network than model.parameters counts

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import yaml
 
+from . import schema
 from .config import ConfigError
 from .perfmodel import Link, Machine
+from .strategy_specs import SPECS
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 PLACEMENTS = ("colocated", "dedicated")
@@ -69,25 +71,6 @@ def _link_any_unit(section, where: str) -> Link:
     return _link(section, where, unit)
 
 
-#: the knobs' ranges (the strategy classes check the same for a study; these classes import torch)
-KNOB_CHECKS = {
-    "shards": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "backup": (lambda v: _whole(v) and v >= 0, "a whole number >= 0 (and < N)"),
-    "staleness": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
-    "period": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "warmup_steps": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
-    "rank": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "bucket_cap_mb": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-                      "a positive number of MiB"),
-    "topology": (lambda v: v in ("ring", "random_pairs"), "ring or random_pairs"),
-    "placement": (lambda v: v in PLACEMENTS, "colocated or dedicated"),
-}
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[str, dict]) -> dict[str, dict]:
     """Each strategy's knobs: its class's defaults, the profile's strategy_params, placement."""
     where = f"hardware profile {profile.get('path', profile.get('name'))}"
@@ -101,20 +84,21 @@ def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[s
     params = {}
     for name in strategies:
         knobs = {**defaults[name], **(given.get(name) or {})}
-        unknown = sorted(set(knobs) - set(defaults[name]) - {"placement"})
-        if unknown:
-            allowed = ", ".join(sorted(defaults[name]) + (["placement"] if "shards" in defaults[name] else []))
-            raise ConfigError(f"{where}: key 'strategy_params.{name}.{unknown[0]}': unknown knob; allowed: {allowed}")
-        if "shards" in defaults[name]:
-            knobs.setdefault("placement", "colocated")
-        elif "placement" in knobs:
+        placement = knobs.pop("placement", None)
+        # the knobs' types and ranges: the strategy's own schema, as a study's config is checked
+        problems = schema.problems(knobs, SPECS[name].knob_schema, prefix=("strategy_params", name))
+        if problems:
+            line = problems[0].replace("config key", f"{where}: key", 1)
+            raise ConfigError(line + (", placement" if "unknown knob" in line and "shards" in knobs else ""))
+        if "shards" in knobs:
+            placement = placement if placement is not None else "colocated"
+            if placement not in PLACEMENTS:
+                raise ConfigError(f"{where}: key 'strategy_params.{name}.placement': {placement!r} is not allowed; "
+                                  f"allowed: {' or '.join(PLACEMENTS)}")
+            knobs["placement"] = placement
+        elif placement is not None:
             raise ConfigError(f"{where}: key 'strategy_params.{name}.placement': only parameter-server strategies "
                               f"have shards to place")
-        for knob, value in knobs.items():
-            check, allowed = KNOB_CHECKS.get(knob, (lambda v: True, ""))
-            if not check(value):
-                raise ConfigError(f"{where}: key 'strategy_params.{name}.{knob}': {value!r} is not allowed; "
-                                  f"allowed: {allowed}")
         params[name] = knobs
     return params
 
