@@ -60,14 +60,16 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
                 times.append((time.perf_counter() - start) / 2)
         results["p2p"].append([size, _median(times)])
     results["bursts"] = _bursts(rank, world)
+    alone = dist.new_group([0])  # every rank takes part in making it; only rank 0 is in it
+    if rank == 0:
+        results["powersgd_s_per_byte"] = powersgd_seconds_per_byte(alone, repeats)
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
 
 
-def _burst_net():
-    """A LeNet-5-sized conv net and a batch of 64 28x28 images: a burst is one forward and
-    backward, the kind of work (memory traffic, not only arithmetic) a training step does."""
+def _lenet_sized():
+    """A LeNet-5-sized conv net (the study's default model's tensors) and a batch of 64 28x28 images."""
     import torch
     from torch import nn
 
@@ -75,7 +77,13 @@ def _burst_net():
     net = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84),
                         nn.ReLU(), nn.Linear(84, 10))
-    images = torch.randn(64, 1, 28, 28)
+    return net, torch.randn(64, 1, 28, 28)
+
+
+def _burst_net():
+    """A burst is one forward and backward of the LeNet-5-sized net on its batch: the kind of
+    work (memory traffic, not only arithmetic) a training step does."""
+    net, images = _lenet_sized()
 
     def burst() -> float:
         start = time.perf_counter()
@@ -123,6 +131,60 @@ def _bursts(rank: int, world: int, count: int = 40) -> dict:
     return result
 
 
+class _OneBucket:
+    """What torch's PowerSGD hook reads of a DDP bucket (buffer, gradients, index, is_last):
+    every gradient of a model in one flat buffer, as DDP buckets LeNet-5."""
+
+    def __init__(self, shapes: list) -> None:
+        import math
+
+        import torch
+
+        numels = [math.prod(shape) for shape in shapes]
+        self._buffer = torch.zeros(sum(numels))
+        self._gradients = [part.view(shape) for part, shape in zip(self._buffer.split(numels), shapes)]
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._gradients
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def powersgd_seconds_per_byte(group, repeats: int) -> float:
+    """Seconds per gradient byte of torch's PowerSGD hook, compressing (past its
+    start_powerSGD_iter), with the strategy's default knobs, on the LeNet-5-sized net's
+    gradients, in a `group` of one process: its all-reduces move nothing, so what is timed is
+    the compression's own work (the factors' products, orthogonalisation, error feedback,
+    decompression), which the model adds to the all-reduce of the factors."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    from .strategy_specs import SPECS
+
+    knobs = SPECS["allreduce_powersgd"].defaults
+    state = PowerSGDState(process_group=group, matrix_approximation_rank=knobs["rank"],
+                          start_powerSGD_iter=knobs["start_powerSGD_iter"],
+                          use_error_feedback=knobs["use_error_feedback"], warm_start=knobs["warm_start"])
+    net, _ = _lenet_sized()
+    bucket = _OneBucket([p.shape for p in net.parameters()])
+    gradient = torch.randn(bucket.buffer().numel())
+    samples = []
+    for i in range(knobs["start_powerSGD_iter"] + 2 + repeats):  # the plain all-reduces first, then warm-up
+        bucket.buffer().copy_(gradient)
+        start = time.perf_counter()
+        powerSGD_hook(state, bucket).wait()
+        if i >= knobs["start_powerSGD_iter"] + 2:
+            samples.append(time.perf_counter() - start)
+    return _median(samples) / (bucket.buffer().numel() * 4)
+
+
 def _spin(seconds: float, queue) -> None:
     start, cpu = time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
@@ -147,8 +209,8 @@ def cpu_share(processes: int, seconds: float = 0.5) -> float:
 
 
 def _kernel_seconds_per_byte(repeats: int) -> dict:
-    """This machine's compression, gossip-averaging and shard kernels, one thread, per fp32
-    gradient (or parameter) byte."""
+    """This machine's cast, 1-bit, gossip-averaging and shard kernels, one thread, per fp32
+    gradient (or parameter) byte (PowerSGD's: powersgd_seconds_per_byte, in a worker)."""
     import torch
 
     from .strategies.compressed import compress_with_feedback, decode, dequantize, encode
@@ -237,7 +299,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
         "allreduce": results["allreduce"],
         "p2p": results["p2p"],
         "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
-        "kernels_s_per_byte": _kernel_seconds_per_byte(repeats),
+        "kernels_s_per_byte": {**_kernel_seconds_per_byte(repeats),
+                               "allreduce_powersgd": results["powersgd_s_per_byte"]},
         "jitter": results["bursts"],
         "burst_alone_s": results["bursts"]["alone_s"],  # interleaved with the rounds together
         "compute_scale": {"1": 1.0, str(processes): results["bursts"]["slowdown"]},
