@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import os
 import statistics
@@ -26,13 +27,16 @@ from conftest import run_snakemake, tiny_study  # noqa: E402
 from dtstudy import calibration, hardware  # noqa: E402
 from dtstudy.config import validate_schema  # noqa: E402
 from dtstudy import perfmodel as pm  # noqa: E402
+from dtstudy.strategy_specs import SPECS  # noqa: E402
 
 
-# one strategy of each family whose N=2 run has a core per process on 2 cores: all-reduce,
-# compressed all-reduce, local SGD, gossip. The parameter-server strategies need a third
-# process (the shard): oversubscribed on 2 cores, their throughput says nothing about the
-# model (README "What a run costs, and how local runs share the cores"); they are left out here.
-ON_MACHINE = ["allreduce", "allreduce_fp16", "local_sgd", "gossip"]
+# every strategy whose N=2 run is two processes, a core each on 2 cores (all but the
+# parameter servers, no_exchange: it has no exchange to model). The parameter-server
+# strategies need a third process (the shard): oversubscribed on 2 cores, their throughput
+# says nothing about the model (README "What a run costs, and how local runs share the
+# cores"); they are left out here.
+ON_MACHINE = [name for name, spec in SPECS.items()
+              if name != "no_exchange" and spec.extra_processes(dict(spec.defaults), 2) == 0]
 TOLERANCE = 0.15
 MIN_CORE_SHARE = 0.8  # each of 2 busy processes must get this much of a core
 
@@ -70,7 +74,8 @@ def one_repeat(tmp_path: Path, steps: int) -> dict:
                        train={"epochs": math.ceil(steps * 64 / 8100), "batch_size": 64, "max_steps": steps,
                               "steady_state_skip": 10})
     # gloo's event loops in the benchmark as in the runs (the commbench rule does the same)
-    nice = validate_schema(copy.deepcopy(study))["launcher"]["gloo_loop_nice"]
+    validated = validate_schema(copy.deepcopy(study))
+    nice = validated["launcher"]["gloo_loop_nice"]
     before = checked_bench("before the runs", nice)
     calibration_runs = ["results/runs/allreduce/n1/seed0/metrics.json", "results/runs/allreduce/n1/seed1/metrics.json"]
     measured_runs = [f"results/runs/{s}/n2/seed0/metrics.json" for s in ON_MACHINE]
@@ -87,7 +92,11 @@ def one_repeat(tmp_path: Path, steps: int) -> dict:
     runs = calibration.read_runs([tmp_path / t for t in calibration_runs + measured_runs])
     parameters = calibration.parameters_from_runs(runs)
     single = [r for r in runs if r["workers"] == 1]
-    workload, _ = calibration.workload_from_runs(single, parameters)
+    workload, _ = calibration.workload_from_runs(runs, parameters)  # N=1 compute; PowerSGD's bytes at N=2
+    layers, _ = calibration.study_layers(validated["model"], parameters)  # as the study's `project` rule
+    if layers is not None:
+        tensors, groups = calibration.counts_for_onebit(layers)
+        workload = dataclasses.replace(workload, layers=layers, tensors=tensors, column_groups=groups)
     profile = hardware.load_profile("this_machine")
     machine, _, _ = hardware.machine_from_profile(profile, bench)
     params = hardware.check_strategy_params(profile, ON_MACHINE, pm.knob_defaults())
