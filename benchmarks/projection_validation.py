@@ -7,7 +7,9 @@ fusion buffer / bucket. Three ways the exchange hides behind backward, side by s
 overlap 0 (the model's default) and 0.5 (sensitivity, not a fit), and the wait-free-backprop
 timeline on each architecture's layer profile (dtstudy.layer_profiles: where its parameters
 sit and when backprop produces their gradients, from torch's FLOP counter; no constant of it
-is set from a published figure). Prints published vs projected with the source of each.
+is set from a published figure); and the last of them again with the all-reduce as one flat
+ring through every GPU, the algorithm Horovod ran then, instead of the model's default
+hierarchical one. Prints published vs projected with the source of each.
 
     python3 benchmarks/projection_validation.py
 """
@@ -72,10 +74,13 @@ def _layers(name: str, wait_free: bool):
     return layer_profiles.load(name, "projection_validation.py: architecture") if wait_free else None
 
 
-def horovod_cases(overlap: float = 0.0, wait_free: bool = False) -> list[dict]:
+def horovod_cases(overlap: float = 0.0, wait_free: bool = False, algorithm: str = "hierarchical") -> list[dict]:
     """`wait_free`: each architecture's layer profile, Horovod's 64 MiB fusion buffers filled
-    in backprop order (perfmodel's DDP-style buckets), instead of the fixed `overlap`."""
-    machine = dataclasses.replace(HOROVOD_MACHINE, overlap=overlap)
+    in backprop order (perfmodel's DDP-style buckets), instead of the fixed `overlap`.
+    `algorithm`: how the all-reduce spans the servers (perfmodel.ALLREDUCE_ALGORITHMS);
+    Horovod then ran NCCL 2's flat ring ("ring"): its hierarchical mode came in v0.13.6, July
+    2018 (https://github.com/horovod/horovod/pull/329), after both benchmarks."""
+    machine = dataclasses.replace(HOROVOD_MACHINE, overlap=overlap, allreduce_algorithm=algorithm)
     rows = []
     for gpus, (source, published) in HOROVOD_PUBLISHED.items():
         for name, efficiency in published.items():
@@ -158,9 +163,11 @@ OVERLAP_SENSITIVITY = 0.5
 
 
 def main() -> int:
+    tf_wait_free = tf_ec2_cases(wait_free=True)  # parameter servers: no all-reduce across nodes
     columns = {"overlap 0": horovod_cases() + tf_ec2_cases(),
                f"overlap {OVERLAP_SENSITIVITY}": horovod_cases(OVERLAP_SENSITIVITY) + tf_ec2_cases(OVERLAP_SENSITIVITY),
-               "wait-free": horovod_cases(wait_free=True) + tf_ec2_cases(wait_free=True)}
+               "wait-free": horovod_cases(wait_free=True) + tf_wait_free,
+               "wait-free, ring": horovod_cases(wait_free=True, algorithm="ring") + tf_wait_free}
     print(f"{'case':62s} {'published':>9s} " + " ".join(f"{label:>16s}" for label in columns))
     misses = dict.fromkeys(columns, 0)
     for i, row in enumerate(columns["overlap 0"]):
@@ -175,7 +182,9 @@ def main() -> int:
     print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2)
     print("settings for every case: fp32 gradients; assumptions in each case's comment. Columns: a fixed overlap of "
           f"0 (the model's default) and {OVERLAP_SENSITIVITY} of compute for every case; wait-free: each bucket's "
-          "exchange starts when backprop has produced it (layer profiles of dtstudy/layer_profiles.json)")
+          "exchange starts when backprop has produced it (layer profiles of dtstudy/layer_profiles.json); the "
+          "all-reduce across servers hierarchical (the model's default), or in the last column one flat ring "
+          "through every GPU, the algorithm Horovod ran then (the TF cases, parameter servers, are the same)")
     print("; ".join(f"{len(rows) - misses[label]} of {len(rows)} within 10% ({label})" for label, rows in columns.items()))
     return 0
 

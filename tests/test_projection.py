@@ -62,6 +62,31 @@ def test_allreduce_hand_computed():
     assert two.exchange_s == pytest.approx(ALLREDUCE_8 + 6e-5 + 2e-4, rel=1e-9)
 
 
+def test_flat_ring_allreduce_hand_computed():
+    # one ring through all 8 GPUs of 2 nodes: 14 steps, 2 of them across nodes (1e-4), 12
+    # inside (1e-5); 14/8 of the 4e6 bytes through the slowest link (1e8 B/s), all links at once
+    ring = dataclasses.replace(MACHINE, allreduce_algorithm="ring")
+    flat_8 = 12 * 1e-5 + 2 * 1e-4 + 14 / 8 * 4e6 / 1e8
+    assert step_time("allreduce", 8, machine=ring).exchange_s == pytest.approx(flat_8, rel=1e-9)
+    assert flat_8 != pytest.approx(ALLREDUCE_8, rel=1e-3)  # the two algorithms differ here
+    # 64 GPUs, 16 nodes: 126 steps, 30 across; twice the messages with 2 MiB buckets
+    flat_64 = 96 * 1e-5 + 30 * 1e-4
+    assert pm.allreduce_time(4e6, 64, ring, messages=2) == pytest.approx(2 * flat_64 + 126 / 64 * 4e6 / 1e8, rel=1e-9)
+    # one node, or one GPU per node: both algorithms are the same plain ring
+    assert pm.allreduce_time(4e6, 4, ring) == pytest.approx(pm.allreduce_time(4e6, 4, MACHINE), rel=1e-12)
+    one_each = Machine(1, MACHINE.intra, MACHINE.inter)
+    assert pm.allreduce_time(4e6, 8, dataclasses.replace(one_each, allreduce_algorithm="ring")) == pytest.approx(
+        pm.allreduce_time(4e6, 8, one_each), rel=1e-12)
+    # what a profile says, checked
+    machine, source, _ = hardware.machine_from_profile({"name": "p", "gpus_per_node": 4, "allreduce_algorithm": "ring",
+                                                        "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 5},
+                                                        "intra_node": {"bandwidth_gbyte_s": 10, "latency_us": 5}})
+    assert machine.allreduce_algorithm == "ring" and source["allreduce_algorithm"] == "profile"
+    with pytest.raises(ConfigError, match=r"key 'allreduce_algorithm': 'tree' is not allowed; allowed: hierarchical or ring"):
+        hardware.machine_from_profile({"name": "p", "gpus_per_node": 4, "allreduce_algorithm": "tree",
+                                       "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 5}})
+
+
 def test_half_precision_hand_computed():
     # N=4, one node: 2e6 bytes: 6e-5 + 1.5 * 2e6 / 1e9 = 0.00306; casts: 3 passes of 4e6 at 10 GB/s
     machine = Machine(4, MACHINE.intra, MACHINE.inter, compression_bandwidth=1e10)

@@ -9,7 +9,7 @@ import yaml
 
 from . import schema
 from .config import ConfigError
-from .perfmodel import Link, Machine
+from .perfmodel import ALLREDUCE_ALGORITHMS, Link, Machine
 from .strategy_specs import SPECS
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
@@ -120,6 +120,13 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
     source = {"gpus_per_node": "profile", "inter_node": "profile", "overlap": "profile" if "overlap" in profile
               else f"default {DEFAULT_OVERLAP} (assumed, README 'Projection')"}
     kwargs = {}
+    if "allreduce_algorithm" in profile:
+        algorithm = profile["allreduce_algorithm"]
+        if algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ConfigError(f"{where}: key 'allreduce_algorithm': {algorithm!r} is not allowed; allowed: "
+                              f"{' or '.join(ALLREDUCE_ALGORITHMS)}")
+        kwargs["allreduce_algorithm"] = algorithm
+    source["allreduce_algorithm"] = "profile" if "allreduce_algorithm" in profile else "default hierarchical"
     for key, target in (("compression_gbyte_s", "compression_bandwidth"), ("server_gbyte_s", "server_bandwidth")):
         if key in profile:
             kwargs[target] = _number(profile, key, where) * 1e9
