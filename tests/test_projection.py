@@ -398,6 +398,7 @@ def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
     ("bad_period", ["strategy_params.local_sgd.period", "0", "an integer >= 1"]),
     ("knob_of_wrong_type", ["strategy_params.allreduce.bucket_cap_mb", "'25'", "is not a number"]),
     ("unknown_knob", ["strategy_params.ps_sync.shard", "unknown knob", "shards", "placement"]),
+    ("bad_stragglers", ["stragglers.distribution", "'gamma'", "'fixed', 'uniform', 'exponential'"]),
     ("unknown_layer_profile", ["model.layer_profile", "'resnet5'", "allowed:", "resnet152, resnet50, vgg16"]),
     ("other_network_profile", ["model.layer_profile", "'vgg16'", "138357544", "model.parameters", "1000"]),
 ])
@@ -423,6 +424,8 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
         profile["strategy_params"] = {"allreduce": {"bucket_cap_mb": "25"}}
     elif case == "unknown_knob":
         profile["strategy_params"] = {"ps_sync": {"shard": 4}}
+    elif case == "bad_stragglers":
+        profile["stragglers"] = {"fraction": 0.1, "delay_ms": 20, "distribution": "gamma"}
     elif case == "unknown_layer_profile":
         measured["model"]["layer_profile"] = "resnet5"
     elif case == "other_network_profile":  # a profile of another network than model.parameters counts
@@ -434,6 +437,33 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
     for part in expected:
         assert part in message
     assert not out.exists()  # stopped before any work
+
+
+def test_command_projects_the_hardware_files_stragglers(tmp_path):
+    """Slow workers on the cluster (H.yaml `stragglers`, the study config's keys): a
+    synchronous step waits for the slowest of them; ps_backup with more backups than slow
+    workers for none of them, as backup workers were meant to do (Chen et al. 2016)."""
+    profile = {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 100, "latency_us": 5},
+               "strategy_params": {"ps_sync": {"shards": 32}, "ps_backup": {"shards": 32, "backup": 16}}}
+
+    def steps(stragglers):
+        folder = tmp_path / str(len(stragglers))
+        folder.mkdir()
+        m, h = write_inputs(folder, hardware_profile={**profile, **stragglers})
+        rows = projection.run_command(m, h, "ps_sync,ps_backup", "1,256", str(folder / "p.csv"))
+        return {(r["strategy"], r["workers"]): r for r in rows}, (folder / "p.md").read_text()
+
+    plain, _ = steps({})
+    slow, md = steps({"stragglers": {"fraction": 0.05, "delay_ms": 50, "distribution": "exponential"}})
+    # 256 x 0.05 = 13 slow workers: ps_sync waits for the largest of 13 exponential delays
+    # of mean 50 ms, 0.05 x H_13; ps_backup needs 240 of 256 pushes, all from fast workers
+    harmonic_13 = sum(1 / i for i in range(1, 14))
+    assert slow[("ps_sync", 256)]["step_s"] - plain[("ps_sync", 256)]["step_s"] == pytest.approx(0.05 * harmonic_13)
+    assert slow[("ps_sync", 256)]["straggler_s"] == pytest.approx(0.05 * harmonic_13)
+    assert slow[("ps_backup", 256)]["step_s"] == pytest.approx(plain[("ps_backup", 256)]["step_s"])
+    assert slow[("ps_backup", 256)]["throughput"] > slow[("ps_sync", 256)]["throughput"]
+    assert slow[("ps_sync", 1)]["step_s"] == pytest.approx(plain[("ps_sync", 1)]["step_s"])  # round(0.05) = 0 slow
+    assert "stragglers: profile: {'delay_ms': 50, 'distribution': 'exponential', 'fraction': 0.05}" in md
 
 
 def test_command_on_a_measurement_file_alone(tmp_path):

@@ -103,6 +103,20 @@ def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[s
     return params
 
 
+def check_stragglers(profile: dict) -> dict:
+    """The profile's optional `stragglers`: slow workers on that cluster, with the study
+    config's keys (ranks or fraction, delay_ms, distribution), checked against the config's
+    schema; {} when there are none."""
+    given = profile.get("stragglers")
+    if given is None:
+        return {}
+    where = f"hardware profile {profile.get('path', profile.get('name'))}"
+    problems = schema.problems(given, schema.load_schema()["properties"]["stragglers"], prefix=("stragglers",))
+    if problems:
+        raise ConfigError(problems[0].replace("config key", f"{where}: key", 1))
+    return given
+
+
 def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[Machine, dict, bool]:
     """The Machine of a profile, what each value came from, and whether intra_node is still
     to be fitted (absent: from the throughput at N = gpus_per_node). `intra_node: measured`

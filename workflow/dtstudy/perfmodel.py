@@ -123,6 +123,16 @@ class Stragglers:
     fraction: float = 0.0
     count: int | None = None  # fixed number of slow workers (config `ranks`)
 
+    @classmethod
+    def from_config(cls, stragglers: dict | None) -> Stragglers:
+        """From the study's `stragglers` keys (ranks or fraction, delay_ms, distribution; the
+        seed draws which workers, which the expectations do not need)."""
+        if not stragglers:
+            return cls()
+        count = len(stragglers["ranks"]) if stragglers.get("ranks") else None
+        return cls(delay_s=stragglers.get("delay_ms", 0) / 1000.0, distribution=stragglers.get("distribution", "fixed"),
+                   fraction=stragglers.get("fraction", 0.0), count=count)
+
     def slow(self, workers: int) -> int:
         if self.delay_s <= 0:
             return 0

@@ -173,6 +173,7 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     measured = calibration.load_measured(measured_path)
     profile = hardware.load_profile(hardware_path)
     params = hardware.check_strategy_params(profile, strategies, defaults)
+    stragglers = hardware.check_stragglers(profile)
     machine, provenance, needs_fit = hardware.machine_from_profile(profile)
     workload = calibration.workload_from_measured(measured, params.get("allreduce_powersgd", {}).get("rank", 2))
     if "allreduce_powersgd" in strategies and workload.powersgd_ratio is None:
@@ -193,7 +194,10 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
                                f"({measured_path})")
     provenance["overlap"] = overlap_source(workload, machine, "model.layer_profile", "model.layer_profile not given")
     observed = {(measured_strategy, n): thr for n, thr in measured["throughput"].items()}
-    rows = project(workload, machine, strategies, workers, params, profile["name"], measured=observed)
+    provenance["stragglers"] = (f"profile: {stragglers}; the expected wait over the slow workers' delays"
+                                if stragglers else "none (no key 'stragglers' in the hardware profile)")
+    rows = project(workload, machine, strategies, workers, params, profile["name"], Stragglers.from_config(stragglers),
+                   measured=observed)
     write_csv(rows, out)
     md = Path(out).with_suffix(".md")
     write_markdown(rows, md, provenance)
@@ -212,14 +216,6 @@ def overlap_source(workload, machine, key: str, without: str) -> str:
 
 
 # ----- the workflow rule: the study's runs, this machine's benchmark, a profile -----------------
-
-
-def stragglers_from_config(stragglers: dict) -> Stragglers:
-    if not stragglers:
-        return perfmodel.NO_STRAGGLERS
-    count = len(stragglers["ranks"]) if stragglers.get("ranks") else None
-    return Stragglers(delay_s=stragglers.get("delay_ms", 0) / 1000.0, distribution=stragglers.get("distribution", "fixed"),
-                      fraction=stragglers.get("fraction", 0.0), count=count)
 
 
 def run_study(metrics: list[str], commbench_path: str, config: dict, table: str, table_md: str, plot_path: str) -> list[dict]:
@@ -266,7 +262,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     measured_exchange = {key: sum(r["comm_s"] for r in v) / len(v) for key, v in by_run.items()}
     workers = sorted(set(settings["workers"]))
     rows = project(workload, machine, strategies, workers, params, profile["name"],
-                   stragglers_from_config(config.get("stragglers", {})), measured, measured_exchange)
+                   Stragglers.from_config(config.get("stragglers")), measured, measured_exchange)
     write_csv(rows, table)
     write_markdown(rows, table_md, provenance)
     plot(rows, plot_path)
