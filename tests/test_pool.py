@@ -1,6 +1,7 @@
 """The warm pool that forks local runs: a lost process fails its run in seconds and names
 the rank, its MLflow run ends FAILED, a rerun does not leave a second run of the same name,
-and the run is RUNNING in MLflow with its metrics arriving while it trains."""
+the run is RUNNING in MLflow with its metrics arriving while it trains, a study folder made
+again gets a pool of its own, and Snakemake stops the pool its runs used."""
 
 from __future__ import annotations
 
@@ -118,3 +119,66 @@ def test_mlflow_shows_a_run_while_it_trains_and_a_rerun_supersedes_it(tmp_path, 
     [old] = [r for r in training_runs(uri, "DELETED_ONLY")]  # the old one kept, marked
     assert old.info.run_id == run.info.run_id
     assert old.data.tags["dtstudy.superseded_by"] == current.info.run_id
+
+
+def _pool_processes(study: Path) -> list[str]:
+    """The command lines of running pools whose working directory is `study` (or was: a
+    deleted folder shows as '<path> (deleted)')."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "dtstudy.pool" in command and os.readlink(proc / "cwd").startswith(str(study)):
+                found.append(command)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_study_folder_made_again_gets_a_pool_of_its_own_and_snakemake_stops_its_pool(tmp_path):
+    """A study deleted and made again at the same path (a fresh clone, `rm -rf` of the whole
+    folder) must not be served by the old folder's pool: that pool's working directory is
+    gone and every relative path of a run failed (results/data/.../meta.json not found).
+    And the pool a study's runs used ends with Snakemake (onsuccess), although Snakemake runs
+    as `python3` and the rules as `python`."""
+    import shutil
+
+    from conftest import run_snakemake
+
+    study = tmp_path / "study"
+    config = tiny_study(workers=[1], train={"epochs": 1, "batch_size": 32, "max_steps": 5})
+    target = "results/runs/allreduce/n1/seed0/metrics.json"
+    for attempt in ("first", "made again"):
+        study.mkdir()
+        done = run_snakemake(study, config, "--cores", "2", target)
+        assert done.returncode == 0, f"{attempt}: {done.stderr[-3000:]}"
+        assert (study / target).exists()
+        deadline = time.monotonic() + 10  # the stop is asked for at the end; the pool exits within its 1 s tick
+        while _pool_processes(study) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _pool_processes(study), f"{attempt}: the study's pool outlived Snakemake"
+        shutil.rmtree(study)
+
+
+def test_the_pool_address_names_the_folder_by_identity_and_the_interpreter_by_its_binary(tmp_path):
+    import shutil
+
+    from dtstudy import pool
+
+    study = tmp_path / "study"
+    study.mkdir()
+    first = pool.pool_address(study)
+    held = os.open(study, os.O_RDONLY)  # as a pool's working directory holds it
+    try:
+        os.rmdir(study)
+        study.mkdir()
+        assert pool.pool_address(study) != first
+    finally:
+        os.close(held)
+    # `python` and `python3` of one environment compute the same address
+    names = [name for name in ("python", "python3") if shutil.which(name)]
+    code = f"import sys; sys.path.insert(0, {str(Path(pool.__file__).parents[1])!r}); from dtstudy import pool; " \
+           f"print(pool.pool_address({str(study)!r}))"
+    addresses = {subprocess.run([name, "-c", code], capture_output=True, text=True, check=True).stdout
+                 for name in names}
+    assert len(names) == 2 and len(addresses) == 1, addresses

@@ -2,8 +2,9 @@
 strategies and MLflow once, then forks every local run's N + S processes (and every
 evaluation) on request, so that a run costs what its training costs, not seconds of start-up.
 
-- One pool per study folder (the working directory) and code version: its Unix socket's
-  name is a hash of both, so an edited package or another study never reuses a stale pool.
+- One pool per study folder (the working directory, by path and inode) and code version:
+  its Unix socket's name is a hash of them, so an edited package, another study or a folder
+  made again never reuses a stale pool.
 - The first request starts it (`connect`, under a lock); it ends after `IDLE_S` seconds
   without work, or on `python -m dtstudy pool stop` (the Snakefile's onsuccess/onerror).
 - A request is served by a forked "job" process; a training job forks one process per
@@ -57,8 +58,10 @@ class PoolError(RuntimeError):
 # ----- addresses -------------------------------------------------------------------------
 
 def code_version() -> str:
-    """A fingerprint of the package's sources and the interpreter: a pool of other code is not used."""
-    digest = hashlib.sha256(sys.executable.encode())
+    """A fingerprint of the package's sources and the interpreter: a pool of other code is not
+    used. The interpreter is its environment and binary, not the name it was started by:
+    Snakemake runs as `python3`, the rules as `python`, and both must find the same pool."""
+    digest = hashlib.sha256(f"{sys.prefix}\0{os.path.realpath(sys.executable)}".encode())
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         stat = path.stat()
         digest.update(f"{path.relative_to(PACKAGE_DIR)}:{stat.st_mtime_ns}:{stat.st_size}".encode())
@@ -66,9 +69,13 @@ def code_version() -> str:
 
 
 def pool_address(study_dir: str | Path | None = None) -> str:
-    """The socket of the pool of `study_dir` (default: the working directory) and this code."""
+    """The socket of the pool of `study_dir` (default: the working directory) and this code.
+    The folder counts by its identity too (device and inode): a folder deleted and made again
+    at the same path is another study, which must not meet a pool whose working directory
+    is the deleted one (its relative paths would find nothing)."""
     study = Path(study_dir or os.getcwd()).resolve()
-    key = hashlib.sha256(f"{study}\0{code_version()}".encode()).hexdigest()[:20]
+    identity = study.stat()
+    key = hashlib.sha256(f"{study}\0{identity.st_dev}:{identity.st_ino}\0{code_version()}".encode()).hexdigest()[:20]
     # in /tmp: a Unix socket path must stay under ~100 bytes, study folders may be deep
     folder = Path(tempfile.gettempdir()) / f"dtstudy-pool-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)
