@@ -1,5 +1,6 @@
-"""gloo's event-loop threads run at launcher.gloo_loop_nice in every process of a run and in
-the communication benchmark (dtstudy.gloo_loops; why: README "What one exchange costs")."""
+"""gloo's event-loop threads run at launcher.gloo_loop_nice (SCHED_IDLE or a nice value) in
+every process of a run and in the communication benchmark (dtstudy.gloo_loops; why: README
+"What one exchange costs")."""
 
 from __future__ import annotations
 
@@ -13,36 +14,37 @@ from dtstudy.gloo_loops import GLOO_LOOP_THREAD
 from dtstudy.ports import free_port
 
 
-def _threads_nice() -> list[tuple[str, int]]:
-    """(name, nice) of every thread of this process."""
+def _threads_priority() -> list[tuple[str, int, int]]:
+    """(name, nice, scheduling policy) of every thread of this process."""
     threads = []
     for task in os.scandir("/proc/self/task"):
         name = open(f"{task.path}/comm").read().strip()
-        threads.append((name, os.getpriority(os.PRIO_PROCESS, int(task.name))))
+        tid = int(task.name)
+        threads.append((name, os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)))
     return threads
 
 
-def _join_and_report(rank: int, world: int, workers: int, nice: int, port: int, queue) -> None:
+def _join_and_report(rank: int, world: int, workers: int, priority: int | str, port: int, queue) -> None:
     import torch.distributed as dist
 
     from dtstudy.distributed import join_process_group
     from dtstudy.task_layout import TaskLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = join_process_group(TaskLayout(workers, world - workers), rank, rank, "cpu", 1, 30, gloo_loop_nice=nice)
-    queue.put((rank, ctx.gloo_loop_nice, _threads_nice()))
+    ctx = join_process_group(TaskLayout(workers, world - workers), rank, rank, "cpu", 1, 30, gloo_loop_nice=priority)
+    queue.put((rank, ctx.gloo_loop_nice, _threads_priority()))
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("nice", [19, 0])
-def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_nice_value(nice):
+@pytest.mark.parametrize("priority", ["idle", 19, 0])
+def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_priority(priority):
     # 2 workers and a shard: the default group and the workers' group each have their loops
     world, workers = 3, 2
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = free_port()
-    processes = [context.Process(target=_join_and_report, args=(rank, world, workers, nice, port, queue))
+    processes = [context.Process(target=_join_and_report, args=(rank, world, workers, priority, port, queue))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -50,19 +52,22 @@ def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_nice_valu
     for process in processes:
         process.join(timeout=60)
         assert process.exitcode == 0
-    for rank, ctx_nice, threads in reports:
-        assert ctx_nice == nice  # groups made later (a parameter server's) get the same
-        loops = [level for name, level in threads if name == GLOO_LOOP_THREAD]
-        others = [level for name, level in threads if name != GLOO_LOOP_THREAD]
+    expected = (0, os.SCHED_IDLE) if priority == "idle" else (priority, os.SCHED_OTHER)
+    for rank, ctx_priority, threads in reports:
+        assert ctx_priority == priority  # groups made later (a parameter server's) get the same
+        loops = [(nice, policy) for name, nice, policy in threads if name == GLOO_LOOP_THREAD]
+        others = [(nice, policy) for name, nice, policy in threads if name != GLOO_LOOP_THREAD]
         # a worker is in both groups; gloo names its loop threads so (else nothing is lowered)
         assert len(loops) >= (2 if rank < workers else 1), threads
-        assert loops == [nice] * len(loops), threads
-        assert others == [0] * len(others), threads  # the compute and the other threads keep theirs
+        assert loops == [expected] * len(loops), threads
+        # the compute and the other threads keep theirs
+        assert others == [(0, os.SCHED_OTHER)] * len(others), threads
 
 
-def test_the_communication_benchmark_measures_with_the_runs_loop_priority(tmp_path):
-    result = run_snakemake(tmp_path, tiny_study(launcher={"gloo_loop_nice": 7}), "--dry-run", "--printshellcmds",
+@pytest.mark.parametrize("priority", [7, "idle"])
+def test_the_communication_benchmark_measures_with_the_runs_loop_priority(tmp_path, priority):
+    result = run_snakemake(tmp_path, tiny_study(launcher={"gloo_loop_nice": priority}), "--dry-run", "--printshellcmds",
                            "--cores", "2", timeout=300)
     assert result.returncode == 0, result.stderr
     commbench = [line for line in result.stdout.splitlines() if "--commbench-out" in line]
-    assert len(commbench) == 1 and "--gloo-loop-nice 7" in commbench[0], commbench
+    assert len(commbench) == 1 and f"--gloo-loop-nice {priority}" in commbench[0], commbench

@@ -154,8 +154,9 @@ def _add_project_parser(commands) -> None:
     p.add_argument("--out-md", help="with --study: the Markdown table")
     p.add_argument("--plot", help="with --study: the plot (PNG)")
     p.add_argument("--commbench-out", help="run this machine's communication benchmark into this JSON file")
-    p.add_argument("--gloo-loop-nice", type=int, default=0,
-                   help="with --commbench-out: gloo's event loops at this nice value (launcher.gloo_loop_nice)")
+    p.add_argument("--gloo-loop-nice", type=lambda value: value if value == "idle" else int(value), default=0,
+                   help="with --commbench-out: gloo's event loops at this priority, idle or a nice value "
+                        "(launcher.gloo_loop_nice)")
     _add_config_args(p)
     p.set_defaults(func=cmd_project)
 

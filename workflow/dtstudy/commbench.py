@@ -23,7 +23,8 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2]
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gloo_loop_nice: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gloo_loop_nice: int | str,
+            queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -272,7 +273,7 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
 
 
 def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2,
-            gloo_loop_nice: int = 0) -> dict:
+            gloo_loop_nice: int | str = 0) -> dict:
     """Median gloo all-reduce and one-way send times per message size across `processes`
     local processes (gloo's event loops at `gloo_loop_nice`, as the study's runs have them),
     the fitted (alpha, beta) of each, and this machine's kernels."""
@@ -310,7 +311,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     }
 
 
-def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS, gloo_loop_nice: int = 0) -> dict:
+def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS,
+          gloo_loop_nice: int | str = 0) -> dict:
     result = measure(sizes, repeats, gloo_loop_nice=gloo_loop_nice)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))

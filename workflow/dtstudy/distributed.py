@@ -79,7 +79,7 @@ def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
 
 
 def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: int = 30,
-                       comm_timeout_s: float = 45, gloo_loop_nice: int = 0) -> DistContext | None:
+                       comm_timeout_s: float = 45, gloo_loop_nice: int | str = 0) -> DistContext | None:
     """Join the job's process group: gloo on CPU (one torch thread per worker), NCCL on GPU.
 
     `layout` (RunSpec.layout) maps the job's tasks to ranks: workers first, then a
@@ -101,7 +101,7 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
 
 
 def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_preference: str,
-                       timeout_min: float, comm_timeout_s: float = 45, gloo_loop_nice: int = 0) -> DistContext:
+                       timeout_min: float, comm_timeout_s: float = 45, gloo_loop_nice: int | str = 0) -> DistContext:
     """Join the run's process group as `rank` (MASTER_ADDR/MASTER_PORT in the environment):
     gloo on CPU (one torch thread per worker), NCCL on GPU. The rendezvous may take up to
     `timeout_min` (tasks start when the scheduler starts them); every wait after it, at

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -79,7 +80,7 @@ def validate_config(config: dict) -> dict:
 
 _NOUNS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
           "array": "a list", "object": "a mapping", "null": "null"}
-_BOUNDED_BY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BOUNDED_BY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")
 
 
 def _numeric_range(schema: dict) -> str:
@@ -104,6 +105,8 @@ def allowed(schema: dict) -> str:
         word = _NOUNS[kind]
         if kind in ("integer", "number"):
             word += _numeric_range(schema)
+        elif kind == "string" and re.fullmatch(r"\^(\w+)\$", schema.get("pattern", "")):
+            word = repr(schema["pattern"][1:-1])  # a pattern of one word is that word
         elif kind == "array" and allowed(schema.get("items", {})):
             word += f" (each item {allowed(schema['items'])})"
         words.append(word)

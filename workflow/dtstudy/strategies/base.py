@@ -48,7 +48,7 @@ class DistContext:
     worker_group: Any = None  # process group of the N workers (None = the default group)
     comm_timeout_s: float = 1800.0  # the longest a wait on a peer may take (launcher.comm_timeout_s)
     startup_timeout_s: float = 1800.0  # waits that may legitimately be long (start-up, evaluation)
-    gloo_loop_nice: int = 0  # gloo's event loops of groups made later run at it (launcher.gloo_loop_nice)
+    gloo_loop_nice: int | str = 0  # gloo's event loops of groups made later run at it (launcher.gloo_loop_nice)
 
     @property
     def is_worker(self) -> bool:
