@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import math
 import os
 import statistics
@@ -93,10 +92,7 @@ def one_repeat(tmp_path: Path, steps: int) -> dict:
     parameters = calibration.parameters_from_runs(runs)
     single = [r for r in runs if r["workers"] == 1]
     workload, _ = calibration.workload_from_runs(runs, parameters)  # N=1 compute; PowerSGD's bytes at N=2
-    layers, _ = calibration.study_layers(validated["model"], parameters)  # as the study's `project` rule
-    if layers is not None:
-        tensors, groups = calibration.counts_for_onebit(layers)
-        workload = dataclasses.replace(workload, layers=layers, tensors=tensors, column_groups=groups)
+    workload, _ = calibration.with_study_layers(workload, validated["model"])  # as the study's `project` rule
     profile = hardware.load_profile("this_machine")
     machine, _, _ = hardware.machine_from_profile(profile, bench)
     params = hardware.check_strategy_params(profile, ON_MACHINE, pm.knob_defaults())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -147,6 +148,16 @@ def workload_from_measured(measured: dict, rank: int = 2) -> Workload:
 def counts_for_onebit(layers) -> tuple[int, int]:
     """(tensors, column groups) of a layer profile, for 1-bit's levels; (0, 0) without one."""
     return (len(layers.tensors), layers.column_groups) if layers is not None else (0, 0)
+
+
+def with_study_layers(workload: Workload, model_name: str) -> tuple[Workload, str]:
+    """`workload` with the shipped layer profile of the study's model (the wait-free overlap)
+    and 1-bit's counts from it; unchanged, with the reason, where none fits (study_layers)."""
+    layers, why_not = study_layers(model_name, workload.parameters)
+    if layers is None:
+        return workload, why_not
+    tensors, groups = counts_for_onebit(layers)
+    return dataclasses.replace(workload, layers=layers, tensors=tensors, column_groups=groups), ""
 
 
 # ----- a study's runs ------------------------------------------------------------------

@@ -177,11 +177,12 @@ def powersgd_seconds_per_byte(group, repeats: int) -> float:
     bucket = _OneBucket([p.shape for p in net.parameters()])
     gradient = torch.randn(bucket.buffer().numel())
     samples = []
-    for i in range(knobs["start_powerSGD_iter"] + 2 + repeats):  # the plain all-reduces first, then warm-up
+    untimed = knobs["start_powerSGD_iter"] + 2  # the plain all-reduces first, then two compressed to warm up
+    for i in range(untimed + repeats):
         bucket.buffer().copy_(gradient)
         start = time.perf_counter()
         powerSGD_hook(state, bucket).wait()
-        if i >= knobs["start_powerSGD_iter"] + 2:
+        if i >= untimed:
             samples.append(time.perf_counter() - start)
     return _median(samples) / (bucket.buffer().numel() * 4)
 

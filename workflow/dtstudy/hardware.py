@@ -86,10 +86,9 @@ def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[s
         knobs = {**defaults[name], **(given.get(name) or {})}
         placement = knobs.pop("placement", None)
         # the knobs' types and ranges: the strategy's own schema, as a study's config is checked
-        problems = schema.problems(knobs, SPECS[name].knob_schema, prefix=("strategy_params", name))
-        if problems:
-            line = problems[0].replace("config key", f"{where}: key", 1)
-            raise ConfigError(line + (", placement" if "unknown knob" in line and "shards" in knobs else ""))
+        problem = _first_problem(knobs, SPECS[name].knob_schema, ("strategy_params", name), where)
+        if problem:
+            raise ConfigError(problem + (", placement" if "unknown knob" in problem and "shards" in knobs else ""))
         if "shards" in knobs:
             placement = placement if placement is not None else "colocated"
             if placement not in PLACEMENTS:
@@ -111,10 +110,17 @@ def check_stragglers(profile: dict) -> dict:
     if given is None:
         return {}
     where = f"hardware profile {profile.get('path', profile.get('name'))}"
-    problems = schema.problems(given, schema.load_schema()["properties"]["stragglers"], prefix=("stragglers",))
-    if problems:
-        raise ConfigError(problems[0].replace("config key", f"{where}: key", 1))
+    problem = _first_problem(given, schema.load_schema()["properties"]["stragglers"], ("stragglers",), where)
+    if problem:
+        raise ConfigError(problem)
     return given
+
+
+def _first_problem(value, part: dict, prefix: tuple, where: str) -> str:
+    """The first problem of a profile's `value` against `part` of the config's schema, worded
+    for the profile (its file, then the key), or ""."""
+    problems = schema.problems(value, part, prefix=prefix)
+    return problems[0].replace("config key", f"{where}: key", 1) if problems else ""
 
 
 def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[Machine, dict, bool]:

@@ -232,10 +232,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
         parameters = sum(n * m for n, m in matrices)
         counted = "counted in a run's model.pt"
     workload, provenance = calibration.workload_from_runs(runs, parameters)
-    layers, why_not = calibration.study_layers(config["model"], parameters)
-    if layers is not None:
-        tensors, groups = calibration.counts_for_onebit(layers)
-        workload = dataclasses.replace(workload, layers=layers, tensors=tensors, column_groups=groups)
+    workload, why_not = calibration.with_study_layers(workload, config["model"])
     commbench = hardware.load_commbench(commbench_path)
     profile = hardware.load_profile(settings["hardware"])
     strategies = list(config["strategies"])
