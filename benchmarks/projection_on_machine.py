@@ -63,13 +63,13 @@ def checked_bench(when: str, gloo_loop_nice: int) -> dict:
     return bench
 
 
-def one_repeat(tmp_path: Path, steps: int) -> dict:
+def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
     """One round, in this order: the benchmark, the N=1 calibration run (seed 0), the N=2 run
     of each strategy, a second N=1 run (seed 1), the benchmark again; the model calibrated on
     the mean of both benchmarks and both N=1 runs, which bracket the N=2 runs in time.
     Returns {strategy: (predicted, measured)}."""
     # 8100 training images: 63 steps of 2 x 64 per epoch; enough epochs for `steps` at N=1
-    study = tiny_study(strategies=ON_MACHINE, workers=[1, 2], seeds=[0, 1], dataset={"subset": 9000},
+    study = tiny_study(strategies=strategies, workers=[1, 2], seeds=[0, 1], dataset={"subset": 9000},
                        train={"epochs": math.ceil(steps * 64 / 8100), "batch_size": 64, "max_steps": steps,
                               "steady_state_skip": 10})
     # gloo's event loops in the benchmark as in the runs (the commbench rule does the same)
@@ -77,7 +77,7 @@ def one_repeat(tmp_path: Path, steps: int) -> dict:
     nice = validated["launcher"]["gloo_loop_nice"]
     before = checked_bench("before the runs", nice)
     calibration_runs = ["results/runs/allreduce/n1/seed0/metrics.json", "results/runs/allreduce/n1/seed1/metrics.json"]
-    measured_runs = [f"results/runs/{s}/n2/seed0/metrics.json" for s in ON_MACHINE]
+    measured_runs = [f"results/runs/{s}/n2/seed0/metrics.json" for s in strategies]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = WORKFLOW + (os.pathsep + env_path if env_path else "")
     try:  # one Snakemake call per step, so that the order holds
@@ -95,7 +95,7 @@ def one_repeat(tmp_path: Path, steps: int) -> dict:
     workload, _ = calibration.with_study_layers(workload, validated["model"])  # as the study's `project` rule
     profile = hardware.load_profile("this_machine")
     machine, _, _ = hardware.machine_from_profile(profile, bench)
-    params = hardware.check_strategy_params(profile, ON_MACHINE, pm.knob_defaults())
+    params = hardware.check_strategy_params(profile, strategies, pm.knob_defaults())
     fit = bench["fit"]["allreduce"]  # printed: the calibration inputs are what swings between repeats
     steps_ms = " then ".join(f"{(r['total_s'] + r['data_s']) * 1e3:.2f}" for r in single)
     print(f"all-reduce fit: latency {fit['latency_s'] * 1e6:.0f} us, bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s; "
@@ -111,17 +111,17 @@ def one_repeat(tmp_path: Path, steps: int) -> dict:
     return result
 
 
-def main(repeats: int, steps: int) -> None:
+def main(repeats: int, steps: int, strategies: list[str]) -> None:
     """`repeats` rounds one after the other; the verdict on the medians of each side, with the
     rounds' ranges beside them (a single round of 60 steps moves by tens of percent here)."""
     rounds = []
     for k in range(repeats):
         print(f"round {k + 1} of {repeats}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
-            rounds.append(one_repeat(Path(folder), steps))
+            rounds.append(one_repeat(Path(folder), steps, strategies))
     print(f"\nmedians over {repeats} rounds (min-max); strategy, predicted, measured images/s at N=2, error")
     misses, single = [], 0
-    for strategy in ON_MACHINE:
+    for strategy in strategies:
         predicted = [r[strategy][0] for r in rounds]
         measured = [r[strategy][1] for r in rounds]
         error = statistics.median(predicted) / statistics.median(measured) - 1
@@ -130,9 +130,9 @@ def main(repeats: int, steps: int) -> None:
         if abs(error) > TOLERANCE:
             misses.append(strategy)
     single = sum(all(abs(p / m - 1) <= TOLERANCE for p, m in r.values()) for r in rounds)
-    print(f"within {TOLERANCE:.0%} (medians): {len(ON_MACHINE) - len(misses)} of {len(ON_MACHINE)}"
+    print(f"within {TOLERANCE:.0%} (medians): {len(strategies) - len(misses)} of {len(strategies)}"
           + (f"; beyond: {', '.join(misses)}" if misses else "")
-          + f"; rounds with all {len(ON_MACHINE)} within: {single} of {repeats}")
+          + f"; rounds with all {len(strategies)} within: {single} of {repeats}")
 
 
 if __name__ == "__main__":
@@ -140,5 +140,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=5, help="rounds, one after the other (default 5)")
     parser.add_argument("--steps", type=int, default=300,
                         help="training steps of every run, N=1 (the calibration) and N=2 (default 300)")
+    parser.add_argument("--strategies", default=",".join(ON_MACHINE),
+                        help="comma-separated (default: every two-process strategy)")
     args = parser.parse_args()
-    main(args.repeats, args.steps)
+    main(args.repeats, args.steps, args.strategies.split(","))

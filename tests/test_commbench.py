@@ -41,3 +41,24 @@ def _powersgd_on_one_bucket(ctx):
 
 def test_the_powersgd_kernel_runs_torchs_hook_on_a_ddp_like_bucket(tmp_path):
     in_workers(tmp_path, 1, _powersgd_on_one_bucket)
+
+
+def test_a_failing_process_fails_the_benchmark_instead_of_hanging():
+    """Both processes die before they send a result (a negative message size cannot be
+    allocated): the benchmark raises, naming the exit codes, instead of waiting on its queue
+    for ever (the subprocess's timeout turns such a hang into a failure here)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("from dtstudy import commbench\n"
+            "if __name__ == '__main__':\n"
+            "    commbench.measure(sizes=[-4], repeats=1)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "workflow")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0
+    assert "negative dimension" in done.stderr  # the worker's own error, above
+    assert re.search(r"a process ended without a result \(rank \d exit code 1", done.stderr), done.stderr[-2000:]

@@ -273,6 +273,31 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     }
 
 
+def _first_result(queue, workers, poll_s: float = 0.5):
+    """Rank 0's result. A process that fails, or rank 0 ending without a result, fails the
+    benchmark at once (the traceback is on stderr) instead of leaving the caller waiting on
+    the queue for ever; the peers, blocked in a collective with it, are stopped."""
+    import queue as queues
+
+    while True:
+        try:
+            return queue.get(timeout=poll_s)
+        except queues.Empty:
+            ended = [(rank, w.exitcode) for rank, w in enumerate(workers) if w.exitcode not in (None, 0)]
+            if workers[0].exitcode == 0:  # rank 0 is done: its result is in the pipe, or never came
+                try:
+                    return queue.get(timeout=5)
+                except queues.Empty:
+                    ended.insert(0, (0, 0))
+            if ended:
+                for worker in workers:
+                    if worker.is_alive():
+                        worker.kill()
+                codes = ", ".join(f"rank {rank} exit code {code}" for rank, code in ended)
+                raise RuntimeError(f"communication benchmark: a process ended without a result ({codes}); "
+                                   "its error is above")
+
+
 def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2,
             gloo_loop_nice: int | str = 0) -> dict:
     """Median gloo all-reduce and one-way send times per message size across `processes`
@@ -284,15 +309,19 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
 
     sizes = sizes or DEFAULT_SIZES
     context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
+    queue = context.Queue()
     port = _free_port()
     workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, gloo_loop_nice, queue))
                for rank in range(processes)]
     for worker in workers:
         worker.start()
-    results = queue.get()
-    for worker in workers:
-        worker.join()
+    try:
+        results = _first_result(queue, workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
     return {
         "processes": processes,
         "backend": "gloo",
