@@ -29,13 +29,11 @@ from dtstudy import perfmodel as pm  # noqa: E402
 from dtstudy.strategy_specs import SPECS  # noqa: E402
 
 
-# every strategy whose N=2 run is two processes, a core each on 2 cores (all but the
-# parameter servers, no_exchange: it has no exchange to model). The parameter-server
-# strategies need a third process (the shard): oversubscribed on 2 cores, their throughput
-# says nothing about the model (README "What a run costs, and how local runs share the
-# cores"); they are left out here.
-ON_MACHINE = [name for name, spec in SPECS.items()
-              if name != "no_exchange" and spec.extra_processes(dict(spec.defaults), 2) == 0]
+# every strategy with an exchange to model (no_exchange has none). A parameter server's N=2
+# run is three processes on the 2 cores (two workers and the shard, which waits in a receive
+# most of the time: busy 4-8% of the run); the model charges the shard's work and the
+# protocol's cost per round trip (measured on the N=1 parameter-server runs), not that sharing.
+ON_MACHINE = [name for name in SPECS if name != "no_exchange"]
 TOLERANCE = 0.15
 MIN_CORE_SHARE = 0.8  # each of 2 busy processes must get this much of a core
 
@@ -64,9 +62,10 @@ def checked_bench(when: str, gloo_loop_nice: int) -> dict:
 
 
 def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
-    """One round, in this order: the benchmark, the N=1 calibration run (seed 0), the N=2 run
-    of each strategy, a second N=1 run (seed 1), the benchmark again; the model calibrated on
-    the mean of both benchmarks and both N=1 runs, which bracket the N=2 runs in time.
+    """One round, in this order: the benchmark, the N=1 calibration runs (seed 0: allreduce,
+    and each parameter server's), the N=2 run of each strategy, the N=1 runs again (seed 1),
+    the benchmark again; the model calibrated on the mean of both benchmarks and of both
+    seeds' N=1 runs, which bracket the N=2 runs in time.
     Returns {strategy: (predicted, measured)}."""
     # 8100 training images: 63 steps of 2 x 64 per epoch; enough epochs for `steps` at N=1
     study = tiny_study(strategies=strategies, workers=[1, 2], seeds=[0, 1], dataset={"subset": 9000},
@@ -76,31 +75,37 @@ def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
     validated = validate_schema(copy.deepcopy(study))
     nice = validated["launcher"]["gloo_loop_nice"]
     before = checked_bench("before the runs", nice)
-    calibration_runs = ["results/runs/allreduce/n1/seed0/metrics.json", "results/runs/allreduce/n1/seed1/metrics.json"]
+    # N=1 runs: the plain one (compute) and each parameter server's (the protocol's cost per
+    # round trip), once before the N=2 runs (seed 0) and once after (seed 1)
+    servers = [s for s in strategies if SPECS[s].extra_processes(dict(SPECS[s].defaults), 1)]
+    before_runs, after_runs = ([f"results/runs/{s}/n1/seed{seed}/metrics.json" for s in ["allreduce", *servers]]
+                               for seed in (0, 1))
     measured_runs = [f"results/runs/{s}/n2/seed0/metrics.json" for s in strategies]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = WORKFLOW + (os.pathsep + env_path if env_path else "")
     try:  # one Snakemake call per step, so that the order holds
-        for targets in ([calibration_runs[0]], measured_runs, [calibration_runs[1]]):
+        for targets in (before_runs, measured_runs, after_runs):
             done = run_snakemake(tmp_path, study, "--cores", "2", *targets)
             if done.returncode:
                 raise SystemExit(done.stderr[-3000:])
     finally:
         os.environ["PYTHONPATH"] = env_path
     bench = bracketed(before, checked_bench("after the runs", nice))
-    runs = calibration.read_runs([tmp_path / t for t in calibration_runs + measured_runs])
+    runs = calibration.read_runs([tmp_path / t for t in before_runs + after_runs + measured_runs])
     parameters = calibration.parameters_from_runs(runs)
-    single = [r for r in runs if r["workers"] == 1]
+    single = [r for r in runs if r["workers"] == 1 and r["comm_s"] == 0]
     workload, _ = calibration.workload_from_runs(runs, parameters)  # N=1 compute; PowerSGD's bytes at N=2
     workload, _ = calibration.with_study_layers(workload, validated["model"])  # as the study's `project` rule
     profile = hardware.load_profile("this_machine")
     machine, _, _ = hardware.machine_from_profile(profile, bench)
     params = hardware.check_strategy_params(profile, strategies, pm.knob_defaults())
+    machine, request_source = calibration.with_ps_request(machine, profile, runs, workload, params)
     fit = bench["fit"]["allreduce"]  # printed: the calibration inputs are what swings between repeats
     steps_ms = " then ".join(f"{(r['total_s'] + r['data_s']) * 1e3:.2f}" for r in single)
     print(f"all-reduce fit: latency {fit['latency_s'] * 1e6:.0f} us, bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s; "
           f"compute scale at 2 busy {bench['compute_scale']['2']:.3f}; N=1 compute {steps_ms} ms; "
-          f"skew {machine.skew_fraction:.3f}; core share {bench['cpu_share']}")
+          f"skew {machine.skew_fraction:.3f}; core share {bench['cpu_share']}"
+          + (f"; parameter-server round trip {request_source}" if request_source else ""))
     result = {}
     for r in runs:
         if r["workers"] == 2:

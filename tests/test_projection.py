@@ -137,6 +137,10 @@ def test_parameter_server_hand_computed():
     # without stragglers backup workers and SSP cost what ps_sync costs
     for name in ("ps_backup", "ssp"):
         assert step_time(name, 8, shards=2).step_s == pytest.approx(sync.step_s, rel=1e-12)
+    # the protocol's own cost: once per worker round trip (the workers' run side by side)
+    costly = dataclasses.replace(MACHINE, ps_request_s=0.003)
+    for name in ("ps_sync", "ps_backup", "ssp"):
+        assert step_time(name, 8, machine=costly, shards=2).exchange_s == pytest.approx(2 * phase + 0.003, rel=1e-9)
 
 
 def test_ps_async_hand_computed():
@@ -149,6 +153,9 @@ def test_ps_async_hand_computed():
     s = step_time("ps_async", 8, shards=1, placement="dedicated")
     assert s.throughput == pytest.approx(80 / (8e-4 + 0.32), rel=1e-9)
     assert s.bound == "network"
+    # the protocol's cost lengthens each worker's cycle: 0.1 + 0.0802 + 0.003
+    s = step_time("ps_async", 8, machine=dataclasses.replace(MACHINE, ps_request_s=0.003), shards=2)
+    assert s.throughput == pytest.approx(80 / 0.1832, rel=1e-9)
 
 
 def test_local_and_gossip_hand_computed():
@@ -399,6 +406,8 @@ def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
     ("knob_of_wrong_type", ["strategy_params.allreduce.bucket_cap_mb", "'25'", "is not a number"]),
     ("unknown_knob", ["strategy_params.ps_sync.shard", "unknown knob", "shards", "placement"]),
     ("bad_stragglers", ["stragglers.distribution", "'gamma'", "'fixed', 'uniform', 'exponential'"]),
+    ("bad_ps_request", ["ps_request_us", "-5", "a number >= 0"]),
+    ("ps_request_measured", ["ps_request_us", "'measured'", "N=1 parameter-server runs"]),
     ("unknown_layer_profile", ["model.layer_profile", "'resnet5'", "allowed:", "resnet152, resnet50, vgg16"]),
     ("other_network_profile", ["model.layer_profile", "'vgg16'", "138357544", "model.parameters", "1000"]),
 ])
@@ -426,6 +435,10 @@ def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
         profile["strategy_params"] = {"ps_sync": {"shard": 4}}
     elif case == "bad_stragglers":
         profile["stragglers"] = {"fraction": 0.1, "delay_ms": 20, "distribution": "gamma"}
+    elif case == "bad_ps_request":
+        profile["ps_request_us"] = -5
+    elif case == "ps_request_measured":  # the command has no study runs to measure it on
+        profile["ps_request_us"] = "measured"
     elif case == "unknown_layer_profile":
         measured["model"]["layer_profile"] = "resnet5"
     elif case == "other_network_profile":  # a profile of another network than model.parameters counts
@@ -514,7 +527,7 @@ def test_natural_jitter_and_shared_cores():
     assert step_time("ps_async", 2, machine=machine).straggler_s == pytest.approx(0, abs=1e-12)
 
 
-def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step):
+def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step, strategy_params=None):
     import json
 
     folder.mkdir(parents=True)
@@ -522,7 +535,7 @@ def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step):
     metrics = {"strategy": strategy, "workers": workers, "seed": 0, "throughput": throughput,
                "step_time": {"total_s": step, "compute_s": step - comm_s, "comm_s": comm_s, "data_s": 0.0},
                "bytes_per_step": bytes_per_step, "per_worker_batch": 64, "environment": {"oversubscribed": False},
-               "strategy_params": {}}
+               "strategy_params": strategy_params or {}}
     (folder / "metrics.json").write_text(json.dumps(metrics))
     return str(folder / "metrics.json")
 
@@ -608,3 +621,44 @@ def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(
                                                            rel=1e-6)
     assert "model's matrices in a run's model.pt (rank 2" in (tmp_path / "p.md").read_text()
     assert "61706 (counted in a run's model.pt)" in (tmp_path / "p.md").read_text()  # no run sent bytes
+
+
+def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_runs(tmp_path):
+    """this_machine's `ps_request_us: measured`: the N=1 parameter-server runs' exchange beyond
+    what the links and the shard's update give it, charged once per round trip at N=2."""
+    import json
+
+    m = 61706 * 4
+    one_way = 5e-5 + m / 2e9  # the p2p fit below, one gradient's bytes
+    update = (1 + 4) * m * 5e-11  # the shard's passes (1 gradient summed, 4 of SGD) at the server kernel
+    modelled = 2 * one_way + update
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + 32, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + 32, {"shards": 1}),
+               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + 32, {"shards": 1})]
+    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+             "kernels_s_per_byte": {"server_pass": 5e-11},
+             "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"model": "lenet5", "strategies": ["ps_sync", "ps_async"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    md = tmp_path / "tables/projection.md"
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "tables/p.csv"),
+                                str(md), str(tmp_path / "plots/projection.png"))
+    request = 0.001  # the mean of the two runs' 1.2 and 0.8 ms beyond the model
+    t_c = 64 / 8000
+    # N=2, one shard: each phase takes 2 gradients through the shard's link, 2 latencies
+    phase = 2 * 5e-5 + 2 * m / 2e9
+    expected = t_c + 2 * phase + request + (2 + 4) * m * 5e-11
+    by = {(r["strategy"], r["workers"]): r for r in rows}
+    assert by[("ps_sync", 2)]["throughput"] == pytest.approx(128 / expected, rel=1e-9)
+    assert by[("ps_async", 1)]["throughput"] == pytest.approx(64 / (t_c + modelled + request), rel=1e-9)
+    assert "N=1 parameter-server run(s)" in md.read_text()
+    # the model's size from a parameter server's bytes: the gradient after its request header
+    from dtstudy.strategies.ps_protocol import REQUEST_SIZE
+
+    assert calibration.PS_REQUEST_BYTES == REQUEST_SIZE * 8  # float64 fields
+    assert calibration.parameters_from_runs(calibration.read_runs(metrics[1:])) == 61706
+    # without N=1 parameter-server runs nothing is charged
+    workload = pm.Workload(61706, 4, 64, t_c)
+    assert calibration.ps_request_from_runs(calibration.read_runs(metrics[:1]), workload, MACHINE, {})[0] == 0.0

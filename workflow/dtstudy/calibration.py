@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from . import layer_profiles
+from . import hardware, layer_profiles, perfmodel
 from .config import ConfigError
 from .perfmodel import LayerProfile, Workload
 
@@ -217,11 +217,48 @@ def matrices_from_checkpoint(path: str | Path) -> list[list[int]]:
             if t.is_floating_point() and "running_" not in k]
 
 
+#: the request a worker sends each shard before its gradient (ps_protocol.request: 4 float64)
+PS_REQUEST_BYTES = 32
+
+
 def parameters_from_runs(runs: list[dict]) -> int | None:
     """The model's parameter count, from the bytes a plain all-reduce run sent (2 (N-1)/N x 4 P)."""
     for r in runs:
         if r["strategy"] in ("allreduce", "easgd") and r["workers"] > 1 and r["bytes_per_step"] > 0:
             return round(r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"]) / 4)
         if r["strategy"] in ("ps_sync", "ps_async", "ps_backup", "ssp") and r["bytes_per_step"] > 0:
-            return round(r["bytes_per_step"] / 4)  # the gradient plus a small header per shard
+            headers = PS_REQUEST_BYTES * r.get("strategy_params", {}).get("shards", 1)
+            return round((r["bytes_per_step"] - headers) / 4)  # the gradient, after a request per shard
     return None
+
+
+def ps_request_from_runs(runs: list[dict], workload: Workload, machine, params: dict[str, dict]) -> tuple[float, str]:
+    """The parameter-server protocol's own cost per round trip (Machine.ps_request_s): what
+    the N=1 parameter-server runs measured of their exchange (a worker's comm_s: push, the
+    shard's update, the reply) beyond what the model gives it from the links and the shard's
+    update, averaged over those runs. Returns (seconds, what it came from); 0 when no such
+    run is there. A run is a parameter server's when its knobs name shards."""
+    single = [r for r in runs if r["workers"] == 1 and "shards" in r.get("strategy_params", {})]
+    if not single:
+        return 0.0, "not measured (no N=1 parameter-server run): 0"
+    bare = dataclasses.replace(machine, ps_request_s=0.0)
+    modelled = []
+    for r in single:
+        step = perfmodel.step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
+        modelled.append(step.step_s - step.compute_s)
+    measured = sum(r["comm_s"] for r in single) / len(single)
+    model = sum(modelled) / len(modelled)
+    seconds = max(0.0, measured - model)
+    return seconds, (f"measured: the mean exchange of {len(single)} N=1 parameter-server run(s), "
+                     f"{measured * 1e3:.3g} ms a step, less the {model * 1e3:.3g} ms the links and the shard's "
+                     f"update give it")
+
+
+def with_ps_request(machine, profile: dict, runs: list[dict], workload: Workload, params: dict[str, dict]):
+    """The machine with the profile's `ps_request_us: measured` calibrated on the study's
+    runs (ps_request_from_runs), and what it came from; any other value stands as given
+    (None: nothing calibrated)."""
+    if profile.get("ps_request_us") != hardware.PS_REQUEST_MEASURED:
+        return machine, None
+    seconds, source = ps_request_from_runs(runs, workload, machine, params)
+    return dataclasses.replace(machine, ps_request_s=seconds), source

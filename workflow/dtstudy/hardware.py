@@ -14,6 +14,7 @@ from .strategy_specs import SPECS
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 PLACEMENTS = ("colocated", "dedicated")
+PS_REQUEST_MEASURED = "measured"  # ps_request_us: calibrated on the study's N=1 parameter-server runs
 #: the default share of compute the all-reduce hides behind (see README "Projection"):
 #: none; a profile may state its own, applied to every strategy that overlaps (DDP, Horovod)
 DEFAULT_OVERLAP = 0.0
@@ -151,6 +152,16 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         if key in profile:
             kwargs[target] = _number(profile, key, where) * 1e9
             source[key] = "profile"
+    request = profile.get("ps_request_us", 0)
+    if request == PS_REQUEST_MEASURED:
+        source["ps_request"] = "measured: from the study's N=1 parameter-server runs (calibration.ps_request_from_runs)"
+    elif isinstance(request, bool) or not isinstance(request, (int, float)) or request < 0:
+        raise ConfigError(f"{where}: key 'ps_request_us': {request!r} is not allowed; a number >= 0 (microseconds "
+                          f"a parameter-server round trip costs beyond its links and the shard's update) or "
+                          f"'{PS_REQUEST_MEASURED}' (from a study's N=1 parameter-server runs)")
+    else:
+        kwargs["ps_request_s"] = request * 1e-6
+        source["ps_request"] = "profile" if "ps_request_us" in profile else "0: not modelled (no key 'ps_request_us')"
     intra_section = profile.get("intra_node")
     needs_fit = False
     if intra_section == "measured":

@@ -53,6 +53,11 @@ class Machine:
     #: how an all-reduce spans nodes (ALLREDUCE_ALGORITHMS): "hierarchical" (inside each node,
     #: then across the nodes) or "ring" (one ring through every GPU, as NCCL's ring)
     allreduce_algorithm: str = "hierarchical"
+    #: seconds one worker's push-and-reply round trip to the shards costs beyond their links
+    #: and their update: the protocol's own work (the request messages, the shard's receive
+    #: from any worker, the wake-ups of both processes). Measured on this machine from the
+    #: N=1 parameter-server runs (calibration.ps_request_from_runs); 0 = not modelled
+    ps_request_s: float = 0.0
 
     @property
     def p2p_intra(self) -> Link:
@@ -562,7 +567,9 @@ def _ps_sync_like(strategy, workload, machine, workers, params, stragglers, quor
     shards, placement = params.get("shards", 1), params.get("placement", "colocated")
     phase = ps_phase_time(workload, machine, workers, shards, placement)
     server = server_update_time(workload, machine, workers, shards)
-    exchange = 2 * phase  # push, then the pull of the new parameters (no overlap: update() blocks)
+    # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
+    # round trip also pays the protocol's own cost, in parallel with the others'
+    exchange = 2 * phase + machine.ps_request_s
     wait = synchronous_wait(stragglers, workers, window=window, waits_for=quorum)
     return _finish(strategy, workload, workers, workload.compute_s, exchange, exchange, server=server,
                    straggler=wait)
@@ -600,7 +607,7 @@ def ps_async(workload, machine, workers, params, stragglers):
     shards, placement = params.get("shards", 1), params.get("placement", "colocated")
     link = machine.p2p_intra if machine.nodes(workers) == 1 else machine.p2p_inter
     one_gradient = server_update_time(workload, machine, 1, shards)
-    round_trip = 2 * link.time(workload.model_bytes)  # one worker's push and reply, unloaded
+    round_trip = 2 * link.time(workload.model_bytes) + machine.ps_request_s  # one worker's push and reply, unloaded
     slow = stragglers.slow(workers)
     cycle = workload.compute_s + round_trip + one_gradient
     rate = (workers - slow) / cycle + slow / (cycle + stragglers.delay_s)  # gradients/s, all workers

@@ -175,6 +175,9 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     params = hardware.check_strategy_params(profile, strategies, defaults)
     stragglers = hardware.check_stragglers(profile)
     machine, provenance, needs_fit = hardware.machine_from_profile(profile)
+    if profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED:
+        raise ConfigError(f"hardware profile {hardware_path}: key 'ps_request_us': 'measured' needs a study's N=1 "
+                          f"parameter-server runs; give a number of microseconds (0: not modelled)")
     workload = calibration.workload_from_measured(measured, params.get("allreduce_powersgd", {}).get("rank", 2))
     if "allreduce_powersgd" in strategies and workload.powersgd_ratio is None:
         raise ConfigError(f"measurement file {measured_path}: key 'model.matrices' is missing; allreduce_powersgd "
@@ -250,6 +253,9 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
         raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
                           f"needs it, or 'measured')")
     provenance.update(machine_source)
+    machine, request_source = calibration.with_ps_request(machine, profile, runs, workload, params)
+    if request_source:
+        provenance["ps_request"] = request_source
     provenance["overlap"] = overlap_source(workload, machine, "config key 'model'", why_not)
     provenance["model_parameters"] = f"{parameters} ({counted})"
     by_run: dict[tuple, list[dict]] = {}
