@@ -124,6 +124,8 @@ def test_the_knob_table_of_config_readme_follows_the_schema():
     ({"workers": [2.0]}, "workers[0]", "2.0 is not an integer"),
     ({"strategy_params": {"allreduce": {"bucket_cap_mb": True}}}, "strategy_params.allreduce.bucket_cap_mb",
      "True is not a number"),
+    # the profile is read by the last rule: a wrong name stops the study before the first
+    ({"projection": {"hardware": "h100"}}, "projection.hardware", "'h100' is neither a file nor a profile name"),
 ])
 def test_the_dry_run_refuses_a_value_of_the_wrong_type(tmp_path, override, key, words):
     result = run_snakemake(tmp_path, tiny_study(**override), "--dry-run", "--cores", "1", timeout=300)
@@ -143,3 +145,30 @@ def test_a_malformed_yaml_is_one_line_naming_file_and_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert str(path) in lines[0] and "line 3" in lines[0] and "malformed YAML" in lines[0]
+
+
+def test_every_hardware_profile_of_the_projection_is_checked_when_the_study_starts(tmp_path):
+    """projection.hardware is one profile or a list; each is read and checked up front (the
+    project rule, which reads them, runs after all the training), naming the key."""
+    assert validated(tiny_study())["projection"]["hardware"] == ["this_machine", "minotauro_k80", "h100_ib400"]
+    assert validated(tiny_study(projection={"hardware": "h100_ib400"}))["projection"]["hardware"] == "h100_ib400"
+    with pytest.raises(ConfigError, match=r"config key 'projection\.hardware\[1\]': 'h100' is neither"):
+        validated(tiny_study(projection={"hardware": ["this_machine", "h100"]}))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: -25, latency_us: 5}\n"
+                   "intra_node: {bandwidth_gbyte_s: 12}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml inter_node: key 'bandwidth_gbit_s': -25 is not allowed"):
+        validated(tiny_study(projection={"hardware": [str(bad)]}))
+    no_intra = tmp_path / "no_intra.yaml"  # a study has no single-node throughput to fit the link to
+    no_intra.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: 25, latency_us: 5}\n")
+    with pytest.raises(ConfigError, match=r"no_intra\.yaml: key 'intra_node' is missing"):
+        validated(tiny_study(projection={"hardware": str(no_intra)}))
+    knob = tmp_path / "knob.yaml"  # the profile's knobs of the study's strategies
+    knob.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: 25}\nintra_node: measured\n"
+                    "strategy_params: {ps_sync: {placement: everywhere}}\n")
+    with pytest.raises(ConfigError, match=r"strategy_params\.ps_sync\.placement': 'everywhere'"):
+        validated(tiny_study(strategies=["ps_sync"], projection={"hardware": str(knob)}))
+    with pytest.raises(ConfigError, match=r"'projection\.hardware': \[\] should be non-empty"):
+        validated(tiny_study(projection={"hardware": []}))
+    with pytest.raises(ConfigError, match=r"'projection\.hardware': 5 is not a string or a list"):
+        validated(tiny_study(projection={"hardware": 5}))

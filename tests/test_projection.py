@@ -662,3 +662,35 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     # without N=1 parameter-server runs nothing is charged
     workload = pm.Workload(61706, 4, 64, t_c)
     assert calibration.ps_request_from_runs(calibration.read_runs(metrics[:1]), workload, MACHINE, {})[0] == 0.0
+
+
+def test_project_rule_projects_every_profile_of_the_list(tmp_path):
+    """projection.hardware as a list: one table with a section per profile (the `profile`
+    column), one panel row per profile in the plot, provenance for each."""
+    import json
+
+    ring = 2 * (2 - 1) / 2 * 61706 * 4
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring)]
+    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+             "kernels_s_per_byte": {"server_pass": 5e-11},
+             "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [1, 2, 16], "hardware": ["this_machine", "h100_ib400"]}}
+    out, md, png = tmp_path / "p.csv", tmp_path / "p.md", tmp_path / "p.png"
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(out), str(md), str(png))
+    with open(out) as handle:
+        written = [(r["profile"], int(r["workers"])) for r in csv.DictReader(handle)]
+    assert written == [(p, n) for p in ("this_machine", "h100_ib400") for n in (1, 2, 16)]
+    by = {(r["profile"], r["workers"]): r for r in rows}
+    t_c = 64 / 8000
+    # this machine: the benchmark's fit and its 5% jitter; H100: NVLink's 3 us and 450 GB/s, no jitter
+    assert by[("this_machine", 2)]["throughput"] == pytest.approx(128 / (t_c + 2e-4 + 246824 / 2e9 + 0.05 * t_c), rel=1e-3)
+    assert by[("h100_ib400", 2)]["throughput"] == pytest.approx(128 / (t_c + 6e-6 + 246824 / 450e9), rel=1e-9)
+    text = md.read_text()
+    assert "## Profile: this_machine" in text and "## Profile: h100_ib400" in text
+    assert "Where each parameter of h100_ib400 came from" in text and "measured (gloo" in text
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[0] > 2 * 4.8 * 100  # two rows of panels at 110 dpi

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from . import data, schema, stragglers
+from . import data, hardware, schema, stragglers
 from .errors import ConfigError
 from .runspec import RunSpec
 from .strategy_specs import SPECS as STRATEGIES
@@ -77,6 +77,7 @@ def check_config(config: dict, check_data: bool = True) -> None:
         stragglers.check(config["stragglers"], config["workers"])
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    hardware.check_study_profiles(config["projection"]["hardware"], config["strategies"])
     if check_data:
         check_data_against_batches(config)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 
 from . import schema
-from .config import ConfigError
-from .perfmodel import ALLREDUCE_ALGORITHMS, Link, Machine
+from .errors import ConfigError
+from .perfmodel import ALLREDUCE_ALGORITHMS, Link, Machine, knob_defaults
 from .strategy_specs import SPECS
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
@@ -28,11 +28,16 @@ def profile_path(name_or_path: str) -> Path:
     return PROFILES_DIR / f"{name_or_path}.yaml"
 
 
-def load_profile(name_or_path: str) -> dict:
+def profile_names(value: str | list[str]) -> list[str]:
+    """projection.hardware: one profile, or a list of them."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+def load_profile(name_or_path: str, key: str = "projection.hardware") -> dict:
     path = profile_path(name_or_path)
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
-        raise ConfigError(f"config key 'projection.hardware': {name_or_path!r} is neither a file nor a profile "
+        raise ConfigError(f"config key '{key}': {name_or_path!r} is neither a file nor a profile "
                           f"name; allowed: a YAML path or one of {known}")
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
@@ -193,6 +198,23 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
             kwargs[target] = _link_any_unit(profile[key], f"{where} {key}")
             source[key] = "profile"
     return Machine(gpus_per_node=gpus, intra=intra, inter=inter, overlap=float(overlap), **kwargs), source, needs_fit
+
+
+def check_study_profiles(value: str | list[str], strategies: list[str]) -> None:
+    """Every profile of a study's projection.hardware, checked when the study starts (the
+    project rule reads them last, after the training): the file, its links and keys, and
+    its knobs of the study's strategies. A study's profile must give intra_node (or
+    `measured`): there is no single-node throughput to fit it to."""
+    names = profile_names(value)
+    for i, name in enumerate(names):
+        profile = load_profile(name, "projection.hardware" if isinstance(value, str) else f"projection.hardware[{i}]")
+        measured = profile.get("intra_node") == "measured"
+        _, _, needs_fit = machine_from_profile({**profile, "intra_node": {"bandwidth_gbyte_s": 1}} if measured else profile)
+        if needs_fit:
+            raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
+                              f"needs it, or 'measured')")
+        check_strategy_params(profile, strategies, knob_defaults())
+        check_stragglers(profile)
 
 
 def load_commbench(path: str | Path) -> dict:

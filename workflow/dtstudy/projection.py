@@ -102,26 +102,29 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
             writer.writerow({k: _fmt(row[k]) for k in COLUMNS})
 
 
-def write_markdown(rows: list[dict], path: str | Path, provenance: dict) -> None:
+def write_markdown(rows: list[dict], path: str | Path, provenances: dict[str, dict]) -> None:
+    """A section per profile: its rows, then where each of its parameters came from."""
     shown = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
              "bound", "overlap", "measured_throughput", "measured_exchange_s"]
-    lines = ["# Projected throughput (alpha-beta model)", "", f"Profile: {rows[0]['profile'] if rows else '-'}", "",
-             "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    for row in rows:
-        cells = []
-        for key in shown:
-            value = row[key]
-            if key == "efficiency" and isinstance(value, float):
-                cells.append(f"{100 * value:.1f}%")
-            elif isinstance(value, float):
-                cells.append(f"{value:.4g}")
-            else:
-                cells.append(str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Where each parameter came from:", ""]
-    lines += [f"- {key}: {value}" for key, value in provenance.items()]
+    lines = ["# Projected throughput (alpha-beta model)", ""]
+    for profile, provenance in provenances.items():
+        lines += [f"## Profile: {profile}", "", "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+        for row in (r for r in rows if r["profile"] == profile):
+            cells = []
+            for key in shown:
+                value = row[key]
+                if key == "efficiency" and isinstance(value, float):
+                    cells.append(f"{100 * value:.1f}%")
+                elif isinstance(value, float):
+                    cells.append(f"{value:.4g}")
+                else:
+                    cells.append(str(value))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", f"Where each parameter of {profile} came from:", ""]
+        lines += [f"- {key}: {value}" for key, value in provenance.items()]
+        lines.append("")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(lines) + "\n")
+    Path(path).write_text("\n".join(lines))
 
 
 def plot(rows: list[dict], path: str | Path) -> None:
@@ -131,31 +134,35 @@ def plot(rows: list[dict], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_thr, ax_eff) = plt.subplots(1, 2, figsize=(12, 4.8))
+    profiles = list(dict.fromkeys(r["profile"] for r in rows)) or [""]
+    fig, axes = plt.subplots(len(profiles), 2, figsize=(12, 4.8 * len(profiles)), squeeze=False)
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    for i, name in enumerate(strategies):
-        mine = [r for r in rows if r["strategy"] == name]
-        color = plt.cm.tab20(i % 20)
-        n = [r["workers"] for r in mine]
-        ax_thr.plot(n, [r["throughput"] for r in mine], "-", color=color, label=name)
-        ax_eff.plot(n, [100 * r["efficiency"] for r in mine], "-", color=color, label=name)
-        points = [r for r in mine if r["measured_throughput"] != ""]
-        if points:
-            single = next((r["measured_throughput"] for r in mine if r["workers"] == 1 and r["measured_throughput"] != ""),
-                          None)
-            ax_thr.plot([r["workers"] for r in points], [r["measured_throughput"] for r in points], "o", color=color)
-            if single:
-                ax_eff.plot([r["workers"] for r in points],
-                            [100 * r["measured_throughput"] / (r["workers"] * single) for r in points], "o", color=color)
-    for ax in (ax_thr, ax_eff):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("workers N (GPUs)")
-        ax.grid(True, which="both", alpha=0.3)
-    ax_thr.set_yscale("log")
-    ax_thr.set_ylabel("images/s (all workers)")
-    ax_eff.set_ylabel("efficiency S(N)/N (%)")
-    ax_thr.set_title(f"projected (lines), measured (points): {rows[0]['profile'] if rows else ''}")
-    ax_eff.legend(fontsize=7, ncol=2)
+    for (ax_thr, ax_eff), profile in zip(axes, profiles):
+        for i, name in enumerate(strategies):
+            mine = [r for r in rows if r["strategy"] == name and r["profile"] == profile]
+            color = plt.cm.tab20(i % 20)
+            n = [r["workers"] for r in mine]
+            ax_thr.plot(n, [r["throughput"] for r in mine], "-", color=color, label=name)
+            ax_eff.plot(n, [100 * r["efficiency"] for r in mine], "-", color=color, label=name)
+            points = [r for r in mine if r["measured_throughput"] != ""]
+            if points:
+                single = next((r["measured_throughput"] for r in mine
+                               if r["workers"] == 1 and r["measured_throughput"] != ""), None)
+                ax_thr.plot([r["workers"] for r in points], [r["measured_throughput"] for r in points], "o", color=color)
+                if single:
+                    ax_eff.plot([r["workers"] for r in points],
+                                [100 * r["measured_throughput"] / (r["workers"] * single) for r in points], "o",
+                                color=color)
+        for ax in (ax_thr, ax_eff):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("workers N (GPUs)")
+            ax.grid(True, which="both", alpha=0.3)
+        ax_thr.set_yscale("log")
+        ax_thr.set_ylabel("images/s (all workers)")
+        ax_eff.set_ylabel("efficiency S(N)/N (%)")
+        ax_thr.set_title(f"{profile}: projected (lines), measured here (points)")
+        ax_eff.set_title(f"{profile}: efficiency against the modelled N=1")
+        ax_eff.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -203,7 +210,7 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
                    measured=observed)
     write_csv(rows, out)
     md = Path(out).with_suffix(".md")
-    write_markdown(rows, md, provenance)
+    write_markdown(rows, md, {profile["name"]: provenance})
     return rows
 
 
@@ -223,21 +230,45 @@ def overlap_source(workload, machine, key: str, without: str) -> str:
 
 def run_study(metrics: list[str], commbench_path: str, config: dict, table: str, table_md: str, plot_path: str) -> list[dict]:
     """The `project` rule: calibrate on the study's runs and this machine's benchmark, project
-    every strategy of the study to projection.workers on projection.hardware."""
+    every strategy of the study to projection.workers on each profile of projection.hardware."""
     settings = config["projection"]
     runs = calibration.read_runs(metrics)
-    checkpoint = Path(metrics[0]).with_name("model.pt")
-    matrices = None  # the model's tensors, read from a run's model.pt where the runs' bytes do not say
+    read: list = []  # the model's weight matrices, read from a run's model.pt where the runs' bytes do not say
+
+    def matrices() -> list:
+        read[:] = read or calibration.matrices_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
+        return read
+
     parameters = calibration.parameters_from_runs(runs)
     counted = "from the bytes a run sent per step"
     if parameters is None:  # no plain exchange ran: count the checkpoint's values
-        matrices = calibration.matrices_from_checkpoint(checkpoint)
-        parameters = sum(n * m for n, m in matrices)
+        parameters = sum(n * m for n, m in matrices())
         counted = "counted in a run's model.pt"
     workload, provenance = calibration.workload_from_runs(runs, parameters)
     workload, why_not = calibration.with_study_layers(workload, config["model"])
+    provenance["model_parameters"] = f"{parameters} ({counted})"
     commbench = hardware.load_commbench(commbench_path)
-    profile = hardware.load_profile(settings["hardware"])
+    by_run: dict[tuple, list[dict]] = {}
+    for r in runs:
+        by_run.setdefault((r["strategy"], r["workers"]), []).append(r)
+    measured = {key: sum(r["throughput"] for r in v) / len(v) for key, v in by_run.items()}
+    measured_exchange = {key: sum(r["comm_s"] for r in v) / len(v) for key, v in by_run.items()}
+    rows, provenances = [], {}
+    for name in hardware.profile_names(settings["hardware"]):
+        profile = hardware.load_profile(name)
+        profile_rows, provenances[profile["name"]] = _project_study_on(
+            profile, workload, dict(provenance), why_not, runs, matrices, commbench, config, measured, measured_exchange)
+        rows += profile_rows
+    write_csv(rows, table)
+    write_markdown(rows, table_md, provenances)
+    plot(rows, plot_path)
+    return rows
+
+
+def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_not: str, runs: list[dict],
+                      matrices, commbench: dict, config: dict, measured: dict,
+                      measured_exchange: dict) -> tuple[list[dict], dict]:
+    """One profile of the `project` rule: its rows and where each parameter came from."""
     strategies = list(config["strategies"])
     params = hardware.check_strategy_params(profile, strategies, perfmodel.knob_defaults())
     for name in strategies:  # the study's own knobs win over the profile's
@@ -245,8 +276,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     if workload.powersgd_ratio is None and "allreduce_powersgd" in strategies:
         # no PowerSGD run exchanged anything (N=1 only): its bytes from the model's matrices
         rank = params["allreduce_powersgd"]["rank"]
-        matrices = matrices or calibration.matrices_from_checkpoint(checkpoint)
-        workload = dataclasses.replace(workload, powersgd_ratio=calibration.powersgd_ratio(matrices, rank))
+        workload = dataclasses.replace(workload, powersgd_ratio=calibration.powersgd_ratio(matrices(), rank))
         provenance["powersgd_ratio"] = f"the model's matrices in a run's model.pt (rank {rank}; no PowerSGD run at N > 1)"
     machine, machine_source, needs_fit = hardware.machine_from_profile(profile, commbench)
     if needs_fit:
@@ -257,16 +287,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     if request_source:
         provenance["ps_request"] = request_source
     provenance["overlap"] = overlap_source(workload, machine, "config key 'model'", why_not)
-    provenance["model_parameters"] = f"{parameters} ({counted})"
-    by_run: dict[tuple, list[dict]] = {}
-    for r in runs:
-        by_run.setdefault((r["strategy"], r["workers"]), []).append(r)
-    measured = {key: sum(r["throughput"] for r in v) / len(v) for key, v in by_run.items()}
-    measured_exchange = {key: sum(r["comm_s"] for r in v) / len(v) for key, v in by_run.items()}
-    workers = sorted(set(settings["workers"]))
+    workers = sorted(set(config["projection"]["workers"]))
     rows = project(workload, machine, strategies, workers, params, profile["name"],
                    Stragglers.from_config(config.get("stragglers")), measured, measured_exchange)
-    write_csv(rows, table)
-    write_markdown(rows, table_md, provenance)
-    plot(rows, plot_path)
-    return rows
+    return rows, provenance
