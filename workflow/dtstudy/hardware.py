@@ -208,6 +208,7 @@ def check_study_profiles(value: str | list[str], strategies: list[str]) -> None:
     names = profile_names(value)
     for i, name in enumerate(names):
         profile = load_profile(name, "projection.hardware" if isinstance(value, str) else f"projection.hardware[{i}]")
+        # `measured` links come from the benchmark, which runs later: a stand-in link checks the rest
         measured = profile.get("intra_node") == "measured"
         _, _, needs_fit = machine_from_profile({**profile, "intra_node": {"bandwidth_gbyte_s": 1}} if measured else profile)
         if needs_fit:
