@@ -200,20 +200,28 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
     return Machine(gpus_per_node=gpus, intra=intra, inter=inter, overlap=float(overlap), **kwargs), source, needs_fit
 
 
+def study_machine(profile: dict, commbench: dict | None = None) -> tuple[Machine, dict]:
+    """machine_from_profile for a study's projection, whose profile must give intra_node (or
+    `measured`): a study has no single-node throughput to fit it to. Without `commbench`
+    (the study is starting; the benchmark runs later) `measured` links stand in as one, so
+    that the rest of the profile is checked."""
+    if commbench is None and profile.get("intra_node") == "measured":
+        profile = {**profile, "intra_node": {"bandwidth_gbyte_s": 1}}
+    machine, source, needs_fit = machine_from_profile(profile, commbench)
+    if needs_fit:
+        raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
+                          f"needs it, or 'measured')")
+    return machine, source
+
+
 def check_study_profiles(value: str | list[str], strategies: list[str]) -> None:
     """Every profile of a study's projection.hardware, checked when the study starts (the
-    project rule reads them last, after the training): the file, its links and keys, and
-    its knobs of the study's strategies. A study's profile must give intra_node (or
-    `measured`): there is no single-node throughput to fit it to."""
+    project rule reads them last, after the training): the file, its links and keys
+    (study_machine), and its knobs of the study's strategies."""
     names = profile_names(value)
     for i, name in enumerate(names):
         profile = load_profile(name, "projection.hardware" if isinstance(value, str) else f"projection.hardware[{i}]")
-        # `measured` links come from the benchmark, which runs later: a stand-in link checks the rest
-        measured = profile.get("intra_node") == "measured"
-        _, _, needs_fit = machine_from_profile({**profile, "intra_node": {"bandwidth_gbyte_s": 1}} if measured else profile)
-        if needs_fit:
-            raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
-                              f"needs it, or 'measured')")
+        study_machine(profile)
         check_strategy_params(profile, strategies, knob_defaults())
         check_stragglers(profile)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 from pathlib import Path
 
@@ -233,11 +234,8 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     every strategy of the study to projection.workers on each profile of projection.hardware."""
     settings = config["projection"]
     runs = calibration.read_runs(metrics)
-    read: list = []  # the model's weight matrices, read from a run's model.pt where the runs' bytes do not say
-
-    def matrices() -> list:
-        read[:] = read or calibration.matrices_from_checkpoint(Path(metrics[0]).with_name("model.pt"))
-        return read
+    # the model's weight matrices, read (once) from a run's model.pt where the runs' bytes do not say
+    matrices = functools.cache(lambda: calibration.matrices_from_checkpoint(Path(metrics[0]).with_name("model.pt")))
 
     parameters = calibration.parameters_from_runs(runs)
     counted = "from the bytes a run sent per step"
@@ -278,10 +276,7 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
         rank = params["allreduce_powersgd"]["rank"]
         workload = dataclasses.replace(workload, powersgd_ratio=calibration.powersgd_ratio(matrices(), rank))
         provenance["powersgd_ratio"] = f"the model's matrices in a run's model.pt (rank {rank}; no PowerSGD run at N > 1)"
-    machine, machine_source, needs_fit = hardware.machine_from_profile(profile, commbench)
-    if needs_fit:
-        raise ConfigError(f"hardware profile {profile['path']}: key 'intra_node' is missing (a study projection "
-                          f"needs it, or 'measured')")
+    machine, machine_source = hardware.study_machine(profile, commbench)
     provenance.update(machine_source)
     machine, request_source = calibration.with_ps_request(machine, profile, runs, workload, params)
     if request_source:
