@@ -694,3 +694,139 @@ def test_project_rule_projects_every_profile_of_the_list(tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(png).shape[0] > 2 * 4.8 * 100  # two rows of panels at 110 dpi
+
+
+# ----- the band: the model at the ends of its measured inputs' intervals -----------------------
+
+
+def test_line_intervals_hand_computed():
+    """t intervals of a least-squares line's intercept and slope from the textbook formulas:
+    s^2 = SSR / (k - 2), SE(slope) = s / sqrt(Sxx), SE(intercept) = s sqrt(1/k + mean(x)^2 / Sxx)."""
+    from scipy import stats
+
+    points = [[0.0, 1.0], [1.0, 3.1], [2.0, 4.9], [3.0, 7.0]]
+    k, mx = 4, 1.5
+    sxx = sum((x - mx) ** 2 for x, _ in points)  # 5
+    intercept, slope = calibration.least_squares_line(points)
+    assert (intercept, slope) == pytest.approx((1.03, 1.98))
+    ssr = sum((y - intercept - slope * x) ** 2 for x, y in points)
+    s = math.sqrt(ssr / (k - 2))
+    t = stats.t.ppf(0.975, k - 2)  # 4.303
+    (a_low, a_high), (b_low, b_high) = calibration.line_intervals(points)
+    assert (b_low, b_high) == pytest.approx((slope - t * s / math.sqrt(sxx), slope + t * s / math.sqrt(sxx)))
+    half = t * s * math.sqrt(1 / k + mx ** 2 / sxx)
+    assert (a_low, a_high) == pytest.approx((intercept - half, intercept + half))
+    # points on a line leave no spread; two points leave nothing to estimate it from
+    exact = calibration.line_intervals([[x, 2 + 3 * x] for x in range(5)])
+    assert exact[0] == pytest.approx((2, 2)) and exact[1] == pytest.approx((3, 3))
+    assert calibration.line_intervals(points[:2]) is None
+
+
+def band_bench(alpha=1e-4, bandwidth=2e9, wobble=(0.0, 0.0, 0.0, 0.0)):
+    """A benchmark whose all-reduce and send/recv points lie off their lines by `wobble`
+    (seconds, one per size), so that their fits have an interval."""
+    sizes = [1024, 65536, 1048576, 3145728]
+    ring = [[m, 2 * alpha + m / bandwidth + w] for m, w in zip(sizes, wobble)]  # 2 processes: 2 (p-1) = 2
+    p2p = [[m, alpha / 2 + m / bandwidth + w] for m, w in zip(sizes, wobble)]
+    return {"processes": 2, "allreduce": ring, "p2p": p2p,
+            "fit": {"allreduce": calibration.fit_allreduce(ring, 2), "p2p": calibration.fit_p2p(p2p)},
+            "kernels_s_per_byte": {"server_pass": 5e-11},
+            "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+
+
+def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_path):
+    """allreduce at N=2 on this machine: step = 1.05 t_c + 2 a + M / B. The band's throughput
+    runs from (t_c high, slow link) to (t_c low, fast link); its efficiency against the
+    same corner's N=1 (t_c alone) from (t_c low, slow link) to (t_c high, fast link). t_c:
+    the t interval of three N=1 runs; the link: the t intervals of the benchmark's fit."""
+    import json
+
+    from scipy import stats
+
+    ring_bytes = 2 * (2 - 1) / 2 * 61706 * 4
+    metrics = [fake_run(tmp_path / f"a1_{i}", "allreduce", 1, thr, 0.0, 0.0) for i, thr in enumerate((7600.0, 8000.0, 8400.0))]
+    metrics += [fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring_bytes),
+                fake_run(tmp_path / "a2b", "allreduce", 2, 15000.0, 0.0006, ring_bytes)]
+    bench = band_bench(wobble=(2e-5, -3e-5, 4e-5, -1e-5))
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    md = tmp_path / "p.md"
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"), str(md),
+                                str(tmp_path / "p.png"))
+    by = {r["workers"]: r for r in rows}
+    steps = [64 / thr for thr in (7600.0, 8000.0, 8400.0)]
+    mean = sum(steps) / 3
+    half = stats.t.ppf(0.975, 2) * math.sqrt(sum((x - mean) ** 2 for x in steps) / 2) / math.sqrt(3)
+    t_low, t_high = mean - half, mean + half
+    (a_low, a_high), (b_low, b_high) = calibration.line_intervals(bench["allreduce"])
+    slow = 2 * (a_high / 2) + 246824 * b_high  # 2 (p-1) alpha + 2 (p-1)/p M / B = intercept + slope M
+    fast = 2 * (max(a_low, 0) / 2) + 246824 * b_low
+    assert by[2]["throughput"] == pytest.approx(128 / (1.05 * mean + bench["fit"]["allreduce"]["latency_s"] * 2
+                                                      + 246824 / bench["fit"]["allreduce"]["bandwidth"]), rel=1e-9)
+    assert by[2]["throughput_low"] == pytest.approx(128 / (1.05 * t_high + slow), rel=1e-9)
+    assert by[2]["throughput_high"] == pytest.approx(128 / (1.05 * t_low + fast), rel=1e-9)
+    assert by[2]["efficiency_low"] == pytest.approx(t_low / (1.05 * t_low + slow), rel=1e-9)
+    assert by[2]["efficiency_high"] == pytest.approx(t_high / (1.05 * t_high + fast), rel=1e-9)
+    assert by[2]["throughput_low"] < by[2]["throughput"] < by[2]["throughput_high"]
+    # N=1 has no exchange: its band is t_c's alone, and its efficiency is 1 at every corner
+    assert (by[1]["throughput_low"], by[1]["throughput_high"]) == pytest.approx((64 / t_high, 64 / t_low), rel=1e-9)
+    assert by[1]["efficiency_low"] == pytest.approx(1.0) and by[1]["efficiency_high"] == pytest.approx(1.0)
+    # the measured points: the two N=2 runs' mean and range
+    assert (by[2]["measured_throughput"], by[2]["measured_throughput_low"], by[2]["measured_throughput_high"]) == (
+        14500.0, 14000.0, 15000.0)
+    text = md.read_text()
+    assert f"{by[2]['throughput']:.0f} [{by[2]['throughput_low']:.0f}, {by[2]['throughput_high']:.0f}]" in text
+    assert "14500 (14000–15000)" in text
+    assert "t_c" in text and "(t95, 3 runs)" in text and "least-squares fits" in text
+    with open(tmp_path / "p.csv") as handle:
+        written = {int(r["workers"]): r for r in csv.DictReader(handle)}
+    assert float(written[2]["efficiency_high"]) == pytest.approx(by[2]["efficiency_high"], rel=1e-5)
+    # a GPU profile gives its links: only t_c varies there
+    gpu = {**config, "projection": {"workers": [1, 2], "hardware": "h100_ib400"}}
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), gpu, str(tmp_path / "p.csv"), str(md),
+                                str(tmp_path / "p.png"))
+    nvlink = 6e-6 + 246824 / 450e9
+    two = next(r for r in rows if r["workers"] == 2)
+    assert (two["throughput_low"], two["throughput_high"]) == pytest.approx(
+        (128 / (t_high + nvlink), 128 / (t_low + nvlink)), rel=1e-9)
+
+
+def test_band_of_the_parameter_servers_round_trip(tmp_path):
+    """r measured on two N=1 parameter-server runs (1.2 and 0.8 ms beyond the model): the band
+    takes their range, charged once at N=2; t_c from one run and a benchmark without its
+    points hold still."""
+    import json
+
+    m = 61706 * 4
+    one_way = 5e-5 + m / 2e9
+    update = (1 + 4) * m * 5e-11
+    modelled = 2 * one_way + update
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + 32, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + 32, {"shards": 1})]
+    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+             "kernels_s_per_byte": {"server_pass": 5e-11},
+             "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    config = {"model": "lenet5", "strategies": ["ps_sync"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [2], "hardware": "this_machine"}}
+    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
+                                str(tmp_path / "p.md"), str(tmp_path / "p.png"))
+    t_c = 64 / 8000
+    base = t_c + 2 * (2 * 5e-5 + 2 * m / 2e9) + (2 + 4) * m * 5e-11
+    assert rows[0]["throughput"] == pytest.approx(128 / (base + 0.001), rel=1e-9)
+    assert (rows[0]["throughput_low"], rows[0]["throughput_high"]) == pytest.approx(
+        (128 / (base + 0.0012), 128 / (base + 0.0008)), rel=1e-9)
+
+
+def test_command_has_no_band(tmp_path):
+    """A measurement file gives one number per N: no interval to project, the cells stay empty."""
+    paths = write_inputs(tmp_path)
+    out = tmp_path / "projection.csv"
+    assert run_main(["project", "--measured", paths[0], "--hardware", paths[1], "--strategies", "allreduce",
+                     "--workers", "1,8,64", "--out", str(out)]) == 0
+    with open(out) as handle:
+        written = list(csv.DictReader(handle))
+    assert {r["throughput_low"] for r in written} == {""} and {r["measured_throughput_low"] for r in written} == {""}
+    assert written[1]["measured_throughput"] == "378"

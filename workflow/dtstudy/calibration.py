@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 from pathlib import Path
 
 import yaml
+from scipy import stats
 
-from . import hardware, layer_profiles, perfmodel
+from . import hardware, intervals, layer_profiles, perfmodel
 from .config import ConfigError
-from .perfmodel import LayerProfile, Workload
+from .perfmodel import LayerProfile, Link, Workload
 
 
 def least_squares_line(points: list[list[float]]) -> tuple[float, float]:
@@ -26,17 +29,57 @@ def least_squares_line(points: list[list[float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def p2p_link(intercept: float, slope: float) -> dict:
+    """One-way message time t = alpha + m / B from the line t = intercept + slope m."""
+    return {"latency_s": max(intercept, 0.0), "bandwidth": 1.0 / slope if slope > 0 else math.inf}
+
+
+def allreduce_link(intercept: float, slope: float, participants: int) -> dict:
+    """Per-link alpha and B of a ring all-reduce over p processes, t = 2 (p-1) alpha + 2 (p-1)/p m / B,
+    from the line t = intercept + slope m."""
+    p = participants
+    return {"latency_s": max(intercept, 0.0) / (2 * (p - 1)),
+            "bandwidth": 2 * (p - 1) / p / slope if slope > 0 else math.inf}
+
+
 def fit_p2p(points: list[list[float]]) -> dict:
     """One-way message time t = alpha + m / B: alpha (s) and B (bytes/s)."""
-    intercept, slope = least_squares_line(points)
-    return {"latency_s": max(intercept, 0.0), "bandwidth": 1.0 / slope}
+    return p2p_link(*least_squares_line(points))
 
 
 def fit_allreduce(points: list[list[float]], participants: int) -> dict:
     """Ring all-reduce over p processes, t = 2 (p-1) alpha + 2 (p-1)/p m / B: per-link alpha and B."""
-    intercept, slope = least_squares_line(points)
-    p = participants
-    return {"latency_s": max(intercept, 0.0) / (2 * (p - 1)), "bandwidth": 2 * (p - 1) / p / slope}
+    return allreduce_link(*least_squares_line(points), participants)
+
+
+def line_intervals(points: list[list[float]], level: float = intervals.LEVEL) -> tuple[tuple[float, float], ...] | None:
+    """The least-squares line's intercept and slope, each as its (low, high) t interval with
+    k - 2 degrees of freedom (scipy's standard errors); None below 3 points (no spread left
+    to estimate)."""
+    if len(points) < 3:
+        return None
+    fit = stats.linregress([x for x, _ in points], [y for _, y in points])
+    t = stats.t.ppf(0.5 + level / 2, len(points) - 2)
+    return ((fit.intercept - t * fit.intercept_stderr, fit.intercept + t * fit.intercept_stderr),
+            (fit.slope - t * fit.stderr, fit.slope + t * fit.stderr))
+
+
+def benchmark_link_ends(commbench: dict) -> tuple[dict, dict] | None:
+    """This machine's links (Machine.intra from the all-reduce fit, intra_p2p from the send/recv
+    fit) at the slow end (latency and time per byte at the top of their 95% intervals) and
+    the fast end (both at the bottom), for the projection's band; None when the benchmark's
+    points are not there (3 sizes or more each)."""
+    ends = ({}, {})
+    for key, field, link in (("allreduce", "intra", lambda a, b: allreduce_link(a, b, commbench["processes"])),
+                             ("p2p", "intra_p2p", p2p_link)):
+        bounds = line_intervals(commbench.get(key) or [])
+        if bounds is None:
+            return None
+        (low_a, high_a), (low_b, high_b) = bounds
+        for end, (a, b) in zip(ends, ((high_a, high_b), (low_a, low_b))):
+            fit = link(a, b)
+            end[field] = Link(fit["latency_s"], fit["bandwidth"])
+    return ends
 
 
 # ----- a measurement file (what was measured on one node) ------------------------------
@@ -179,29 +222,35 @@ def read_runs(paths: list[str | Path]) -> list[dict]:
     return runs
 
 
-def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> tuple[Workload, dict]:
-    """Compute time per step from the N=1 runs (mean over strategies and seeds that train
-    unwrapped at N=1: their step is forward, backward, update and batch assembly); PowerSGD's
-    byte share from its measured bytes at N>1. Returns the workload and what it came from."""
+def compute_samples(runs: list[dict]) -> tuple[list[float], str]:
+    """Each run's compute time per step that calibrates t_c, and what they are: the N=1 runs
+    that train unwrapped (no exchange: their step is forward, backward, update and batch
+    assembly), or without any, the per-worker compute (exchange excluded) at the smallest N
+    that ran."""
     single = [r for r in runs if r["workers"] == 1 and r["comm_s"] == 0]
     if single:
-        compute = sum(r["total_s"] + r["data_s"] for r in single) / len(single)
-        what = f"mean step (total + data) of {len(single)} N=1 run(s) without exchange"
-    else:  # no N=1: the per-worker compute (exchange excluded) at the smallest N that ran
-        smallest = min(r["workers"] for r in runs)
-        single = [r for r in runs if r["workers"] == smallest]
-        compute = sum(r["compute_s"] + r["data_s"] for r in single) / len(single)
-        what = f"mean per-worker compute + data of {len(single)} run(s) at N={smallest} (no N=1 ran)"
-    batch = single[0]["per_worker_batch"]
+        return [r["total_s"] + r["data_s"] for r in single], f"step (total + data) of {len(single)} N=1 run(s) without exchange"
+    smallest = min(r["workers"] for r in runs)
+    single = [r for r in runs if r["workers"] == smallest]
+    return ([r["compute_s"] + r["data_s"] for r in single],
+            f"per-worker compute + data of {len(single)} run(s) at N={smallest} (no N=1 ran)")
+
+
+def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> tuple[Workload, dict]:
+    """Compute time per step: the mean of compute_samples (over strategies and seeds);
+    PowerSGD's byte share from its measured bytes at N>1. Returns the workload and what it
+    came from."""
+    samples, what = compute_samples(runs)
+    batch = min(runs, key=lambda r: r["workers"])["per_worker_batch"]
     ratio = None
     powersgd = [r for r in runs if r["strategy"] == "allreduce_powersgd" and r["workers"] > 1]
     if powersgd:
         r = powersgd[0]
         ring = 2 * (r["workers"] - 1) / r["workers"] * parameters * 4
         ratio = r["bytes_per_step"] / ring
-    workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=compute,
+    workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=sum(samples) / len(samples),
                         tensors=tensors, powersgd_ratio=ratio)
-    source = {"compute_s": what,
+    source = {"compute_s": "mean " + what,
               "powersgd_ratio": "measured bytes_per_step" if ratio is not None else "not measured"}
     return workload, source
 
@@ -232,26 +281,32 @@ def parameters_from_runs(runs: list[dict]) -> int | None:
     return None
 
 
-def ps_request_from_runs(runs: list[dict], workload: Workload, machine, params: dict[str, dict]) -> tuple[float, str]:
-    """The parameter-server protocol's own cost per round trip (Machine.ps_request_s): what
-    the N=1 parameter-server runs measured of their exchange (a worker's comm_s: push, the
-    shard's update, the reply) beyond what the model gives it from the links and the shard's
-    update, averaged over those runs. Returns (seconds, what it came from); 0 when no such
-    run is there. A run is a parameter server's when its knobs name shards."""
-    single = [r for r in runs if r["workers"] == 1 and "shards" in r.get("strategy_params", {})]
-    if not single:
-        return 0.0, "not measured (no N=1 parameter-server run): 0"
+def ps_request_samples(runs: list[dict], workload: Workload, machine, params: dict[str, dict]) -> list[tuple[float, float]]:
+    """(measured, modelled) exchange of each N=1 parameter-server run: a worker's comm_s (push,
+    the shard's update, the reply) and what the model gives it from `machine`'s links and the
+    shard's update; r is what the first has beyond the second. A run is a parameter
+    server's when its knobs name shards."""
     bare = dataclasses.replace(machine, ps_request_s=0.0)
-    modelled = []
-    for r in single:
-        step = perfmodel.step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
-        modelled.append(step.step_s - step.compute_s)
-    measured = sum(r["comm_s"] for r in single) / len(single)
-    model = sum(modelled) / len(modelled)
-    seconds = max(0.0, measured - model)
-    return seconds, (f"measured: the mean exchange of {len(single)} N=1 parameter-server run(s), "
-                     f"{measured * 1e3:.3g} ms a step, less the {model * 1e3:.3g} ms the links and the shard's "
-                     f"update give it")
+    pairs = []
+    for r in runs:
+        if r["workers"] == 1 and "shards" in r.get("strategy_params", {}):
+            step = perfmodel.step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
+            pairs.append((r["comm_s"], step.step_s - step.compute_s))
+    return pairs
+
+
+def ps_request_from_runs(runs: list[dict], workload: Workload, machine, params: dict[str, dict]) -> tuple[float, str]:
+    """The parameter-server protocol's own cost per round trip (Machine.ps_request_s): the
+    mean over ps_request_samples of measured less modelled. Returns (seconds, what it came
+    from); 0 when no N=1 parameter-server run is there."""
+    pairs = ps_request_samples(runs, workload, machine, params)
+    if not pairs:
+        return 0.0, "not measured (no N=1 parameter-server run): 0"
+    measured = sum(m for m, _ in pairs) / len(pairs)
+    model = sum(x for _, x in pairs) / len(pairs)
+    return max(0.0, measured - model), (f"measured: the mean exchange of {len(pairs)} N=1 parameter-server run(s), "
+                                        f"{measured * 1e3:.3g} ms a step, less the {model * 1e3:.3g} ms the links "
+                                        f"and the shard's update give it")
 
 
 def with_ps_request(machine, profile: dict, runs: list[dict], workload: Workload, params: dict[str, dict]):
@@ -262,3 +317,52 @@ def with_ps_request(machine, profile: dict, runs: list[dict], workload: Workload
         return machine, None
     seconds, source = ps_request_from_runs(runs, workload, machine, params)
     return dataclasses.replace(machine, ps_request_s=seconds), source
+
+
+# ----- the projection's band: the model at the ends of its measured inputs' intervals ----------
+
+
+def _ends(interval: intervals.Interval) -> tuple[float, ...]:
+    """An interval's two ends, or its value alone when it has none (measured once)."""
+    if math.isnan(interval.low):
+        return (interval.value,)
+    return interval.low, interval.high
+
+
+def band_variants(workload: Workload, machine, profile: dict, runs: list[dict], params: dict[str, dict],
+                  commbench: dict | None) -> tuple[list[tuple[Workload, object]], str]:
+    """The (workload, machine) pairs at the corners of the measured inputs' 95% intervals:
+    t_c over its runs (intervals.mean_interval of compute_samples: a t interval from 3
+    runs, their range with 2), this machine's links (benchmark_link_ends) where the profile
+    says `intra_node: measured`, and r where it says `ps_request_us: measured` (the interval
+    of ps_request_samples, taken again at each end of the links, which r is measured beyond).
+    Inputs a profile gives, and the benchmark's kernels, jitter and compute slowdown
+    (medians of one benchmark), do not vary. Returns the variants and what they span."""
+    samples, _ = compute_samples(runs)
+    compute = intervals.mean_interval(samples)
+    spans = [f"t_c {intervals.format_interval(compute, '.4g')} s ({compute.kind}, {compute.n} runs)"]
+    links = [{}]
+    if profile.get("intra_node") == "measured" and commbench is not None:
+        ends = benchmark_link_ends(commbench)
+        if ends is not None:
+            links = list(ends)
+            slow, fast = ends
+            spans.append(f"this machine's all-reduce link {fast['intra'].latency_s * 1e6:.3g}-"
+                         f"{slow['intra'].latency_s * 1e6:.3g} us, {slow['intra'].bandwidth / 1e9:.3g}-"
+                         f"{fast['intra'].bandwidth / 1e9:.3g} GB/s and send/recv link "
+                         f"{fast['intra_p2p'].latency_s * 1e6:.3g}-{slow['intra_p2p'].latency_s * 1e6:.3g} us, "
+                         f"{slow['intra_p2p'].bandwidth / 1e9:.3g}-{fast['intra_p2p'].bandwidth / 1e9:.3g} GB/s "
+                         f"(t intervals of the benchmark's least-squares fits)")
+    measured_request = profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED
+    variants = []
+    for t_c, link in itertools.product(_ends(compute), links):
+        trial_workload = dataclasses.replace(workload, compute_s=t_c)
+        trial_machine = dataclasses.replace(machine, **link)
+        requests = (trial_machine.ps_request_s,)
+        pairs = ps_request_samples(runs, trial_workload, trial_machine, params) if measured_request else []
+        if pairs:
+            requests = tuple(max(0.0, x) for x in _ends(intervals.mean_interval([m - x for m, x in pairs])))
+        variants += [(trial_workload, dataclasses.replace(trial_machine, ps_request_s=r)) for r in requests]
+    if measured_request and ps_request_samples(runs, workload, machine, params):
+        spans.append("r over the N=1 parameter-server runs at each end of the links")
+    return variants, "; ".join(spans)

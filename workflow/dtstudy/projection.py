@@ -8,12 +8,14 @@ import functools
 import math
 from pathlib import Path
 
-from . import calibration, hardware, perfmodel
+from . import calibration, hardware, intervals, perfmodel
 from .config import ConfigError
 from .perfmodel import Link, Machine, Stragglers, Workload
 
 COLUMNS = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
-           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s", "overlap"]
+           "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s", "overlap",
+           "throughput_low", "throughput_high", "efficiency_low", "efficiency_high",
+           "measured_throughput_low", "measured_throughput_high"]
 
 
 def parse_list(text: str, what: str, allowed: list[str] | None = None, kind=str) -> list:
@@ -66,25 +68,42 @@ def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict,
 
 def project(workload: Workload, machine: Machine, strategies: list[str], workers: list[int], params: dict,
             profile: str, stragglers: Stragglers = perfmodel.NO_STRAGGLERS, measured: dict | None = None,
-            measured_exchange: dict | None = None) -> list[dict]:
+            measured_exchange: dict | None = None, band: list[tuple[Workload, Machine]] | None = None) -> list[dict]:
     """One row per strategy and N (COLUMNS); efficiency and speedup against the same strategy's
-    modelled N=1. `measured` / `measured_exchange`: {(strategy, N): images/s / comm seconds
-    per step} to put beside."""
+    modelled N=1. `measured`: {(strategy, N): images/s, or an intervals.Interval over the
+    runs}, `measured_exchange`: {(strategy, N): comm seconds per step}, to put beside.
+    `band`: (workload, machine) variants (calibration.band_variants); each row's
+    throughput and efficiency low/high are the least and the most of them over the variants
+    and the row itself ('' without a band)."""
     rows = []
     measured = measured or {}
     measured_exchange = measured_exchange or {}
     for name in strategies:
         single = perfmodel.step(name, workload, machine, 1, params[name], stragglers).throughput
+        singles = [perfmodel.step(name, w, m, 1, params[name], stragglers).throughput for w, m in band or []]
         for n in workers:
             s = perfmodel.step(name, workload, machine, n, params[name], stragglers)
-            rows.append({
+            seen = measured.get((name, n), "")
+            spread = seen if isinstance(seen, intervals.Interval) else None
+            row = {
                 "strategy": name, "workers": n, "throughput": s.throughput,
                 "efficiency": s.throughput / (n * single), "speedup": s.throughput / single,
                 "step_compute_s": s.compute_s, "step_exchange_s": s.exposed_s, "bound": s.bound, "profile": profile,
                 "step_s": s.step_s, "exchange_total_s": s.exchange_s, "server_s": s.server_s,
-                "straggler_s": s.straggler_s, "measured_throughput": measured.get((name, n), ""),
+                "straggler_s": s.straggler_s, "measured_throughput": spread.value if spread else seen,
                 "measured_exchange_s": measured_exchange.get((name, n), ""), "overlap": s.overlap,
-            })
+                "measured_throughput_low": spread.low if spread and spread.kind != "none" else "",
+                "measured_throughput_high": spread.high if spread and spread.kind != "none" else "",
+            }
+            if band:
+                throughputs = [s.throughput] + [perfmodel.step(name, w, m, n, params[name], stragglers).throughput
+                                                for w, m in band]
+                efficiencies = [row["efficiency"]] + [t / (n * one) for t, one in zip(throughputs[1:], singles)]
+                row.update(throughput_low=min(throughputs), throughput_high=max(throughputs),
+                           efficiency_low=min(efficiencies), efficiency_high=max(efficiencies))
+            else:
+                row.update(throughput_low="", throughput_high="", efficiency_low="", efficiency_high="")
+            rows.append(row)
     return rows
 
 
@@ -103,6 +122,20 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
             writer.writerow({k: _fmt(row[k]) for k in COLUMNS})
 
 
+def _number(value: float) -> str:
+    """Four significant digits, but whole numbers of images/s in full (14640, not 1.464e+04)."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _bounds(row: dict, key: str, fmt) -> str:
+    """' [low, high]' of a projected value's band, ' (low-high)' of a measured one's spread, or ''
+    (none, or no width at this precision)."""
+    low, high = row.get(f"{key}_low", ""), row.get(f"{key}_high", "")
+    if low == "" or fmt(low) == fmt(high):
+        return ""
+    return f" ({fmt(low)}–{fmt(high)})" if key.startswith("measured") else f" [{fmt(low)}, {fmt(high)}]"
+
+
 def write_markdown(rows: list[dict], path: str | Path, provenances: dict[str, dict]) -> None:
     """A section per profile: its rows, then where each of its parameters came from."""
     shown = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
@@ -115,9 +148,9 @@ def write_markdown(rows: list[dict], path: str | Path, provenances: dict[str, di
             for key in shown:
                 value = row[key]
                 if key == "efficiency" and isinstance(value, float):
-                    cells.append(f"{100 * value:.1f}%")
+                    cells.append(f"{100 * value:.1f}%" + _bounds(row, key, lambda x: f"{100 * x:.1f}%"))
                 elif isinstance(value, float):
-                    cells.append(f"{value:.4g}")
+                    cells.append(_number(value) + _bounds(row, key, _number))
                 else:
                     cells.append(str(value))
             lines.append("| " + " | ".join(cells) + " |")
@@ -126,6 +159,16 @@ def write_markdown(rows: list[dict], path: str | Path, provenances: dict[str, di
         lines.append("")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines))
+
+
+def _measured_errors(points: list[dict]) -> list[list[float]]:
+    """Error bars below and above each measured point: its runs' spread (0 for a single run)."""
+    def side(row: dict, which: str) -> float:
+        if row["measured_throughput_low"] == "":
+            return 0.0
+        return abs(row[f"measured_throughput_{which}"] - row["measured_throughput"])
+
+    return [[side(r, "low") for r in points], [side(r, "high") for r in points]]
 
 
 def plot(rows: list[dict], path: str | Path) -> None:
@@ -145,15 +188,24 @@ def plot(rows: list[dict], path: str | Path) -> None:
             n = [r["workers"] for r in mine]
             ax_thr.plot(n, [r["throughput"] for r in mine], "-", color=color, label=name)
             ax_eff.plot(n, [100 * r["efficiency"] for r in mine], "-", color=color, label=name)
+            if mine and mine[0]["throughput_low"] != "":  # the band: the model over its inputs' intervals
+                ax_thr.fill_between(n, [r["throughput_low"] for r in mine], [r["throughput_high"] for r in mine],
+                                    color=color, alpha=0.15, linewidth=0)
+                ax_eff.fill_between(n, [100 * r["efficiency_low"] for r in mine],
+                                    [100 * r["efficiency_high"] for r in mine], color=color, alpha=0.15, linewidth=0)
             points = [r for r in mine if r["measured_throughput"] != ""]
             if points:
+                x = [r["workers"] for r in points]
+                y = [r["measured_throughput"] for r in points]
+                spread = _measured_errors(points)
+                ax_thr.errorbar(x, y, yerr=spread, fmt="o", color=color, capsize=3)
                 single = next((r["measured_throughput"] for r in mine
                                if r["workers"] == 1 and r["measured_throughput"] != ""), None)
-                ax_thr.plot([r["workers"] for r in points], [r["measured_throughput"] for r in points], "o", color=color)
-                if single:
-                    ax_eff.plot([r["workers"] for r in points],
-                                [100 * r["measured_throughput"] / (r["workers"] * single) for r in points], "o",
-                                color=color)
+                if single:  # the measured efficiency; its bars: the runs' spread at N over the mean at N=1
+                    scale = [100 / (k * single) for k in x]
+                    ax_eff.errorbar(x, [v * f for v, f in zip(y, scale)],
+                                    yerr=[[e * f for e, f in zip(side, scale)] for side in spread], fmt="o",
+                                    color=color, capsize=3)
         for ax in (ax_thr, ax_eff):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("workers N (GPUs)")
@@ -161,7 +213,8 @@ def plot(rows: list[dict], path: str | Path) -> None:
         ax_thr.set_yscale("log")
         ax_thr.set_ylabel("images/s (all workers)")
         ax_eff.set_ylabel("efficiency S(N)/N (%)")
-        ax_thr.set_title(f"{profile}: projected (lines), measured here (points)")
+        ax_thr.set_title(f"{profile}: projected (lines; shade: the band of the measured inputs' 95% "
+                         f"intervals)\nmeasured here (points; bars: the runs' spread)", fontsize=10)
         ax_eff.set_title(f"{profile}: efficiency against the modelled N=1")
         ax_eff.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -249,7 +302,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     by_run: dict[tuple, list[dict]] = {}
     for r in runs:
         by_run.setdefault((r["strategy"], r["workers"]), []).append(r)
-    measured = {key: sum(r["throughput"] for r in v) / len(v) for key, v in by_run.items()}
+    measured = {key: intervals.mean_interval([r["throughput"] for r in v]) for key, v in by_run.items()}
     measured_exchange = {key: sum(r["comm_s"] for r in v) / len(v) for key, v in by_run.items()}
     rows, provenances = [], {}
     for name in hardware.profile_names(settings["hardware"]):
@@ -282,7 +335,12 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
     if request_source:
         provenance["ps_request"] = request_source
     provenance["overlap"] = overlap_source(workload, machine, "config key 'model'", why_not)
+    band, spans = calibration.band_variants(workload, machine, profile, runs, params, commbench)
+    provenance["band"] = (f"throughput and efficiency [low, high]: the least and the most the model gives over "
+                          f"the corners of its measured inputs' 95% intervals: {spans}; the profile's given values "
+                          f"and the benchmark's kernels, jitter and compute slowdown held; measured (low-high): "
+                          f"the runs' mean with its t interval (3 seeds or more) or range (2)")
     workers = sorted(set(config["projection"]["workers"]))
     rows = project(workload, machine, strategies, workers, params, profile["name"],
-                   Stragglers.from_config(config.get("stragglers")), measured, measured_exchange)
+                   Stragglers.from_config(config.get("stragglers")), measured, measured_exchange, band)
     return rows, provenance
