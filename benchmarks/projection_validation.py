@@ -43,10 +43,18 @@ PARAMETERS = {"inception_v3": 23_851_784, "resnet50": 25_557_032, "resnet101": 4
 _T50, _T152 = 1 / 238, 1 / 95.6
 P100_SINGLE = {"inception_v3": 142.0, "vgg16": 132.0,
                "resnet101": 1 / (_T50 + (_T152 - _T50) * (101 - 50) / (152 - 50))}
+# A ring step's latency as NCCL's own cost model has it (NVIDIA/nccl src/graph/tuning.cc,
+# hwLat of Ring/Simple, the protocol of large messages: 5.7 us over PCIe, 9.6 us over the
+# network, times 1.9, its "plateau effect of ring" for a multi-node all-reduce of at least
+# nRanks/16 x 64 KiB, which every 64 MiB fusion buffer is); its 8.4 us base per call is left
+# out (under 0.2 ms a step). Those constants are of NCCL 2.7 (2020); the runs had NCCL 2 of
+# 2017-2018, whose per-step latency is not published.
+NCCL_RING_STEP_PCIE = 1.9 * 5.7e-6
+NCCL_RING_STEP_NET = 1.9 * 9.6e-6
 HOROVOD_MACHINE = Machine(
     gpus_per_node=4,
-    intra=Link(10e-6, 12e9),  # ASSUMED: PCIe 3.0 x16 between the 4 GPUs of a server (not documented)
-    inter=Link(5e-6, 25e9 / 8),  # documented: 25 Gbit/s RoCE; latency assumed (RDMA, ~5 us)
+    intra=Link(NCCL_RING_STEP_PCIE, 12e9),  # ASSUMED: PCIe 3.0 x16 between the 4 GPUs of a server (not documented)
+    inter=Link(NCCL_RING_STEP_NET, 25e9 / 8),  # documented: 25 Gbit/s RoCE
 )
 HOROVOD_FUSION_MB = 64  # Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD = 64 MiB)
 
@@ -180,7 +188,9 @@ def main() -> int:
     print("\nefficiency = throughput(N) / (N x throughput(1)); each column: projected, projected / published - 1; "
           "*: a miss (beyond 10%)")
     print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2)
-    print("settings for every case: fp32 gradients; assumptions in each case's comment. Columns: a fixed overlap of "
+    print("settings for every case: fp32 gradients; the Horovod cases' ring steps at NCCL's own cost model's latencies "
+          f"({NCCL_RING_STEP_PCIE * 1e6:.1f} us over PCIe, {NCCL_RING_STEP_NET * 1e6:.1f} us over the network); "
+          "assumptions in each case's comment. Columns: a fixed overlap of "
           f"0 (the model's default) and {OVERLAP_SENSITIVITY} of compute for every case; wait-free: each bucket's "
           "exchange starts when backprop has produced it (layer profiles of dtstudy/layer_profiles.json); the "
           "all-reduce across servers hierarchical (the model's default), or in the last column one flat ring "
