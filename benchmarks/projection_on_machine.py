@@ -26,7 +26,7 @@ from conftest import run_snakemake, tiny_study  # noqa: E402
 from dtstudy import calibration, hardware  # noqa: E402
 from dtstudy.config import validate_schema  # noqa: E402
 from dtstudy import perfmodel as pm  # noqa: E402
-from dtstudy.strategy_specs import SPECS  # noqa: E402
+from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS  # noqa: E402
 
 
 # every strategy with an exchange to model (no_exchange has none). A parameter server's N=2
@@ -79,7 +79,7 @@ def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
     before = checked_bench("before the runs", nice)
     # N=1 runs: the plain one (compute) and each parameter server's (the protocol's cost per
     # round trip), once before the N=2 runs (seed 0) and once after (seed 1)
-    servers = [s for s in strategies if SPECS[s].extra_processes(dict(SPECS[s].defaults), 1)]
+    servers = [s for s in strategies if s in PARAMETER_SERVERS]
     before_runs, after_runs = ([f"results/runs/{s}/n1/seed{seed}/metrics.json" for s in ["allreduce", *servers]]
                                for seed in (0, 1))
     measured_runs = [f"results/runs/{s}/n2/seed0/metrics.json" for s in strategies]

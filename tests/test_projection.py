@@ -184,6 +184,14 @@ def test_registry_matches_the_strategies():
     assert set(pm.MODELS) == set(STRATEGIES)
     # the knobs a run really gets when it sets none (the registry's check fills the defaults)
     assert pm.knob_defaults() == {name: cls.check_params({}, 2) for name, cls in STRATEGIES.items()}
+    # the parameter servers, as the calibration and the benchmarks tell them: the strategies whose
+    # jobs start shard processes, and whose implementations talk to shards
+    from dtstudy.strategies.parameter_server import ParameterServer
+    from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS
+
+    assert PARAMETER_SERVERS == {n for n, spec in SPECS.items() if spec.extra_processes(dict(spec.defaults), 1)}
+    assert PARAMETER_SERVERS == {n for n, cls in STRATEGIES.items() if issubclass(cls, ParameterServer)}
+    assert PARAMETER_SERVERS == {"ps_sync", "ps_backup", "ps_async", "ssp"}
 
 
 # ----- the wait-free-backprop overlap: buckets in backprop order --------------------------

@@ -14,6 +14,7 @@ from scipy import stats
 from . import hardware, intervals, layer_profiles, perfmodel
 from .config import ConfigError
 from .perfmodel import LayerProfile, Link, Workload
+from .strategy_specs import PARAMETER_SERVERS
 
 
 def least_squares_line(points: list[list[float]]) -> tuple[float, float]:
@@ -275,7 +276,7 @@ def parameters_from_runs(runs: list[dict]) -> int | None:
     for r in runs:
         if r["strategy"] in ("allreduce", "easgd") and r["workers"] > 1 and r["bytes_per_step"] > 0:
             return round(r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"]) / 4)
-        if r["strategy"] in ("ps_sync", "ps_async", "ps_backup", "ssp") and r["bytes_per_step"] > 0:
+        if r["strategy"] in PARAMETER_SERVERS and r["bytes_per_step"] > 0:
             headers = PS_REQUEST_BYTES * r.get("strategy_params", {}).get("shards", 1)
             return round((r["bytes_per_step"] - headers) / 4)  # the gradient, after a request per shard
     return None
@@ -284,12 +285,11 @@ def parameters_from_runs(runs: list[dict]) -> int | None:
 def ps_request_samples(runs: list[dict], workload: Workload, machine, params: dict[str, dict]) -> list[tuple[float, float]]:
     """(measured, modelled) exchange of each N=1 parameter-server run: a worker's comm_s (push,
     the shard's update, the reply) and what the model gives it from `machine`'s links and the
-    shard's update; r is what the first has beyond the second. A run is a parameter
-    server's when its knobs name shards."""
+    shard's update; r is what the first has beyond the second."""
     bare = dataclasses.replace(machine, ps_request_s=0.0)
     pairs = []
     for r in runs:
-        if r["workers"] == 1 and "shards" in r.get("strategy_params", {}):
+        if r["workers"] == 1 and r["strategy"] in PARAMETER_SERVERS:
             step = perfmodel.step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
             pairs.append((r["comm_s"], step.step_s - step.compute_s))
     return pairs

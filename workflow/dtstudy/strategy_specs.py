@@ -185,6 +185,10 @@ REFERENCE_STRATEGY = "no_exchange"
 if any(spec.family not in FAMILIES for spec in SPECS.values()):
     raise RuntimeError(f"a strategy's family is not in FAMILIES: {[(n, s.family) for n, s in SPECS.items()]}")
 
+#: the parameter servers: workers push to and pull from shard processes (the model's PS
+#: formulas, its calibration of the protocol's round trip, the extra processes of a job)
+PARAMETER_SERVERS = frozenset(name for name, spec in SPECS.items() if issubclass(spec, ParameterServerSpec))
+
 #: the 1-bit quantizers the implementation provides (the schema's enum)
 ONEBIT_QUANTIZERS = tuple(AllReduceOneBitSpec.knob_schema["properties"]["quantizer"]["enum"])
 
