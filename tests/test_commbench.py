@@ -43,6 +43,49 @@ def test_the_powersgd_kernel_runs_torchs_hook_on_a_ddp_like_bucket(tmp_path):
     in_workers(tmp_path, 1, _powersgd_on_one_bucket)
 
 
+def _onebit_on_one_bucket(ctx):
+    import torch
+    import torch.distributed as dist
+
+    from dtstudy import commbench
+    from dtstudy.strategies.compressed import AllReduceOneBit, dequantize, quantization_groups, quantize
+    from dtstudy.strategy_specs import SPECS
+
+    # what the kernel times: the strategy's own exchange on the LeNet-5-sized net's bucket, in
+    # a group of one process. One exchange writes back the 1-bit reconstruction of the
+    # gradient (column means of each sign, Seide et al.) and keeps what it lost as residuals
+    strategy = AllReduceOneBit(ctx, dict(SPECS["allreduce_onebit"].defaults))
+    net, _ = commbench._lenet_sized()
+    strategy.model = net
+    strategy.comm_hook()
+    parameters = list(net.parameters())
+    bucket = commbench._OneBucket([p.shape for p in parameters], parameters)
+    torch.manual_seed(0)
+    gradient = torch.randn(bucket.buffer().numel())
+    bucket.buffer().copy_(gradient)
+    strategy.exchange(bucket).wait()
+    groups = quantization_groups([p.shape for p in parameters], "column")
+    assert len(groups) == 241  # LeNet-5's column groups, as the model counts them
+    expected = dequantize(*quantize(gradient, groups, "column"), groups)
+    assert torch.allclose(bucket.buffer(), expected)
+    residual = torch.cat([strategy.residuals[p] for p in parameters])
+    assert torch.allclose(residual, gradient - expected)
+    # the kernel's timed calls are that exchange's (three untimed first)
+    calls = []
+    exchange = AllReduceOneBit.exchange
+    AllReduceOneBit.exchange = lambda self, b: calls.append(b.buffer().numel()) or exchange(self, b)
+    try:
+        seconds = commbench.onebit_seconds_per_byte(dist.group.WORLD, repeats=3)
+    finally:
+        AllReduceOneBit.exchange = exchange
+    assert calls == [sum(groups)] * 6
+    assert 0 < seconds < 1e-6  # per byte: a LeNet-5 gradient in under a quarter of a second
+
+
+def test_the_onebit_kernel_runs_the_strategys_own_exchange(tmp_path):
+    in_workers(tmp_path, 1, _onebit_on_one_bucket)
+
+
 def test_a_failing_process_fails_the_benchmark_instead_of_hanging():
     """Both processes die before they send a result (a negative message size cannot be
     allocated): the benchmark raises, naming the exit codes, instead of waiting on its queue

@@ -64,6 +64,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
     alone = dist.new_group([0])  # every rank takes part in making it; only rank 0 is in it
     if rank == 0:
         results["powersgd_s_per_byte"] = powersgd_seconds_per_byte(alone, repeats)
+        results["onebit_s_per_byte"] = onebit_seconds_per_byte(alone, repeats)
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
@@ -133,10 +134,11 @@ def _bursts(rank: int, world: int, count: int = 40) -> dict:
 
 
 class _OneBucket:
-    """What torch's PowerSGD hook reads of a DDP bucket (buffer, gradients, index, is_last):
-    every gradient of a model in one flat buffer, as DDP buckets LeNet-5."""
+    """What the strategies' hooks read of a DDP bucket (buffer, gradients, parameters, index,
+    is_last): every gradient of a model in one flat buffer, as DDP buckets LeNet-5.
+    `parameters`: the model's (1-bit keys its residuals by them), for `parameters()`."""
 
-    def __init__(self, shapes: list) -> None:
+    def __init__(self, shapes: list, parameters: list | None = None) -> None:
         import math
 
         import torch
@@ -144,6 +146,10 @@ class _OneBucket:
         numels = [math.prod(shape) for shape in shapes]
         self._buffer = torch.zeros(sum(numels))
         self._gradients = [part.view(shape) for part, shape in zip(self._buffer.split(numels), shapes)]
+        self._parameters = parameters
+
+    def parameters(self) -> list:
+        return self._parameters
 
     def buffer(self):
         return self._buffer
@@ -187,6 +193,40 @@ def powersgd_seconds_per_byte(group, repeats: int) -> float:
     return _median(samples) / (bucket.buffer().numel() * 4)
 
 
+def onebit_seconds_per_byte(group, repeats: int) -> float:
+    """Seconds per gradient byte of the 1-bit strategy's own exchange (AllReduceOneBit.exchange,
+    its default knobs) on the LeNet-5-sized net's gradients, in a `group` of one process:
+    quantising the bucket with its error feedback (the residuals kept per parameter, the
+    quantisation error noted), the message encoded, gathered (one message: a copy),
+    decoded, dequantised and averaged back into the bucket. The model charges half of it
+    once and half per worker's message (perfmodel.allreduce_onebit). Before 2026-12-05 this
+    was a kernel of quantise and one dequantise on 2^18 values in four groups, about 2/3
+    of what the exchange takes on LeNet-5's 241 column groups."""
+    import torch
+
+    from .strategies.base import DistContext
+    from .strategies.compressed import AllReduceOneBit
+    from .strategy_specs import SPECS
+
+    ctx = DistContext(rank=0, world_size=1, workers=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                      worker_group=group)
+    strategy = AllReduceOneBit(ctx, dict(SPECS["allreduce_onebit"].defaults))
+    net, _ = _lenet_sized()
+    strategy.model = net
+    strategy.comm_hook()  # its residuals and group layouts, as when DDP is set up
+    parameters = list(net.parameters())
+    bucket = _OneBucket([p.shape for p in parameters], parameters)
+    gradient = torch.randn(bucket.buffer().numel())
+    samples = []
+    for i in range(3 + repeats):  # the first builds the group layout
+        bucket.buffer().copy_(gradient)
+        start = time.perf_counter()
+        strategy.exchange(bucket).wait()
+        if i >= 3:
+            samples.append(time.perf_counter() - start)
+    return _median(samples) / (bucket.buffer().numel() * 4)
+
+
 def _spin(seconds: float, queue) -> None:
     start, cpu = time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
@@ -211,11 +251,11 @@ def cpu_share(processes: int, seconds: float = 0.5) -> float:
 
 
 def _kernel_seconds_per_byte(repeats: int) -> dict:
-    """This machine's cast, 1-bit, gossip-averaging and shard kernels, one thread, per fp32
-    gradient (or parameter) byte (PowerSGD's: powersgd_seconds_per_byte, in a worker)."""
+    """This machine's cast, gossip-averaging and shard kernels, one thread, per fp32 gradient
+    (or parameter) byte (PowerSGD's and 1-bit's: powersgd_seconds_per_byte and
+    onebit_seconds_per_byte, in a worker)."""
     import torch
 
-    from .strategies.compressed import compress_with_feedback, decode, dequantize, encode
     from .strategies.gossip import average_into
     from .strategies.local import flatten
 
@@ -223,8 +263,6 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     numel = 2**18
     nbytes = numel * 4
     gradient = torch.randn(numel)
-    residual = torch.zeros(numel)
-    sizes = [numel // 4] * 4
 
     def timed(fn, nbytes: int = nbytes) -> float:
         for _ in range(2):
@@ -238,10 +276,6 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
 
     def half(dtype):
         return lambda: gradient.to(dtype).div_(2).to(torch.float32)
-
-    def onebit():  # quantise once and dequantise one message: the per-message part of 1-bit SGD
-        packed, scales, _ = compress_with_feedback(gradient, residual, sizes)
-        dequantize(*decode(encode(packed, scales), len(sizes)), sizes)
 
     total = torch.zeros(numel)
     momentum = torch.zeros(numel)
@@ -266,7 +300,6 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     return {
         "allreduce_fp16": timed(half(torch.float16)),
         "allreduce_bf16": timed(half(torch.bfloat16)),
-        "allreduce_onebit": timed(onebit),
         "gossip": timed(gossip_mix, mix_numel * 4),
         "server_pass": timed(server_pass),
         "server_update": timed(sgd_update),
@@ -331,7 +364,8 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
         "p2p": results["p2p"],
         "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
         "kernels_s_per_byte": {**_kernel_seconds_per_byte(repeats),
-                               "allreduce_powersgd": results["powersgd_s_per_byte"]},
+                               "allreduce_powersgd": results["powersgd_s_per_byte"],
+                               "allreduce_onebit": results["onebit_s_per_byte"]},
         "jitter": results["bursts"],
         "burst_alone_s": results["bursts"]["alone_s"],  # interleaved with the rounds together
         "compute_scale": {"1": 1.0, str(processes): results["bursts"]["slowdown"]},
