@@ -35,55 +35,62 @@ def _powersgd_on_one_bucket(ctx):
             assert not torch.equal(result.reshape(-1), original)
         else:
             assert torch.equal(result, original)
-    seconds = commbench.powersgd_seconds_per_byte(dist.group.WORLD, repeats=3)
-    assert 0 < seconds < 1e-6  # per byte: a LeNet-5 gradient in under a quarter of a second
 
 
 def test_the_powersgd_kernel_runs_torchs_hook_on_a_ddp_like_bucket(tmp_path):
     in_workers(tmp_path, 1, _powersgd_on_one_bucket)
 
 
-def _onebit_on_one_bucket(ctx):
+def _each_compressed_exchange_timed(ctx):
     import torch
     import torch.distributed as dist
 
     from dtstudy import commbench
-    from dtstudy.strategies.compressed import AllReduceOneBit, dequantize, quantization_groups, quantize
+    from dtstudy.strategies import STRATEGIES
+    from dtstudy.strategies.compressed import dequantize, quantization_groups, quantize
     from dtstudy.strategy_specs import SPECS
 
-    # what the kernel times: the strategy's own exchange on the LeNet-5-sized net's bucket, in
-    # a group of one process. One exchange writes back the 1-bit reconstruction of the
-    # gradient (column means of each sign, Seide et al.) and keeps what it lost as residuals
-    strategy = AllReduceOneBit(ctx, dict(SPECS["allreduce_onebit"].defaults))
+    # fp16: in a group of one, the hook's round trip is the casts alone
     net, _ = commbench._lenet_sized()
+    parameters = list(net.parameters())
+    strategy = STRATEGIES["allreduce_fp16"](ctx, dict(SPECS["allreduce_fp16"].defaults))
+    bucket = commbench._OneBucket([p.shape for p in parameters], parameters)
+    gradient = torch.randn(bucket.buffer().numel())
+    bucket.buffer().copy_(gradient)
+    strategy.exchange(bucket).wait()
+    assert torch.equal(bucket.buffer(), gradient.half().float()) and not torch.equal(bucket.buffer(), gradient)
+    # 1-bit: one exchange writes back the 1-bit reconstruction of the gradient (two column
+    # means per group, Seide et al.) and keeps what it lost as residuals
+    strategy = STRATEGIES["allreduce_onebit"](ctx, dict(SPECS["allreduce_onebit"].defaults))
     strategy.model = net
     strategy.comm_hook()
-    parameters = list(net.parameters())
-    bucket = commbench._OneBucket([p.shape for p in parameters], parameters)
-    torch.manual_seed(0)
-    gradient = torch.randn(bucket.buffer().numel())
     bucket.buffer().copy_(gradient)
     strategy.exchange(bucket).wait()
     groups = quantization_groups([p.shape for p in parameters], "column")
     assert len(groups) == 241  # LeNet-5's column groups, as the model counts them
     expected = dequantize(*quantize(gradient, groups, "column"), groups)
     assert torch.allclose(bucket.buffer(), expected)
-    residual = torch.cat([strategy.residuals[p] for p in parameters])
-    assert torch.allclose(residual, gradient - expected)
-    # the kernel's timed calls are that exchange's (three untimed first)
-    calls = []
-    exchange = AllReduceOneBit.exchange
-    AllReduceOneBit.exchange = lambda self, b: calls.append(b.buffer().numel()) or exchange(self, b)
-    try:
-        seconds = commbench.onebit_seconds_per_byte(dist.group.WORLD, repeats=3)
-    finally:
-        AllReduceOneBit.exchange = exchange
-    assert calls == [sum(groups)] * 6
-    assert 0 < seconds < 1e-6  # per byte: a LeNet-5 gradient in under a quarter of a second
+    assert torch.allclose(torch.cat([strategy.residuals[p] for p in parameters]), gradient - expected)
+    # what the benchmark times for each compressed strategy is that strategy's own exchange:
+    # its untimed calls first (PowerSGD's plain all-reduces, a warm-up), then `repeats`
+    for name in commbench.COMPRESSED:
+        cls, calls = STRATEGIES[name], []
+        exchange = cls.exchange
+        cls.exchange = lambda self, b, exchange=exchange: calls.append(b.buffer().numel()) or exchange(self, b)
+        try:
+            seconds = commbench.exchange_seconds_per_byte(name, dist.group.WORLD, repeats=2)
+        finally:
+            cls.exchange = exchange
+        untimed = SPECS[name].defaults.get("start_powerSGD_iter", 0) + 2
+        assert calls == [61706] * (untimed + 2), name
+        assert 0 < seconds < 1e-6, name  # per byte: a LeNet-5 gradient in under a quarter of a second
+    assert set(commbench.COMPRESSED) == {n for n in STRATEGIES if n.startswith("allreduce_")}
 
 
-def test_the_onebit_kernel_runs_the_strategys_own_exchange(tmp_path):
-    in_workers(tmp_path, 1, _onebit_on_one_bucket)
+def test_each_compressed_kernel_times_the_strategys_own_exchange(tmp_path):
+    """fp16's exchange in a group of one is its casts; 1-bit's is Seide et al.'s reconstruction
+    with error feedback; the benchmark's kernel of each compressed strategy is its exchange."""
+    in_workers(tmp_path, 1, _each_compressed_exchange_timed)
 
 
 def test_a_failing_process_fails_the_benchmark_instead_of_hanging():

@@ -63,8 +63,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
     results["bursts"] = _bursts(rank, world)
     alone = dist.new_group([0])  # every rank takes part in making it; only rank 0 is in it
     if rank == 0:
-        results["powersgd_s_per_byte"] = powersgd_seconds_per_byte(alone, repeats)
-        results["onebit_s_per_byte"] = onebit_seconds_per_byte(alone, repeats)
+        results["exchange_s_per_byte"] = {name: exchange_seconds_per_byte(name, alone, repeats) for name in COMPRESSED}
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
@@ -164,65 +163,46 @@ class _OneBucket:
         return True
 
 
-def powersgd_seconds_per_byte(group, repeats: int) -> float:
-    """Seconds per gradient byte of torch's PowerSGD hook, compressing (past its
-    start_powerSGD_iter), with the strategy's default knobs, on the LeNet-5-sized net's
-    gradients, in a `group` of one process: its all-reduces move nothing, so what is timed is
-    the compression's own work (the factors' products, orthogonalisation, error feedback,
-    decompression), which the model adds to the all-reduce of the factors."""
-    import torch
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
-
-    from .strategy_specs import SPECS
-
-    knobs = SPECS["allreduce_powersgd"].defaults
-    state = PowerSGDState(process_group=group, matrix_approximation_rank=knobs["rank"],
-                          start_powerSGD_iter=knobs["start_powerSGD_iter"],
-                          use_error_feedback=knobs["use_error_feedback"], warm_start=knobs["warm_start"])
-    net, _ = _lenet_sized()
-    bucket = _OneBucket([p.shape for p in net.parameters()])
-    gradient = torch.randn(bucket.buffer().numel())
-    samples = []
-    untimed = knobs["start_powerSGD_iter"] + 2  # the plain all-reduces first, then two compressed to warm up
-    for i in range(untimed + repeats):
-        bucket.buffer().copy_(gradient)
-        start = time.perf_counter()
-        powerSGD_hook(state, bucket).wait()
-        if i >= untimed:
-            samples.append(time.perf_counter() - start)
-    return _median(samples) / (bucket.buffer().numel() * 4)
+#: the strategies whose exchange does work of its own beyond moving bytes: each is timed as
+#: it runs (exchange_seconds_per_byte), and the model adds that to its communication
+COMPRESSED = ("allreduce_fp16", "allreduce_bf16", "allreduce_powersgd", "allreduce_onebit")
 
 
-def onebit_seconds_per_byte(group, repeats: int) -> float:
-    """Seconds per gradient byte of the 1-bit strategy's own exchange (AllReduceOneBit.exchange,
-    its default knobs) on the LeNet-5-sized net's gradients, in a `group` of one process:
-    quantising the bucket with its error feedback (the residuals kept per parameter, the
-    quantisation error noted), the message encoded, gathered (one message: a copy),
-    decoded, dequantised and averaged back into the bucket. The model charges half of it
-    once and half per worker's message (perfmodel.allreduce_onebit). Before 2026-12-05 this
-    was a kernel of quantise and one dequantise on 2^18 values in four groups, about 2/3
-    of what the exchange takes on LeNet-5's 241 column groups."""
+def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
+    """Seconds per gradient byte of a compressed strategy's own exchange (its DDP hook,
+    `exchange`, with its default knobs) on the LeNet-5-sized net's gradients, in a `group`
+    of one process, where its collectives move nothing: what is timed is the compression's
+    own work. fp16/bf16: torch's hook, the casts there and back; PowerSGD: torch's hook
+    compressing (past its start_powerSGD_iter), the factors' products, orthogonalisation,
+    error feedback, decompression; 1-bit: quantising with error feedback over the column
+    groups (241 for LeNet-5), the message encoded, gathered (one message: a copy), decoded,
+    dequantised and averaged back. The model adds it to the exchange's communication (1-bit:
+    half of it once and half per worker's message). Before 2026-12-05 the casts and 1-bit
+    were kernels of the same operations on 2^18 values (1-bit in 4 groups): 1-bit's was
+    about 2/3 of its exchange on LeNet-5, and the model overpredicted it at N=2 by 15-19%."""
     import torch
 
+    from .strategies import STRATEGIES
     from .strategies.base import DistContext
-    from .strategies.compressed import AllReduceOneBit
     from .strategy_specs import SPECS
 
+    knobs = dict(SPECS[name].defaults)
     ctx = DistContext(rank=0, world_size=1, workers=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
                       worker_group=group)
-    strategy = AllReduceOneBit(ctx, dict(SPECS["allreduce_onebit"].defaults))
+    strategy = STRATEGIES[name](ctx, knobs)
     net, _ = _lenet_sized()
     strategy.model = net
-    strategy.comm_hook()  # its residuals and group layouts, as when DDP is set up
+    strategy.comm_hook()  # its state (residuals, PowerSGD's), as when DDP is set up
     parameters = list(net.parameters())
     bucket = _OneBucket([p.shape for p in parameters], parameters)
     gradient = torch.randn(bucket.buffer().numel())
+    untimed = knobs.get("start_powerSGD_iter", 0) + 2  # PowerSGD's plain all-reduces first; a warm-up
     samples = []
-    for i in range(3 + repeats):  # the first builds the group layout
+    for i in range(untimed + repeats):
         bucket.buffer().copy_(gradient)
         start = time.perf_counter()
         strategy.exchange(bucket).wait()
-        if i >= 3:
+        if i >= untimed:
             samples.append(time.perf_counter() - start)
     return _median(samples) / (bucket.buffer().numel() * 4)
 
@@ -251,9 +231,8 @@ def cpu_share(processes: int, seconds: float = 0.5) -> float:
 
 
 def _kernel_seconds_per_byte(repeats: int) -> dict:
-    """This machine's cast, gossip-averaging and shard kernels, one thread, per fp32 gradient
-    (or parameter) byte (PowerSGD's and 1-bit's: powersgd_seconds_per_byte and
-    onebit_seconds_per_byte, in a worker)."""
+    """This machine's gossip-averaging and shard kernels, one thread, per fp32 parameter
+    byte (the compressed strategies': exchange_seconds_per_byte, in a worker)."""
     import torch
 
     from .strategies.gossip import average_into
@@ -273,9 +252,6 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
             fn()
             samples.append(time.perf_counter() - start)
         return _median(samples) / nbytes
-
-    def half(dtype):
-        return lambda: gradient.to(dtype).div_(2).to(torch.float32)
 
     total = torch.zeros(numel)
     momentum = torch.zeros(numel)
@@ -298,8 +274,6 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
         average_into(parameters, flatten(parameters), [peer])
 
     return {
-        "allreduce_fp16": timed(half(torch.float16)),
-        "allreduce_bf16": timed(half(torch.bfloat16)),
         "gossip": timed(gossip_mix, mix_numel * 4),
         "server_pass": timed(server_pass),
         "server_update": timed(sgd_update),
@@ -363,9 +337,7 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
         "allreduce": results["allreduce"],
         "p2p": results["p2p"],
         "fit": {"allreduce": fit_allreduce(results["allreduce"], processes), "p2p": fit_p2p(results["p2p"])},
-        "kernels_s_per_byte": {**_kernel_seconds_per_byte(repeats),
-                               "allreduce_powersgd": results["powersgd_s_per_byte"],
-                               "allreduce_onebit": results["onebit_s_per_byte"]},
+        "kernels_s_per_byte": {**_kernel_seconds_per_byte(repeats), **results["exchange_s_per_byte"]},
         "jitter": results["bursts"],
         "burst_alone_s": results["bursts"]["alone_s"],  # interleaved with the rounds together
         "compute_scale": {"1": 1.0, str(processes): results["bursts"]["slowdown"]},
