@@ -482,13 +482,15 @@ def allreduce_bf16(workload, machine, workers, params, stragglers):
 
 @model("allreduce_powersgd")
 def allreduce_powersgd(workload, machine, workers, params, stragglers):
-    """Rank-r factors P and Q all-reduced one after the other (two all-reduces per bucket);
-    the bytes are `powersgd_ratio` of the gradient's (from the model's matrices or measured)."""
+    """torch's hook all-reduces three times per bucket, one after the other: the tensors it
+    sends whole (vectors, matrices too small to gain), then the rank-r factors P, then Q
+    (each needs the one before); the bytes are `powersgd_ratio` of the gradient's (from the
+    model's matrices or measured)."""
     if workload.powersgd_ratio is None:
         raise ValueError("allreduce_powersgd needs the share of the gradient bytes PowerSGD sends "
                          "(measured bytes_per_step, or model.matrices)")
     return _allreduce_family("allreduce_powersgd", workload.model_bytes * workload.powersgd_ratio, workload,
-                             machine, workers, params, stragglers, messages_per_bucket=2)
+                             machine, workers, params, stragglers, messages_per_bucket=3)
 
 
 def onebit_level_bytes(workload: Workload, quantizer: str | None) -> float:
