@@ -119,6 +119,10 @@ def test_mlflow_holds_every_run_under_the_study_run(study):
         assert row["tags.env.git_commit"] == str(metrics["environment"]["git_commit"])
     artifacts = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(parent_id, "tables")}
     assert {"tables/scaling.csv", "tables/accuracy.csv"} <= artifacts
+    # the aggregate step recorded the study run, and the projection joined it
+    assert read_json(study / "results/mlflow.study_run.json")["run_id"] == parent_id
+    projection = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(parent_id, "projection")}
+    assert projection == {"projection/projection.csv", "projection/projection.md", "projection/projection.png"}
 
 
 def test_mlflow_ui_opens_on_the_training_runs_with_their_key_metrics(study):

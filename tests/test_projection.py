@@ -838,3 +838,37 @@ def test_command_has_no_band(tmp_path):
         written = list(csv.DictReader(handle))
     assert {r["throughput_low"] for r in written} == {""} and {r["measured_throughput_low"] for r in written} == {""}
     assert written[1]["measured_throughput"] == "378"
+
+
+def test_project_rule_adds_its_table_and_plot_to_the_mlflow_study_run(tmp_path):
+    """The aggregate step records where its MLflow study run is; the project command (as the
+    rule calls it) logs projection.csv, .md and .png to that run, under projection/."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from dtstudy import tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    table = tmp_path / "tables" / "scaling.csv"
+    table.parent.mkdir()
+    table.write_text("strategy,workers\nallreduce,1\n")
+    run_id = tracking.log_study_run(uri, "exp", [], [table])  # ended, as aggregate leaves it
+    (tmp_path / "study_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": uri, "experiment": "exp"}))
+    ring = 2 * (2 - 1) / 2 * 61706 * 4
+    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring)]
+    (tmp_path / "bench.json").write_text(json.dumps(band_bench()))
+    config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
+              "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    out = tmp_path / "results/tables/projection.csv"
+    assert run_main(["project", "--study", "--config-json", json.dumps(config), "--metrics", *metrics,
+                     "--commbench", str(tmp_path / "bench.json"), "--out", str(out),
+                     "--out-md", str(out.with_suffix(".md")), "--plot", str(tmp_path / "results/plots/projection.png"),
+                     "--study-run", str(tmp_path / "study_run.json")]) == 0
+    client = MlflowClient(tracking_uri=uri)
+    assert sorted(a.path for a in client.list_artifacts(run_id, "projection")) == [
+        "projection/projection.csv", "projection/projection.md", "projection/projection.png"]
+    assert [a.path for a in client.list_artifacts(run_id, "tables")] == ["tables/scaling.csv"]  # kept
+    logged = client.download_artifacts(run_id, "projection/projection.csv", str(tmp_path / "back"))
+    assert open(logged).read() == out.read_text()

@@ -108,7 +108,7 @@ def cmd_aggregate(args) -> None:
     from .tracking import resolve_uri
 
     cfg = _config(args)
-    aggregate_study(
+    done = aggregate_study(
         args.runs,
         args.tables,
         args.plots,
@@ -117,6 +117,11 @@ def cmd_aggregate(args) -> None:
         strategies_order=cfg["strategies"],
         study_params=cfg,
     )
+    if args.study_run:  # where the study run is, for the steps after this one (the projection)
+        from .atomic_files import write_json
+
+        write_json(args.study_run, {"run_id": done["parent_run_id"], "tracking_uri": done["tracking_uri"],
+                                    "experiment": cfg["tracking"]["experiment"]})
 
 
 def cmd_project(args) -> None:
@@ -127,6 +132,13 @@ def cmd_project(args) -> None:
     if args.study:
         projection.run_study(args.metrics, args.commbench, _config(args), args.out, args.out_md, args.plot)
         print(f"projection written to {args.out}, {args.out_md}, {args.plot}")
+        if args.study_run:  # beside the study's tables and plots in MLflow
+            from . import tracking
+
+            study_run = json.loads(Path(args.study_run).read_text())
+            tracking.attach_artifacts(study_run["tracking_uri"], study_run["run_id"],
+                                      dict.fromkeys([args.out, args.out_md, args.plot], "projection"))
+            print(f"projection logged to the MLflow study run {study_run['run_id']} (artifacts: projection/)")
         return
     if args.commbench_out:
         from . import commbench
@@ -153,6 +165,8 @@ def _add_project_parser(commands) -> None:
     p.add_argument("--commbench", help="with --study: this machine's communication benchmark (JSON)")
     p.add_argument("--out-md", help="with --study: the Markdown table")
     p.add_argument("--plot", help="with --study: the plot (PNG)")
+    p.add_argument("--study-run", help="with --study: the aggregate step's record of the MLflow study run "
+                                       "(JSON), whose artifacts the projection joins")
     p.add_argument("--commbench-out", help="run this machine's communication benchmark into this JSON file")
     p.add_argument("--gloo-loop-nice", type=lambda value: value if value == "idle" else int(value), default=0,
                    help="with --commbench-out: gloo's event loops at this priority, idle or a nice value "
@@ -206,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", nargs="+", required=True, help="run folders")
     p.add_argument("--tables", required=True)
     p.add_argument("--plots", required=True)
+    p.add_argument("--study-run", help="write where the MLflow study run is (JSON: run_id, tracking_uri, experiment)")
     p.set_defaults(func=cmd_aggregate)
 
     _add_project_parser(commands)

@@ -152,6 +152,14 @@ def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
     return run_id
 
 
+def attach_artifacts(uri: str, run_id: str, artifacts: Iterable[str | Path] | Mapping[str | Path, str]) -> None:
+    """Log files to an existing run (the study run, after it ended: the projection that
+    follows the aggregate step), as log_study_run does: a list or a {file: folder} mapping."""
+    client = client_for(resolve_uri(uri))
+    for path, folder in _artifact_dirs(artifacts).items():
+        client.log_artifact(run_id, str(path), artifact_path=folder or None)
+
+
 # --- what the MLflow UI shows first -------------------------------------------------------
 
 RUNS_VIEW_KEY = "dtstudy"  # the UI's shared view ?viewStateShareKey=dtstudy

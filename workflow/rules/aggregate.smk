@@ -12,6 +12,8 @@ rule aggregate:
         efficiency_plot=report("results/plots/efficiency.png", caption="../report/efficiency.rst", category="Scaling"),
         accuracy_plot=report("results/plots/accuracy.png", caption="../report/accuracy.rst", category="Accuracy"),
         convergence_plot=report("results/plots/convergence.png", caption="../report/convergence.rst", category="Accuracy"),
+        # where the MLflow study run is: the projection adds its table and plot to it
+        study_run="results/mlflow.study_run.json",
     log:
         "results/logs/aggregate.log",
     params:
@@ -23,4 +25,4 @@ rule aggregate:
         "../../envs/study.yaml"
     shell:
         "python -m dtstudy aggregate --config-json {params.config:q} --runs {params.runs}"
-        " --tables {params.tables} --plots {params.plots} > {log} 2>&1"
+        " --tables {params.tables} --plots {params.plots} --study-run {output.study_run} > {log} 2>&1"

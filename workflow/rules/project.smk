@@ -22,7 +22,7 @@ rule project:
     input:
         metrics=all_runs("metrics.json"),
         commbench=rules.commbench.output.result,
-        scaling=rules.aggregate.output.scaling,
+        study_run=rules.aggregate.output.study_run,
     output:
         table="results/tables/projection.csv",
         table_md="results/tables/projection.md",
@@ -36,4 +36,4 @@ rule project:
     shell:
         "python -m dtstudy project --study --config-json {params.config:q} --metrics {input.metrics}"
         " --commbench {input.commbench} --out {output.table} --out-md {output.table_md}"
-        " --plot {output.plot} > {log} 2>&1"
+        " --plot {output.plot} --study-run {input.study_run} > {log} 2>&1"
