@@ -23,7 +23,7 @@ WORKFLOW = str(REPO / "workflow")
 sys.path[:0] = [str(REPO / "tests"), WORKFLOW]
 
 from conftest import run_snakemake, tiny_study  # noqa: E402
-from dtstudy import calibration, hardware  # noqa: E402
+from dtstudy import calibration, hardware, projection  # noqa: E402
 from dtstudy.config import validate_schema  # noqa: E402
 from dtstudy import perfmodel as pm  # noqa: E402
 from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS  # noqa: E402
@@ -108,18 +108,16 @@ def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
           f"compute scale at 2 busy {bench['compute_scale']['2']:.3f}; N=1 compute {steps_ms} ms; "
           f"skew {machine.skew_fraction:.3f}; core share {bench['cpu_share']}"
           + (f"; parameter-server round trip {request_source}" if request_source else ""))
-    # the band as the study's rule has it: the model at the ends of its measured inputs' intervals
+    # the prediction with its band, as the study's rule has them (projection.project)
     band, _ = calibration.band_variants(workload, machine, profile, runs, params, bench)
+    measured = {r["strategy"]: r["throughput"] for r in runs if r["workers"] == 2}
     result = {}
-    for r in runs:
-        if r["workers"] == 2:
-            predicted = pm.step(r["strategy"], workload, machine, 2, params[r["strategy"]]).throughput
-            ends = [predicted] + [pm.step(r["strategy"], w, m, 2, params[r["strategy"]]).throughput for w, m in band]
-            result[r["strategy"]] = (predicted, r["throughput"], min(ends), max(ends))
-            inside = min(ends) <= r["throughput"] <= max(ends)
-            print(f"  {r['strategy']:16s} predicted {predicted:8.0f} [{min(ends):.0f}, {max(ends):.0f}]  measured "
-                  f"{r['throughput']:8.0f}  {100 * (predicted / r['throughput'] - 1):+6.1f}%"
-                  f"{'' if inside else '  outside the band'}")
+    for row in projection.project(workload, machine, list(measured), [2], params, profile["name"], band=band):
+        predicted, low, high = row["throughput"], row["throughput_low"], row["throughput_high"]
+        seen = measured[row["strategy"]]
+        result[row["strategy"]] = (predicted, seen, low, high)
+        print(f"  {row['strategy']:16s} predicted {predicted:8.0f} [{low:.0f}, {high:.0f}]  measured {seen:8.0f}  "
+              f"{100 * (predicted / seen - 1):+6.1f}%{'' if low <= seen <= high else '  outside the band'}")
     return result
 
 

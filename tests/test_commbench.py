@@ -16,7 +16,7 @@ def _powersgd_on_one_bucket(ctx):
 
     net, _ = commbench._lenet_sized()
     shapes = [p.shape for p in net.parameters()]
-    bucket = commbench._OneBucket(shapes)
+    bucket = commbench._OneBucket(list(net.parameters()))
     # the gradients are views of the flat buffer, as in a DDP bucket
     assert all(g.data_ptr() == part.data_ptr() for g, part in
                zip(bucket.gradients(), bucket.buffer().split([g.numel() for g in bucket.gradients()])))
@@ -54,7 +54,7 @@ def _each_compressed_exchange_timed(ctx):
     net, _ = commbench._lenet_sized()
     parameters = list(net.parameters())
     strategy = STRATEGIES["allreduce_fp16"](ctx, dict(SPECS["allreduce_fp16"].defaults))
-    bucket = commbench._OneBucket([p.shape for p in parameters], parameters)
+    bucket = commbench._OneBucket(parameters)
     gradient = torch.randn(bucket.buffer().numel())
     bucket.buffer().copy_(gradient)
     strategy.exchange(bucket).wait()

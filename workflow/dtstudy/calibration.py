@@ -354,7 +354,7 @@ def band_variants(workload: Workload, machine, profile: dict, runs: list[dict], 
                          f"{slow['intra_p2p'].bandwidth / 1e9:.3g}-{fast['intra_p2p'].bandwidth / 1e9:.3g} GB/s "
                          f"(t intervals of the benchmark's least-squares fits)")
     measured_request = profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED
-    variants = []
+    variants, request_varied = [], False
     for t_c, link in itertools.product(_ends(compute), links):
         trial_workload = dataclasses.replace(workload, compute_s=t_c)
         trial_machine = dataclasses.replace(machine, **link)
@@ -362,7 +362,8 @@ def band_variants(workload: Workload, machine, profile: dict, runs: list[dict], 
         pairs = ps_request_samples(runs, trial_workload, trial_machine, params) if measured_request else []
         if pairs:
             requests = tuple(max(0.0, x) for x in _ends(intervals.mean_interval([m - x for m, x in pairs])))
+            request_varied = True
         variants += [(trial_workload, dataclasses.replace(trial_machine, ps_request_s=r)) for r in requests]
-    if measured_request and ps_request_samples(runs, workload, machine, params):
+    if request_varied:
         spans.append("r over the N=1 parameter-server runs at each end of the links")
     return variants, "; ".join(spans)

@@ -134,17 +134,15 @@ def _bursts(rank: int, world: int, count: int = 40) -> dict:
 
 class _OneBucket:
     """What the strategies' hooks read of a DDP bucket (buffer, gradients, parameters, index,
-    is_last): every gradient of a model in one flat buffer, as DDP buckets LeNet-5.
-    `parameters`: the model's (1-bit keys its residuals by them), for `parameters()`."""
+    is_last): every gradient of a model's `parameters` in one flat buffer, as DDP buckets
+    LeNet-5 (1-bit keys its residuals by the parameters themselves)."""
 
-    def __init__(self, shapes: list, parameters: list | None = None) -> None:
-        import math
-
+    def __init__(self, parameters: list) -> None:
         import torch
 
-        numels = [math.prod(shape) for shape in shapes]
+        numels = [p.numel() for p in parameters]
         self._buffer = torch.zeros(sum(numels))
-        self._gradients = [part.view(shape) for part, shape in zip(self._buffer.split(numels), shapes)]
+        self._gradients = [part.view(p.shape) for part, p in zip(self._buffer.split(numels), parameters)]
         self._parameters = parameters
 
     def parameters(self) -> list:
@@ -193,8 +191,7 @@ def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
     net, _ = _lenet_sized()
     strategy.model = net
     strategy.comm_hook()  # its state (residuals, PowerSGD's), as when DDP is set up
-    parameters = list(net.parameters())
-    bucket = _OneBucket([p.shape for p in parameters], parameters)
+    bucket = _OneBucket(list(net.parameters()))
     gradient = torch.randn(bucket.buffer().numel())
     untimed = knobs.get("start_powerSGD_iter", 0) + 2  # PowerSGD's plain all-reduces first; a warm-up
     samples = []
