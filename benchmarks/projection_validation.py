@@ -3,7 +3,8 @@
 Each case is projected from its source's own single-GPU (and, where published, single-node)
 throughput and the hardware the source documents; nothing is fitted to the multi-node
 figure. The same model settings apply to every case: fp32 gradients, one all-reduce per
-fusion buffer / bucket. Three ways the exchange hides behind backward, side by side: a fixed
+fusion buffer / bucket, links at their payload rate (the share of the stated rate that
+framing and the transport leave to the gradient bytes, with its sources below). Three ways the exchange hides behind backward, side by side: a fixed
 overlap 0 (the model's default) and 0.5 (sensitivity, not a fit), and the wait-free-backprop
 timeline on each architecture's layer profile (dtstudy.layer_profiles: where its parameters
 sit and when backprop produces their gradients, from torch's FLOP counter; no constant of it
@@ -51,11 +52,44 @@ P100_SINGLE = {"inception_v3": 142.0, "vgg16": 132.0,
 # 2017-2018, whose per-step latency is not published.
 NCCL_RING_STEP_PCIE = 1.9 * 5.7e-6
 NCCL_RING_STEP_NET = 1.9 * 9.6e-6
-HOROVOD_MACHINE = Machine(
-    gpus_per_node=4,
-    intra=Link(NCCL_RING_STEP_PCIE, 12e9),  # ASSUMED: PCIe 3.0 x16 between the 4 GPUs of a server (not documented)
-    inter=Link(NCCL_RING_STEP_NET, 25e9 / 8),  # documented: 25 Gbit/s RoCE
-)
+
+
+def wire_share(payload: int, overhead: int) -> float:
+    """The share of a link's rate that carries payload, in packets of `payload` bytes with
+    `overhead` bytes of headers, trailers and gaps beside each on the wire."""
+    return payload / (payload + overhead)
+
+
+# A link's stated rate is not the rate of the gradient bytes. NCCL gets 12 GB/s of a
+# 100 Gbit/s InfiniBand NIC (NET_BW in NVIDIA/nccl src/graph/topo.h; its maintainer: "24GB/s
+# is the peak performance per 200G NIC", NVIDIA/nccl-tests#119), 96% of the data rate; of
+# that, InfiniBand's own headers at its 4096-byte MTU (LRH 8, BTH 12, ICRC 4, VCRC 2 bytes)
+# take 0.6%: the rest is NCCL's transport, 96.6% of what the packets carry.
+NCCL_TRANSPORT_SHARE = 0.96 / wire_share(4096, 26)
+NCCL_SHARE = ("https://github.com/NVIDIA/nccl src/graph/topo.h (NET_BW, PCI_BW) and tuning.cc; "
+              "https://github.com/NVIDIA/nccl-tests/issues/119 (24 GB/s per 200G NIC)")
+# RoCE v2 wraps the same transport in Ethernet: 82 bytes beside each packet on the wire
+# (preamble 8, Ethernet header 14 and FCS 4, IPv4 20, UDP 8, BTH 12, ICRC 4, inter-frame
+# gap 12), packets of the RoCE path MTU: 1024 bytes on Ethernet's default 1500-byte MTU,
+# 4096 with jumbo frames. ASSUMED: the default MTU (the cluster's is not documented); the
+# jumbo-frame figure is printed as a sensitivity.
+ROCE_MTU, ROCE_MTU_JUMBO = 1024, 4096
+ROCE_OVERHEAD = 82
+
+
+def roce_payload_share(mtu: int) -> float:
+    return wire_share(mtu, ROCE_OVERHEAD) * NCCL_TRANSPORT_SHARE
+
+
+def horovod_machine(payload_share: float) -> Machine:
+    return Machine(
+        gpus_per_node=4,
+        # ASSUMED: PCIe 3.0 x16 between the 4 GPUs of a server (not documented); 12 GB/s is
+        # NCCL's own figure for it (PCI_BW in src/graph/topo.h)
+        intra=Link(NCCL_RING_STEP_PCIE, 12e9),
+        inter=Link(NCCL_RING_STEP_NET, 25e9 / 8 * payload_share),  # documented: 25 Gbit/s RoCE
+    )
+
 HOROVOD_FUSION_MB = 64  # Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD = 64 MiB)
 
 # TF benchmarks, Amazon EC2 distributed: p2.8xlarge (8 K80 GPUs), distributed_replicated,
@@ -67,7 +101,11 @@ TF_EC2 = {
     "resnet50": {"batch": 64, 1: 55.0, 8: 410, 16: 825, 32: 1468, 64: 3051, "shards_at_64": 8},
     "resnet152": {"batch": 32, 1: 19.8, 8: 150, 16: 300, 32: 575, 64: 1004, "shards_at_64": 4},
 }
-EC2_INTER = Link(50e-6, 10e9 / 8)  # documented: 10 Gigabit; latency assumed (TCP/gRPC, ~50 us)
+# documented: 10 Gigabit; latency assumed (TCP/gRPC, ~50 us); TCP over IPv4 in jumbo frames
+# (9001-byte MTU, which AWS's current generation of instances supports, the p2 then among
+# them; ASSUMED used): 8949 bytes of payload (less 20 IP, 20 TCP, 12 timestamps) per 9039
+# on the wire (+ Ethernet header 14, FCS 4, preamble 8, inter-frame gap 12)
+EC2_INTER = Link(50e-6, 10e9 / 8 * wire_share(9001 - 52, 52 + 38))
 
 
 # Horovod's earlier README (2017; kept in forks of uber/horovod, e.g. github.com/bobohuang/horovod):
@@ -82,13 +120,15 @@ def _layers(name: str, wait_free: bool):
     return layer_profiles.load(name, "projection_validation.py: architecture") if wait_free else None
 
 
-def horovod_cases(overlap: float = 0.0, wait_free: bool = False, algorithm: str = "hierarchical") -> list[dict]:
+def horovod_cases(overlap: float = 0.0, wait_free: bool = False, algorithm: str = "hierarchical",
+                  payload_share: float = roce_payload_share(ROCE_MTU)) -> list[dict]:
     """`wait_free`: each architecture's layer profile, Horovod's 64 MiB fusion buffers filled
     in backprop order (perfmodel's DDP-style buckets), instead of the fixed `overlap`.
     `algorithm`: how the all-reduce spans the servers (perfmodel.ALLREDUCE_ALGORITHMS);
     Horovod then ran NCCL 2's flat ring ("ring"): its hierarchical mode came in v0.13.6, July
-    2018 (https://github.com/horovod/horovod/pull/329), after both benchmarks."""
-    machine = dataclasses.replace(HOROVOD_MACHINE, overlap=overlap, allreduce_algorithm=algorithm)
+    2018 (https://github.com/horovod/horovod/pull/329), after both benchmarks. `payload_share`:
+    the share of the servers' 25 Gbit/s that carries gradient bytes."""
+    machine = dataclasses.replace(horovod_machine(payload_share), overlap=overlap, allreduce_algorithm=algorithm)
     rows = []
     for gpus, (source, published) in HOROVOD_PUBLISHED.items():
         for name, efficiency in published.items():
@@ -187,8 +227,8 @@ def main() -> int:
         print(f"{row['case']:62s} {100 * row['published']:8.1f}% " + " ".join(f"{c:>16s}" for c in cells))
     print("\nefficiency = throughput(N) / (N x throughput(1)); each column: projected, projected / published - 1; "
           "*: a miss (beyond 10%)")
-    print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2)
-    print("settings for every case: fp32 gradients; the Horovod cases' ring steps at NCCL's own cost model's latencies "
+    print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2, ";", NCCL_SHARE)
+    print("settings for every case: fp32 gradients; links at their payload rate (below); the Horovod cases' ring steps at NCCL's own cost model's latencies "
           f"({NCCL_RING_STEP_PCIE * 1e6:.1f} us over PCIe, {NCCL_RING_STEP_NET * 1e6:.1f} us over the network); "
           "assumptions in each case's comment. Columns: a fixed overlap of "
           f"0 (the model's default) and {OVERLAP_SENSITIVITY} of compute for every case; wait-free: each bucket's "
@@ -196,7 +236,38 @@ def main() -> int:
           "all-reduce across servers hierarchical (the model's default), or in the last column one flat ring "
           "through every GPU, the algorithm Horovod ran then (the TF cases, parameter servers, are the same)")
     print("; ".join(f"{len(rows) - misses[label]} of {len(rows)} within 10% ({label})" for label, rows in columns.items()))
+    print(f"\nlinks at their payload rate: 25 Gbit/s RoCE x {roce_payload_share(ROCE_MTU):.3f} (RoCE v2 framing at "
+          f"path MTU {ROCE_MTU}, Ethernet's default, x NCCL's transport {NCCL_TRANSPORT_SHARE:.3f}); 10 Gbit/s TCP "
+          f"x {EC2_INTER.bandwidth / (10e9 / 8):.3f} (jumbo frames)")
+    print(f"sensitivity, jumbo frames on the Horovod cluster (RoCE path MTU {ROCE_MTU_JUMBO}, x "
+          f"{roce_payload_share(ROCE_MTU_JUMBO):.3f}):")
+    for label, algorithm in (("wait-free", "hierarchical"), ("wait-free, ring", "ring")):
+        jumbo = horovod_cases(wait_free=True, algorithm=algorithm, payload_share=roce_payload_share(ROCE_MTU_JUMBO))
+        diffs = [row["projected"] / row["published"] - 1 for row in jumbo]
+        print(f"  {label}: " + ", ".join(f"{row['case'].split(' (')[0].removeprefix('Horovod ')} {100 * d:+.1f}%"
+                                         for row, d in zip(jumbo, diffs))
+              + f"; {sum(abs(d) <= 0.10 for d in diffs)} of {len(diffs)} within 10%")
+    print("payload shares of the 25 Gbit/s (0.50 to 1.00 in steps of 0.01) at which all 6 Horovod cases are within 10%:")
+    for label, algorithm in (("wait-free", "hierarchical"), ("wait-free, ring", "ring")):
+        print(f"  {label}: {shares_within(algorithm)}")
     return 0
+
+
+def shares_within(algorithm: str, tolerance: float = 0.10) -> str:
+    """The payload shares of the Horovod servers' link at which every Horovod case of the
+    wait-free column is within `tolerance` of its published efficiency: how much the
+    verdict hangs on the share, which no source gives for that cluster."""
+    good = [share / 100 for share in range(50, 101)
+            if all(abs(row["projected"] / row["published"] - 1) <= tolerance
+                   for row in horovod_cases(wait_free=True, algorithm=algorithm, payload_share=share / 100))]
+    if not good:
+        return "none"
+    runs = [[good[0], good[0]]]
+    for share in good[1:]:
+        if share - runs[-1][1] > 0.011:
+            runs.append([share, share])
+        runs[-1][1] = share
+    return ", ".join(f"{low:.2f} to {high:.2f}" for low, high in runs)
 
 
 if __name__ == "__main__":

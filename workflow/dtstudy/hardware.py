@@ -64,12 +64,28 @@ def _latency(section: dict, where: str) -> float:
     return value * 1e-6
 
 
+def _payload_fraction(section: dict, where: str) -> float:
+    value = section.get("payload_fraction", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{where}: key 'payload_fraction': {value!r} is not allowed; a number in (0, 1] (the share "
+                          f"of the stated bandwidth that carries gradient bytes: framing and the transport's own "
+                          f"losses; default 1)")
+    return float(value)
+
+
 def _link(section, where: str, unit: str) -> Link:
+    """The link of a profile section. A line rate with `payload_fraction` becomes the rate
+    the exchange's bytes get: headers, encoding and the transport take the rest."""
     if not isinstance(section, dict):
-        raise ConfigError(f"{where}: {section!r} is not allowed; a mapping with {unit} and latency_us")
+        raise ConfigError(f"{where}: {section!r} is not allowed; a mapping with {unit} and latency_us "
+                          f"(and optional payload_fraction)")
+    allowed = (unit, "latency_us", "payload_fraction")
+    for key in section:
+        if key not in allowed:
+            raise ConfigError(f"{where}: key {key!r} is not allowed here; allowed: {', '.join(allowed)}")
     bandwidth = _number(section, unit, where)
     scale = 1e9 / 8 if unit == "bandwidth_gbit_s" else 1e9
-    return Link(_latency(section, where), bandwidth * scale)
+    return Link(_latency(section, where), bandwidth * scale * _payload_fraction(section, where))
 
 
 def _link_any_unit(section, where: str) -> Link:
