@@ -1,8 +1,10 @@
 """The alpha-beta performance model (dtstudy.perfmodel, calibration, hardware, projection,
 layer_profiles): hand-computed cases of every strategy's formula and of the wait-free-backprop
 timeline, the alpha-beta fit, straggler order statistics, bad inputs, the layer profiles
-against torch's FLOP counter, the `project` command on a measurement file alone, and the model
-against this machine's measured N=2 throughput."""
+against torch's FLOP counter, the `project` command on a measurement file alone, the band,
+and the validation against published scaling (benchmarks/projection_validation.py, analytic).
+The model against this machine's measured N=2 throughput is a benchmark, not a test
+(benchmarks/projection_on_machine.py: timed, on a noisy machine)."""
 
 from __future__ import annotations
 
