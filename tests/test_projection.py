@@ -699,12 +699,15 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
 
 def test_project_rule_projects_every_profile_of_the_list(tmp_path):
     """projection.hardware as a list: one table with a section per profile (the `profile`
-    column), one panel row per profile in the plot, provenance for each."""
+    column), one panel row per profile in the plot, provenance for each. The runs' measured
+    throughput stands beside the profile of the machine they ran on, up to its cores: not
+    beside another machine's, nor at an N that ran oversubscribed here."""
     import json
 
     ring = 2 * (2 - 1) / 2 * 61706 * 4
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring)]
+               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
+               fake_run(tmp_path / "a16", "allreduce", 16, 9000.0, 0.01, 2 * 15 / 16 * 61706 * 4)]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
@@ -722,7 +725,11 @@ def test_project_rule_projects_every_profile_of_the_list(tmp_path):
     # profile's payload_fraction 0.824 (NCCL's 20.6 of 25 GB/s a link), no jitter
     assert by[("this_machine", 2)]["throughput"] == pytest.approx(128 / (t_c + 2e-4 + 246824 / 2e9 + 0.05 * t_c), rel=1e-3)
     assert by[("h100_ib400", 2)]["throughput"] == pytest.approx(128 / (t_c + 6e-6 + 246824 / (0.824 * 450e9)), rel=1e-9)
+    assert [by[("this_machine", n)]["measured_throughput"] for n in (1, 2, 16)] == [8000.0, 14000.0, ""]
+    assert {by[("h100_ib400", n)]["measured_throughput"] for n in (1, 2, 16)} == {""}
+    assert {by[("h100_ib400", n)]["measured_exchange_s"] for n in (1, 2, 16)} == {""}
     text = md.read_text()
+    assert "none: this profile is another machine than the one the runs ran on" in text
     assert "## Profile: this_machine" in text and "## Profile: h100_ib400" in text
     assert "Where each parameter of h100_ib400 came from" in text and "measured (gloo" in text
     import matplotlib.image
