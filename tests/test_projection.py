@@ -516,7 +516,8 @@ def test_profiles_load_and_say_where_values_came_from():
     for name in ("minotauro_k80", "h100_ib400"):
         profile = hardware.load_profile(name)
         machine, source, needs_fit = hardware.machine_from_profile(profile)
-        assert not needs_fit and machine.gpus_per_node in (4, 8) and source["inter_node"] == "profile"
+        assert not needs_fit and machine.gpus_per_node in (4, 8) and source["inter_node"].startswith("profile: ")
+    assert source["inter_node"] == "profile: 3200 Gbit/s x payload_fraction 0.96 = 384 GB/s, 5 us"  # h100_ib400
     profile = hardware.load_profile("this_machine")
     with pytest.raises(ConfigError, match="intra_node"):
         hardware.machine_from_profile(profile)  # 'measured' needs the benchmark

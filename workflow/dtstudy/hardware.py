@@ -88,6 +88,14 @@ def _link(section, where: str, unit: str) -> Link:
     return Link(_latency(section, where), bandwidth * scale * _payload_fraction(section, where))
 
 
+def _link_source(section: dict, link: Link) -> str:
+    """What a profile's link section gave, for the provenance: the rate as the exchange gets it."""
+    stated = (f"{section['bandwidth_gbit_s']:g} Gbit/s" if "bandwidth_gbit_s" in section
+              else f"{section['bandwidth_gbyte_s']:g} GB/s")
+    share = f" x payload_fraction {section['payload_fraction']:g}" if "payload_fraction" in section else ""
+    return f"profile: {stated}{share} = {link.bandwidth / 1e9:.4g} GB/s, {link.latency_s * 1e6:g} us"
+
+
 def _link_any_unit(section, where: str) -> Link:
     unit = "bandwidth_gbit_s" if isinstance(section, dict) and "bandwidth_gbit_s" in section else "bandwidth_gbyte_s"
     return _link(section, where, unit)
@@ -159,7 +167,7 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
     overlap = profile.get("overlap", DEFAULT_OVERLAP)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
         raise ConfigError(f"{where}: key 'overlap': {overlap!r} is not allowed; a number in [0, 1]")
-    source = {"gpus_per_node": "profile", "inter_node": "profile", "overlap": "profile" if "overlap" in profile
+    source = {"gpus_per_node": "profile", "inter_node": _link_source(profile["inter_node"], inter), "overlap": "profile" if "overlap" in profile
               else f"default {DEFAULT_OVERLAP} (assumed, README 'Projection')"}
     kwargs = {}
     if "allreduce_algorithm" in profile:
@@ -208,11 +216,11 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         source["intra_node"] = "to be fitted to the measured throughput at N = gpus_per_node"
     else:
         intra = _link_any_unit(intra_section, where + " intra_node")
-        source["intra_node"] = "profile"
+        source["intra_node"] = _link_source(intra_section, intra)
     for key, target in (("inter_node_p2p", "inter_p2p"), ("intra_node_p2p", "intra_p2p")):
         if key in profile:
             kwargs[target] = _link_any_unit(profile[key], f"{where} {key}")
-            source[key] = "profile"
+            source[key] = _link_source(profile[key], kwargs[target])
     return Machine(gpus_per_node=gpus, intra=intra, inter=inter, overlap=float(overlap), **kwargs), source, needs_fit
 
 
