@@ -167,8 +167,8 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
     overlap = profile.get("overlap", DEFAULT_OVERLAP)
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
         raise ConfigError(f"{where}: key 'overlap': {overlap!r} is not allowed; a number in [0, 1]")
-    source = {"gpus_per_node": "profile", "inter_node": _link_source(profile["inter_node"], inter), "overlap": "profile" if "overlap" in profile
-              else f"default {DEFAULT_OVERLAP} (assumed, README 'Projection')"}
+    source = {"gpus_per_node": "profile", "inter_node": _link_source(profile["inter_node"], inter),
+              "overlap": "profile" if "overlap" in profile else f"default {DEFAULT_OVERLAP} (assumed, README 'Projection')"}
     kwargs = {}
     if "allreduce_algorithm" in profile:
         algorithm = profile["allreduce_algorithm"]
