@@ -205,6 +205,9 @@ def tf_ec2_cases(overlap: float = 0.0, wait_free: bool = False) -> list[dict]:
     return rows
 
 
+#: the wait-free columns' labels and how their all-reduce spans the servers
+WAIT_FREE_COLUMNS = {"wait-free": "hierarchical", "wait-free, ring": "ring"}
+
 #: the sensitivity column: the exchange hides behind half of the compute (backward is about
 #: 2/3 of it and its gradients become ready through it), the same for every case
 OVERLAP_SENSITIVITY = 0.5
@@ -241,14 +244,14 @@ def main() -> int:
           f"x {EC2_INTER.bandwidth / (10e9 / 8):.3f} (jumbo frames)")
     print(f"sensitivity, jumbo frames on the Horovod cluster (RoCE path MTU {ROCE_MTU_JUMBO}, x "
           f"{roce_payload_share(ROCE_MTU_JUMBO):.3f}):")
-    for label, algorithm in (("wait-free", "hierarchical"), ("wait-free, ring", "ring")):
+    for label, algorithm in WAIT_FREE_COLUMNS.items():
         jumbo = horovod_cases(wait_free=True, algorithm=algorithm, payload_share=roce_payload_share(ROCE_MTU_JUMBO))
         diffs = [row["projected"] / row["published"] - 1 for row in jumbo]
         print(f"  {label}: " + ", ".join(f"{row['case'].split(' (')[0].removeprefix('Horovod ')} {100 * d:+.1f}%"
                                          for row, d in zip(jumbo, diffs))
               + f"; {sum(abs(d) <= 0.10 for d in diffs)} of {len(diffs)} within 10%")
     print("payload shares of the 25 Gbit/s (0.50 to 1.00 in steps of 0.01) at which all 6 Horovod cases are within 10%:")
-    for label, algorithm in (("wait-free", "hierarchical"), ("wait-free, ring", "ring")):
+    for label, algorithm in WAIT_FREE_COLUMNS.items():
         print(f"  {label}: {shares_within(algorithm)}")
     return 0
 
@@ -257,17 +260,17 @@ def shares_within(algorithm: str, tolerance: float = 0.10) -> str:
     """The payload shares of the Horovod servers' link at which every Horovod case of the
     wait-free column is within `tolerance` of its published efficiency: how much the
     verdict hangs on the share, which no source gives for that cluster."""
-    good = [share / 100 for share in range(50, 101)
+    good = [percent for percent in range(50, 101)
             if all(abs(row["projected"] / row["published"] - 1) <= tolerance
-                   for row in horovod_cases(wait_free=True, algorithm=algorithm, payload_share=share / 100))]
+                   for row in horovod_cases(wait_free=True, algorithm=algorithm, payload_share=percent / 100))]
     if not good:
         return "none"
-    runs = [[good[0], good[0]]]
-    for share in good[1:]:
-        if share - runs[-1][1] > 0.011:
-            runs.append([share, share])
-        runs[-1][1] = share
-    return ", ".join(f"{low:.2f} to {high:.2f}" for low, high in runs)
+    runs = [[good[0], good[0]]]  # consecutive percents joined into ranges
+    for percent in good[1:]:
+        if percent > runs[-1][1] + 1:
+            runs.append([percent, percent])
+        runs[-1][1] = percent
+    return ", ".join(f"{low / 100:.2f} to {high / 100:.2f}" for low, high in runs)
 
 
 if __name__ == "__main__":

@@ -342,7 +342,7 @@ def band_variants(workload: Workload, machine, profile: dict, runs: list[dict], 
     compute = intervals.mean_interval(samples)
     spans = [f"t_c {intervals.format_interval(compute, '.4g')} s ({compute.kind}, {compute.n} runs)"]
     links = [{}]
-    if profile.get("intra_node") == "measured" and commbench is not None:
+    if hardware.measured_here(profile) and commbench is not None:
         ends = benchmark_link_ends(commbench)
         if ends is not None:
             links = list(ends)

@@ -193,7 +193,7 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         source["ps_request"] = "profile" if "ps_request_us" in profile else "0: not modelled (no key 'ps_request_us')"
     intra_section = profile.get("intra_node")
     needs_fit = False
-    if intra_section == "measured":
+    if measured_here(profile):
         if commbench is None:
             raise ConfigError(f"{where}: key 'intra_node': 'measured' needs the communication benchmark's result "
                               f"(python -m dtstudy commbench)")
@@ -224,12 +224,18 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
     return Machine(gpus_per_node=gpus, intra=intra, inter=inter, overlap=float(overlap), **kwargs), source, needs_fit
 
 
+def measured_here(profile: dict) -> bool:
+    """Whether a profile is the machine the study runs on: its links inside a node are this
+    machine's communication benchmark (`intra_node: measured`)."""
+    return profile.get("intra_node") == "measured"
+
+
 def study_machine(profile: dict, commbench: dict | None = None) -> tuple[Machine, dict]:
     """machine_from_profile for a study's projection, whose profile must give intra_node (or
     `measured`): a study has no single-node throughput to fit it to. Without `commbench`
     (the study is starting; the benchmark runs later) `measured` links stand in as one, so
     that the rest of the profile is checked."""
-    if commbench is None and profile.get("intra_node") == "measured":
+    if commbench is None and measured_here(profile):
         profile = {**profile, "intra_node": {"bandwidth_gbyte_s": 1}}
     machine, source, needs_fit = machine_from_profile(profile, commbench)
     if needs_fit:

@@ -342,23 +342,16 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
                           f"the corners of its measured inputs' 95% intervals: {spans}; the profile's given values "
                           f"and the benchmark's kernels, jitter and compute slowdown held; measured (low-high): "
                           f"the runs' mean with its t interval (3 seeds or more) or range (2)")
-    comparable = _comparable_runs(profile, machine)
-    measured = {key: value for key, value in measured.items() if comparable(key[1])}
-    measured_exchange = {key: value for key, value in measured_exchange.items() if comparable(key[1])}
-    provenance["measured"] = (f"the study's runs at N <= {machine.gpus_per_node}, beside the profile measured on "
-                              f"the machine that ran them" if profile.get("intra_node") == "measured" else
-                              "none: this profile is another machine than the one the runs ran on")
+    # the runs compare only with the machine they ran on, and only up to its cores: more
+    # workers than cores ran oversubscribed here, while the projection spreads them over nodes
+    here = hardware.measured_here(profile)
+    largest = machine.gpus_per_node if here else 0
+    measured = {key: value for key, value in measured.items() if key[1] <= largest}
+    measured_exchange = {key: value for key, value in measured_exchange.items() if key[1] <= largest}
+    provenance["measured"] = (f"the study's runs at N <= {largest}, beside the profile measured on the machine that "
+                              f"ran them" if here else "none: this profile is another machine than the one the runs ran on")
     workers = sorted(set(config["projection"]["workers"]))
     rows = project(workload, machine, strategies, workers, params, profile["name"],
                    Stragglers.from_config(config.get("stragglers")), measured, measured_exchange, band)
     return rows, provenance
 
-
-def _comparable_runs(profile: dict, machine: Machine):
-    """Which N of the study's runs compare with this profile's projection: only the profile
-    whose links were measured here (`intra_node: measured`) is the machine they ran on, and
-    only up to its gpus_per_node (one node, as they ran: more workers than cores were
-    oversubscribed here, while the projection spreads them over nodes)."""
-    if profile.get("intra_node") != "measured":
-        return lambda workers: False
-    return lambda workers: workers <= machine.gpus_per_node
