@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,9 +25,8 @@ WORKFLOW = str(REPO / "workflow")
 sys.path[:0] = [str(REPO / "tests"), WORKFLOW]
 
 from conftest import run_snakemake, tiny_study  # noqa: E402
-from dtstudy import calibration, hardware, projection  # noqa: E402
+from dtstudy import projection  # noqa: E402
 from dtstudy.config import validate_schema  # noqa: E402
-from dtstudy import perfmodel as pm  # noqa: E402
 from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS  # noqa: E402
 
 
@@ -35,6 +36,7 @@ from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS  # noqa: E402
 # protocol's cost per round trip (measured on the N=1 parameter-server runs), not that sharing.
 ON_MACHINE = [name for name in SPECS if name != "no_exchange"]
 TOLERANCE = 0.15
+RECORD = "benchmarks/records/projection_on_machine.json"  # what tests/test_projection.py reads
 MIN_CORE_SHARE = 0.8  # each of 2 busy processes must get this much of a core
 
 
@@ -63,18 +65,22 @@ def checked_bench(when: str, gloo_loop_nice: int) -> dict:
     return bench
 
 
-def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
+def bench_study(steps: int, strategies: list[str]) -> dict:
+    """The rounds' study: N=1 and N=2, seeds 0 and 1, `steps` steps of 64 images per worker."""
+    # 8100 training images: 63 steps of 2 x 64 per epoch; enough epochs for `steps` at N=1
+    return tiny_study(strategies=strategies, workers=[1, 2], seeds=[0, 1], dataset={"subset": 9000},
+                      train={"epochs": math.ceil(steps * 64 / 8100), "batch_size": 64, "max_steps": steps,
+                             "steady_state_skip": 10})
+
+
+def one_repeat(tmp_path: Path, study: dict, validated: dict) -> dict:
     """One round, in this order: the benchmark, the N=1 calibration runs (seed 0: allreduce,
     and each parameter server's), the N=2 run of each strategy, the N=1 runs again (seed 1),
-    the benchmark again; the model calibrated on the mean of both benchmarks and of both
+    the benchmark again; the model is calibrated on the mean of both benchmarks and of both
     seeds' N=1 runs, which bracket the N=2 runs in time.
-    Returns {strategy: (predicted, measured)}."""
-    # 8100 training images: 63 steps of 2 x 64 per epoch; enough epochs for `steps` at N=1
-    study = tiny_study(strategies=strategies, workers=[1, 2], seeds=[0, 1], dataset={"subset": 9000},
-                       train={"epochs": math.ceil(steps * 64 / 8100), "batch_size": 64, "max_steps": steps,
-                              "steady_state_skip": 10})
+    Returns the round's record: {"bench": the two benchmarks' mean, "runs": {target: metrics.json}}."""
+    strategies = validated["strategies"]
     # gloo's event loops in the benchmark as in the runs (the commbench rule does the same)
-    validated = validate_schema(copy.deepcopy(study))
     nice = validated["launcher"]["gloo_loop_nice"]
     before = checked_bench("before the runs", nice)
     # N=1 runs: the plain one (compute) and each parameter server's (the protocol's cost per
@@ -93,52 +99,80 @@ def one_repeat(tmp_path: Path, steps: int, strategies: list[str]) -> dict:
     finally:
         os.environ["PYTHONPATH"] = env_path
     bench = bracketed(before, checked_bench("after the runs", nice))
-    runs = calibration.read_runs([tmp_path / t for t in before_runs + after_runs + measured_runs])
-    parameters = calibration.parameters_from_runs(runs)
-    single = [r for r in runs if r["workers"] == 1 and r["comm_s"] == 0]
-    workload, _ = calibration.workload_from_runs(runs, parameters)  # N=1 compute; PowerSGD's bytes at N=2
-    workload, _ = calibration.with_study_layers(workload, validated["model"])  # as the study's `project` rule
-    profile = hardware.load_profile("this_machine")
-    machine, _, _ = hardware.machine_from_profile(profile, bench)
-    params = hardware.check_strategy_params(profile, strategies, pm.knob_defaults())
-    machine, request_source = calibration.with_ps_request(machine, profile, runs, workload, params)
+    record = {"bench": bench, "runs": {t: json.loads((tmp_path / t).read_text())
+                                       for t in before_runs + after_runs + measured_runs}}
     fit = bench["fit"]["allreduce"]  # printed: the calibration inputs are what swings between repeats
-    steps_ms = " then ".join(f"{(r['total_s'] + r['data_s']) * 1e3:.2f}" for r in single)
+    steps_ms = " then ".join(f"{(m['step_time']['total_s'] + m['step_time']['data_s']) * 1e3:.2f}"
+                             for m in record["runs"].values() if m["workers"] == 1 and m["strategy"] == "allreduce")
     print(f"all-reduce fit: latency {fit['latency_s'] * 1e6:.0f} us, bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s; "
           f"compute scale at 2 busy {bench['compute_scale']['2']:.3f}; N=1 compute {steps_ms} ms; "
-          f"skew {machine.skew_fraction:.3f}; core share {bench['cpu_share']}"
-          + (f"; parameter-server round trip {request_source}" if request_source else ""))
-    # the prediction with its band, as the study's rule has them (projection.project)
-    band, _ = calibration.band_variants(workload, machine, profile, runs, params, bench)
-    measured = {r["strategy"]: r["throughput"] for r in runs if r["workers"] == 2}
-    result = {}
-    for row in projection.project(workload, machine, list(measured), [2], params, profile["name"], band=band):
-        predicted, low, high = row["throughput"], row["throughput_low"], row["throughput_high"]
-        seen = measured[row["strategy"]]
-        result[row["strategy"]] = (predicted, seen, low, high)
-        print(f"  {row['strategy']:16s} predicted {predicted:8.0f} [{low:.0f}, {high:.0f}]  measured {seen:8.0f}  "
+          f"skew {bench['jitter']['skew_fraction']:.3f}; core share {bench['cpu_share']}")
+    return record
+
+
+def study_config(validated: dict) -> dict:
+    """What the `project` rule reads of a round's study config, projected to N=2 on this machine."""
+    kept = {key: validated[key] for key in ("model", "strategies", "strategy_params", "stragglers")}
+    return {**kept, "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+
+
+def predicted_vs_measured(record: dict, config: dict, folder: Path) -> dict:
+    """The study's `project` rule (projection.run_study) on one round's runs and benchmark,
+    written into `folder`: {strategy: (predicted, measured, low, high)} images/s at N=2, the
+    prediction with its band. tests/test_projection.py runs this on the recorded rounds."""
+    paths = []
+    for target, metrics in record["runs"].items():
+        path = folder / target
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(metrics))
+        paths.append(str(path))
+    bench_path = folder / "commbench.json"
+    bench_path.write_text(json.dumps(record["bench"]))
+    rows = projection.run_study(paths, str(bench_path), config, str(folder / "projection.csv"),
+                                str(folder / "projection.md"), str(folder / "projection.png"))
+    return {row["strategy"]: (row["throughput"], row["measured_throughput"], row["throughput_low"],
+                              row["throughput_high"]) for row in rows if row["workers"] == 2}
+
+
+def print_round(result: dict) -> None:
+    for strategy, (predicted, seen, low, high) in result.items():
+        print(f"  {strategy:16s} predicted {predicted:8.0f} [{low:.0f}, {high:.0f}]  measured {seen:8.0f}  "
               f"{100 * (predicted / seen - 1):+6.1f}%{'' if low <= seen <= high else '  outside the band'}")
-    return result
 
 
-def main(repeats: int, steps: int, strategies: list[str]) -> None:
+def verdict(rounds: list[dict], strategies: list[str]) -> dict:
+    """Each strategy's error on the medians over the rounds (predicted / measured - 1)."""
+    return {strategy: statistics.median(r[strategy][0] for r in rounds)
+            / statistics.median(r[strategy][1] for r in rounds) - 1 for strategy in strategies}
+
+
+def main(repeats: int, steps: int, strategies: list[str], record_path: str | None) -> None:
     """`repeats` rounds one after the other; the verdict on the medians of each side, with the
-    rounds' ranges beside them (a single round of 60 steps moves by tens of percent here)."""
-    rounds = []
+    rounds' ranges beside them (a single round of 60 steps moves by tens of percent here).
+    With `record_path`, every round's runs and benchmark go into that JSON file with the
+    machine and commit, for tests/test_projection.py to hold the model to."""
+    study = bench_study(steps, strategies)
+    validated = validate_schema(copy.deepcopy(study))
+    config = study_config(validated)
+    records, rounds = [], []
     for k in range(repeats):
         print(f"round {k + 1} of {repeats}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
-            rounds.append(one_repeat(Path(folder), steps, strategies))
+            records.append(one_repeat(Path(folder), study, validated))
+        with tempfile.TemporaryDirectory() as folder:
+            rounds.append(predicted_vs_measured(records[-1], config, Path(folder)))
+        print_round(rounds[-1])
+    if record_path:
+        write_record(record_path, records, config, repeats, steps)
     print(f"\nmedians over {repeats} rounds (min-max); strategy, predicted, measured images/s at N=2, error")
-    misses, single = [], 0
+    errors = verdict(rounds, strategies)
     for strategy in strategies:
         predicted = [r[strategy][0] for r in rounds]
         measured = [r[strategy][1] for r in rounds]
-        error = statistics.median(predicted) / statistics.median(measured) - 1
         print(f"{strategy:16s} {statistics.median(predicted):8.0f} ({min(predicted):.0f}-{max(predicted):.0f}) "
-              f"{statistics.median(measured):8.0f} ({min(measured):.0f}-{max(measured):.0f}) {100 * error:+6.1f}%")
-        if abs(error) > TOLERANCE:
-            misses.append(strategy)
+              f"{statistics.median(measured):8.0f} ({min(measured):.0f}-{max(measured):.0f}) "
+              f"{100 * errors[strategy]:+6.1f}%")
+    misses = [strategy for strategy, error in errors.items() if abs(error) > TOLERANCE]
     single = sum(all(abs(p / m - 1) <= TOLERANCE for p, m, _, _ in r.values()) for r in rounds)
     print(f"within {TOLERANCE:.0%} (medians): {len(strategies) - len(misses)} of {len(strategies)}"
           + (f"; beyond: {', '.join(misses)}" if misses else "")
@@ -148,6 +182,29 @@ def main(repeats: int, steps: int, strategies: list[str]) -> None:
           f"{len(strategies) * repeats} strategy-rounds")
 
 
+def write_record(path: str, records: list[dict], config: dict, repeats: int, steps: int) -> None:
+    """The rounds' measurements with where and when they were taken (atomically: a record
+    is whole or absent)."""
+    import platform
+    import subprocess
+
+    import torch
+
+    from dtstudy.atomic_files import write_json
+    from dtstudy.provenance import cpu_model
+
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    write_json(path, {
+        "provenance": {"command": f"python3 benchmarks/projection_on_machine.py --repeats {repeats} --steps {steps} "
+                                  f"--strategies {','.join(config['strategies'])} --record {path}",
+                       "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                       "torch": torch.__version__},
+        "config": config, "rounds": records})
+    print(f"recorded {len(records)} rounds in {path}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds, one after the other (default 5)")
@@ -155,5 +212,7 @@ if __name__ == "__main__":
                         help="training steps of every run, N=1 (the calibration) and N=2 (default 300)")
     parser.add_argument("--strategies", default=",".join(ON_MACHINE),
                         help="comma-separated (default: every two-process strategy)")
+    parser.add_argument("--record", metavar="JSON",
+                        help="write every round's runs and benchmark here (the test's record: " + RECORD + ")")
     args = parser.parse_args()
-    main(args.repeats, args.steps, args.strategies.split(","))
+    main(args.repeats, args.steps, args.strategies.split(","), args.record)
