@@ -35,12 +35,17 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
     dist.init_process_group("gloo", rank=rank, world_size=world)
     lower_gloo_event_loops(gloo_loop_nice)  # as in a training run (launcher.gloo_loop_nice)
     results = {"allreduce": [], "p2p": []}
+    # each collective timed right after a burst of compute, as a training step meets it after
+    # its backward: timed back to back, a small all-reduce here took 270-370 us (median),
+    # after a LeNet-5 backward 350-440 us
+    burst = _burst_net()
     for size in sizes:
         buffer = torch.ones(size // 4, dtype=torch.float32)
         for _ in range(3):
             dist.all_reduce(buffer)
         times = []
         for _ in range(repeats):
+            burst()
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(buffer)
@@ -49,6 +54,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
         # one-way point-to-point time: half a ping-pong between ranks 0 and 1
         times = []
         for i in range(repeats + 3):
+            burst()
             dist.barrier()
             start = time.perf_counter()
             if rank == 0:
@@ -194,8 +200,10 @@ def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
     bucket = _OneBucket(list(net.parameters()))
     gradient = torch.randn(bucket.buffer().numel())
     untimed = knobs.get("start_powerSGD_iter", 0) + 2  # PowerSGD's plain all-reduces first; a warm-up
+    burst = _burst_net()  # before each exchange, as after a training step's backward (see _worker)
     samples = []
     for i in range(untimed + repeats):
+        burst()
         bucket.buffer().copy_(gradient)
         start = time.perf_counter()
         strategy.exchange(bucket).wait()
@@ -240,11 +248,14 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     nbytes = numel * 4
     gradient = torch.randn(numel)
 
+    burst = _burst_net()  # before each timing, as a step meets the kernel (see _worker)
+
     def timed(fn, nbytes: int = nbytes) -> float:
         for _ in range(2):
             fn()
         samples = []
         for _ in range(repeats):
+            burst()
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
