@@ -99,7 +99,7 @@ def one_repeat(tmp_path: Path, study: dict, validated: dict) -> dict:
     finally:
         os.environ["PYTHONPATH"] = env_path
     bench = bracketed(before, checked_bench("after the runs", nice))
-    record = {"bench": bench, "runs": {t: json.loads((tmp_path / t).read_text())
+    record = {"bench": bench, "runs": {t: recorded(json.loads((tmp_path / t).read_text()))
                                        for t in before_runs + after_runs + measured_runs}}
     fit = bench["fit"]["allreduce"]  # printed: the calibration inputs are what swings between repeats
     steps_ms = " then ".join(f"{(m['step_time']['total_s'] + m['step_time']['data_s']) * 1e3:.2f}"
@@ -108,6 +108,15 @@ def one_repeat(tmp_path: Path, study: dict, validated: dict) -> dict:
           f"compute scale at 2 busy {bench['compute_scale']['2']:.3f}; N=1 compute {steps_ms} ms; "
           f"skew {bench['jitter']['skew_fraction']:.3f}; core share {bench['cpu_share']}")
     return record
+
+
+#: what a record leaves out of each metrics.json: the training curve and validation (the
+#: accuracy side; three fifths of the bytes), not what the model is held to
+UNRECORDED = ("train_loss", "val", "val_grid", "lr_schedule")
+
+
+def recorded(metrics: dict) -> dict:
+    return {key: value for key, value in metrics.items() if key not in UNRECORDED}
 
 
 def study_config(validated: dict) -> dict:
@@ -154,6 +163,7 @@ def main(repeats: int, steps: int, strategies: list[str], record_path: str | Non
     study = bench_study(steps, strategies)
     validated = validate_schema(copy.deepcopy(study))
     config = study_config(validated)
+    commit = source_commit()
     records, rounds = [], []
     for k in range(repeats):
         print(f"round {k + 1} of {repeats}", flush=True)
@@ -163,7 +173,7 @@ def main(repeats: int, steps: int, strategies: list[str], record_path: str | Non
             rounds.append(predicted_vs_measured(records[-1], config, Path(folder)))
         print_round(rounds[-1])
     if record_path:
-        write_record(record_path, records, config, repeats, steps)
+        write_record(record_path, records, config, repeats, steps, commit)
     print(f"\nmedians over {repeats} rounds (min-max); strategy, predicted, measured images/s at N=2, error")
     errors = verdict(rounds, strategies)
     for strategy in strategies:
@@ -182,26 +192,31 @@ def main(repeats: int, steps: int, strategies: list[str], record_path: str | Non
           f"{len(strategies) * repeats} strategy-rounds")
 
 
-def write_record(path: str, records: list[dict], config: dict, repeats: int, steps: int) -> None:
+def source_commit() -> str:
+    """The code the rounds ran, taken when they start ("-dirty": with uncommitted changes)."""
+    import subprocess
+
+    return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                          cwd=REPO).stdout.strip()
+
+
+def write_record(path: str, records: list[dict], config: dict, repeats: int, steps: int, commit: str) -> None:
     """The rounds' measurements with where and when they were taken (atomically: a record
     is whole or absent)."""
     import platform
-    import subprocess
 
     import torch
 
-    from dtstudy.atomic_files import write_json
+    from dtstudy.atomic_files import write_text
     from dtstudy.provenance import cpu_model
 
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
-    write_json(path, {
+    write_text(path, json.dumps({
         "provenance": {"command": f"python3 benchmarks/projection_on_machine.py --repeats {repeats} --steps {steps} "
                                   f"--strategies {','.join(config['strategies'])} --record {path}",
                        "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        "cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__},
-        "config": config, "rounds": records})
+        "config": config, "rounds": records}) + "\n")  # one line: the record is 0.4 MB
     print(f"recorded {len(records)} rounds in {path}")
 
 
