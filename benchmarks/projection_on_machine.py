@@ -1,10 +1,11 @@
 """On this machine: calibrated on N=1 and the communication benchmark, how well the
 performance model predicts the measured N=2 throughput (target: within 15%), measured side
-by side in one run. Not a test: the machine's noise (identical runs differ by tens of
+by side in one run. Not a timed test: the machine's noise (identical runs differ by tens of
 percent) decides too much of it; the figures are quoted in README ("Projection past the
-machine").
+machine"). With --record, the rounds' runs and benchmark are written to a file, and
+tests/test_projection.py holds the model, as the code stands, to the one in RECORD.
 
-    python3 benchmarks/projection_on_machine.py [--repeats 5] [--steps 300]
+    python3 benchmarks/projection_on_machine.py [--repeats 5] [--steps 300] [--record FILE]
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def write_record(path: str, records: list[dict], config: dict, repeats: int, ste
                        "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        "cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__},
-        "config": config, "rounds": records}) + "\n")  # one line: the record is 0.4 MB
+        "config": config, "rounds": records}) + "\n")  # one line: 5 rounds of 12 strategies are 0.5 MB
     print(f"recorded {len(records)} rounds in {path}")
 
 
