@@ -3,7 +3,7 @@ performance model predicts the measured N=2 throughput (target: within 15%), mea
 by side in one run. Not a timed test: the machine's noise (identical runs differ by tens of
 percent) decides too much of it; the figures are quoted in README ("Projection past the
 machine"). With --record, the rounds' runs and benchmark are written to a file, and
-tests/test_projection.py holds the model, as the code stands, to the one in RECORD.
+tests/test_projection.py holds the model, as the code stands, to each in RECORDS.
 
     python3 benchmarks/projection_on_machine.py [--repeats 5] [--steps 300] [--record FILE]
 """
@@ -37,7 +37,7 @@ from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS  # noqa: E402
 # protocol's cost per round trip (measured on the N=1 parameter-server runs), not that sharing.
 ON_MACHINE = [name for name in SPECS if name != "no_exchange"]
 TOLERANCE = 0.15
-RECORD = "benchmarks/records/projection_on_machine.json"  # what tests/test_projection.py reads
+RECORDS = "benchmarks/records/projection_on_machine-*.json"  # what tests/test_projection.py reads
 MIN_CORE_SHARE = 0.8  # each of 2 busy processes must get this much of a core
 
 
@@ -229,6 +229,6 @@ if __name__ == "__main__":
     parser.add_argument("--strategies", default=",".join(ON_MACHINE),
                         help="comma-separated (default: every two-process strategy)")
     parser.add_argument("--record", metavar="JSON",
-                        help="write every round's runs and benchmark here (the test's record: " + RECORD + ")")
+                        help="write every round's runs and benchmark here (the test reads " + RECORDS + ")")
     args = parser.parse_args()
     main(args.repeats, args.steps, args.strategies.split(","), args.record)
