@@ -947,9 +947,9 @@ def test_two_series_on_this_machine_are_recorded():
 def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, path):
     """The issue's on-machine target, held on measurements instead of timed here (a test must
     not time this noisy machine): each benchmarks/records/projection_on_machine-*.json holds a
-    series of rounds of benchmarks/projection_on_machine.py --record, each one side by side on the 2-core machine
-    (the communication benchmark, the N=1 runs, every strategy's N=2 run, the N=1 runs and
-    the benchmark again). The study's `project` rule, as the code now stands, calibrated on
+    series of rounds of benchmarks/projection_on_machine.py --record, each one side by side on
+    the 2-core machine (the communication benchmark, the N=1 runs, every strategy's N=2 run,
+    the N=1 runs and the benchmark again). The study's `project` rule, as the code now stands, calibrated on
     each round's N=1 runs and benchmark, predicts every strategy's N=2 throughput within 15%
     on the medians over the rounds. A change of the model or its calibration that moves a
     strategy out fails here; new records (another machine, another torch) replace the files."""

@@ -213,9 +213,9 @@ def plot(rows: list[dict], path: str | Path) -> None:
         ax_thr.set_yscale("log")
         ax_thr.set_ylabel("images/s (all workers)")
         ax_eff.set_ylabel("efficiency S(N)/N (%)")
-        measured_here = any(r["measured_throughput"] != "" for r in rows if r["profile"] == profile)
+        has_points = any(r["measured_throughput"] != "" for r in rows if r["profile"] == profile)
         ax_thr.set_title(f"{profile}: projected (lines; shade: the band of the measured inputs' 95% intervals)\n"
-                         + ("measured here (points; bars: the runs' spread)" if measured_here
+                         + ("measured here (points; bars: the runs' spread)" if has_points
                             else "no measured points: another machine than the runs'"), fontsize=10)
         ax_eff.set_title(f"{profile}: efficiency against the modelled N=1")
         ax_eff.legend(fontsize=7, ncol=2)
@@ -354,4 +354,3 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
     rows = project(workload, machine, strategies, workers, params, profile["name"],
                    Stragglers.from_config(config.get("stragglers")), measured, measured_exchange, band)
     return rows, provenance
-
