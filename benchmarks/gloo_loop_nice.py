@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from dtstudy.config import run_config, validate_schema
+from dtstudy.config.study_config import run_config, validate_schema
 from dtstudy.data import prepare
-from dtstudy.launcher import run_training_job
+from dtstudy.launch.launcher import run_training_job
 from dtstudy.runspec import RunSpec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"

@@ -21,7 +21,7 @@ import time
 import torch
 
 from dtstudy.data import EVAL_BATCH
-from dtstudy.models import build_model, inference_layout
+from dtstudy.training.models import build_model, inference_layout
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dtstudy.models import build_model
+from dtstudy.training.models import build_model
 
 IMPLEMENTATIONS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

@@ -26,9 +26,9 @@ WORKFLOW = str(REPO / "workflow")
 sys.path[:0] = [str(REPO / "tests"), WORKFLOW]
 
 from conftest import run_snakemake, tiny_study  # noqa: E402
-from dtstudy import projection  # noqa: E402
-from dtstudy.config import validate_schema  # noqa: E402
-from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS  # noqa: E402
+from dtstudy.projection import project
+from dtstudy.config.study_config import validate_schema
+from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS
 
 
 # every strategy with an exchange to model (no_exchange has none). A parameter server's N=2
@@ -56,7 +56,7 @@ def bracketed(before, after):
 
 
 def checked_bench(when: str, gloo_loop_nice: int) -> dict:
-    from dtstudy import commbench
+    from dtstudy.projection import commbench
 
     bench = commbench.measure(repeats=15, gloo_loop_nice=gloo_loop_nice)
     if bench["cpu_share"]["2"] < MIN_CORE_SHARE:
@@ -127,7 +127,7 @@ def study_config(validated: dict) -> dict:
 
 
 def predicted_vs_measured(record: dict, config: dict, folder: Path) -> dict:
-    """The study's `project` rule (projection.run_study) on one round's runs and benchmark,
+    """The study's `project` rule (project.run_study) on one round's runs and benchmark,
     written into `folder`: {strategy: (predicted, measured, low, high)} images/s at N=2, the
     prediction with its band. tests/test_projection.py runs this on the recorded rounds."""
     paths = []
@@ -138,7 +138,7 @@ def predicted_vs_measured(record: dict, config: dict, folder: Path) -> dict:
         paths.append(str(path))
     bench_path = folder / "commbench.json"
     bench_path.write_text(json.dumps(record["bench"]))
-    rows = projection.run_study(paths, str(bench_path), config, str(folder / "projection.csv"),
+    rows = project.run_study(paths, str(bench_path), config, str(folder / "projection.csv"),
                                 str(folder / "projection.md"), str(folder / "projection.png"))
     return {row["strategy"]: (row["throughput"], row["measured_throughput"], row["throughput_low"],
                               row["throughput_high"]) for row in rows if row["workers"] == 2}
@@ -209,7 +209,7 @@ def write_record(path: str, records: list[dict], config: dict, repeats: int, ste
     import torch
 
     from dtstudy.atomic_files import write_text
-    from dtstudy.provenance import cpu_model
+    from dtstudy.tracking.provenance import cpu_model
 
     write_text(path, json.dumps({
         "provenance": {"command": f"python3 benchmarks/projection_on_machine.py --repeats {repeats} --steps {steps} "

@@ -6,7 +6,7 @@ figure. The same model settings apply to every case: fp32 gradients, one all-red
 fusion buffer / bucket, links at their payload rate (the share of the stated rate that
 framing and the transport leave to the gradient bytes, with its sources below). Three ways the exchange hides behind backward, side by side: a fixed
 overlap 0 (the model's default) and 0.5 (sensitivity, not a fit), and the wait-free-backprop
-timeline on each architecture's layer profile (dtstudy.layer_profiles: where its parameters
+timeline on each architecture's layer profile (dtstudy.projection.layer_profiles: where its parameters
 sit and when backprop produces their gradients, from torch's FLOP counter; no constant of it
 is set from a published figure); and the last of them again with the all-reduce as one flat
 ring through every GPU, the algorithm Horovod ran then, instead of the model's default
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
 from scipy.optimize import brentq  # noqa: E402
 
-from dtstudy import layer_profiles  # noqa: E402
-from dtstudy import perfmodel as pm  # noqa: E402
-from dtstudy.perfmodel import Link, Machine, Workload  # noqa: E402
+from dtstudy.projection import layer_profiles
+from dtstudy import perfmodel as pm
+from dtstudy.perfmodel import Link, Machine, Workload
 
 HOROVOD = "https://github.com/horovod/horovod/blob/master/docs/benchmarks.rst"
 TF_BENCH = "https://www.tensorflow.org/performance/benchmarks (TF 1.x, tensorflow/docs r1 guide/performance/benchmarks.md)"

@@ -5,7 +5,7 @@ the N workers' batches (the average of N batch means of b images is the mean ove
 same momentum, weight decay and rate then act on it). This script replays exactly that:
 the workers' DistributedSampler order (seed, epoch), the study's initial weights
 (seed_everything(seed), then build_model), the study's schedule for the global batch
-(dtstudy.schedule.make_schedule), and scores test top-1 on the prepared test split. One
+(dtstudy.training.lr_schedule.make_schedule), and scores test top-1 on the prepared test split. One
 process and one thread, so a 3-epoch run of the whole training set costs ~30 s instead of a
 study's minutes, and several recipes x seeds x N fit in one sitting. The replay agrees with
 the study's own allreduce runs step for step until float rounding (the all-reduce sums in
@@ -31,12 +31,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from dtstudy.config import load_config, validate_schema
+from dtstudy.checks import load_config
+from dtstudy.config.study_config import validate_schema
 from dtstudy.data import load_split
-from dtstudy.evaluate import topk_accuracy
-from dtstudy.models import build_model
-from dtstudy.schedule import make_schedule
-from dtstudy.worker import make_criterion, make_optimizer_factory, seed_everything
+from dtstudy.training.evaluate import topk_accuracy
+from dtstudy.training.models import build_model
+from dtstudy.training.lr_schedule import make_schedule
+from dtstudy.training.loop import make_criterion, make_optimizer_factory, seed_everything
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"  # its train section is "base"
 

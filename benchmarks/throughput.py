@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dtstudy.config import run_config, validate_schema
+from dtstudy.config.study_config import run_config, validate_schema
 from dtstudy.data import load_split, prepare
-from dtstudy.launcher import run_training_job
-from dtstudy.models import build_model
+from dtstudy.launch.launcher import run_training_job
+from dtstudy.training.models import build_model
 from dtstudy.runspec import RunSpec
 
 

@@ -17,7 +17,7 @@ TINY_SUBSET = 2000  # 1800 training + 200 validation images
 
 def tiny_study(**overrides) -> dict:
     """The tiny study of the tests: real Fashion-MNIST subset, 1 epoch, workers 1 and 2."""
-    from dtstudy.config import deep_merge
+    from dtstudy.config.study_config import deep_merge
 
     base = {
         "dataset": {"name": "fashion_mnist", "subset": TINY_SUBSET, "val_fraction": 0.1},
@@ -34,13 +34,14 @@ def tiny_study(**overrides) -> dict:
 def dataset_config(**keys) -> dict:
     """A `dataset` section with `keys` and the schema's defaults for the rest (as a study
     config gets it), so that a new dataset key needs no edit of the tests' configs."""
-    from dtstudy.config import validate_schema
+    from dtstudy.config.study_config import validate_schema
 
     return validate_schema({"dataset": copy.deepcopy(keys)})["dataset"]
 
 
 def validated(config: dict) -> dict:
-    from dtstudy.config import check_config, validate_schema
+    from dtstudy.checks import check_config
+    from dtstudy.config.study_config import validate_schema
 
     config = validate_schema(copy.deepcopy(config))
     check_config(config)
@@ -64,8 +65,8 @@ def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strateg
     Returns (metrics, final state_dict, run folder)."""
     import torch
 
-    from dtstudy.config import run_config
-    from dtstudy.launcher import run_training_job
+    from dtstudy.config.study_config import run_config
+    from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
 
     study = validated(tiny_study(
@@ -110,7 +111,7 @@ def _in_worker(rank: int, workers: int, init_file: str, check, args) -> None:
     import torch
     import torch.distributed as dist
 
-    from dtstudy.strategies import DistContext
+    from dtstudy.strategies.base import DistContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=workers)

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dtstudy import aggregate
+from dtstudy.analysis import aggregate
 
 # Throughput (images/s) per (strategy, workers) for seeds 0 and 1.
 THROUGHPUT = {
@@ -340,10 +340,10 @@ def test_make_plots_writes_four_nontrivial_pngs(runs, run_dirs, tmp_path):
 def test_run_writes_everything_and_adopts_child_runs(tmp_path):
     from mlflow import MlflowClient
 
-    from dtstudy import tracking
+    from dtstudy.tracking import mlflow_store
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    experiment_id = tracking.init_store(uri, "study-test")
+    experiment_id = mlflow_store.init_store(uri, "study-test")
     client = MlflowClient(tracking_uri=uri)
     run_dirs = []
     for workers in (1, 2):

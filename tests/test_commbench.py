@@ -12,7 +12,7 @@ def _powersgd_on_one_bucket(ctx):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-    from dtstudy import commbench
+    from dtstudy.projection import commbench
 
     net, _ = commbench._lenet_sized()
     shapes = [p.shape for p in net.parameters()]
@@ -45,10 +45,10 @@ def _each_compressed_exchange_timed(ctx):
     import torch
     import torch.distributed as dist
 
-    from dtstudy import commbench
-    from dtstudy.strategies import STRATEGIES
+    from dtstudy.projection import commbench
+    from dtstudy.strategies.registry import STRATEGIES
     from dtstudy.strategies.compressed import dequantize, quantization_groups, quantize
-    from dtstudy.strategy_specs import SPECS
+    from dtstudy.strategies.specs import SPECS
 
     # fp16: in a group of one, the hook's round trip is the casts alone
     net, _ = commbench._lenet_sized()
@@ -104,7 +104,7 @@ def test_a_failing_process_fails_the_benchmark_instead_of_hanging():
 
     from conftest import REPO
 
-    code = ("from dtstudy import commbench\n"
+    code = ("from dtstudy.projection import commbench\n"
             "if __name__ == '__main__':\n"
             "    commbench.measure(sizes=[-4], repeats=1)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow")}

@@ -13,20 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import in_workers, tiny_study, train_run, validated
-from dtstudy.config import ConfigError
+from dtstudy.errors import ConfigError
 from dtstudy.strategies import compressed
-from dtstudy.strategies.compressed import (
-    AllReduceOneBit,
-    chunk_groups,
-    compress_with_feedback,
-    decode,
-    dequantize,
-    encode,
-    pack_signs,
-    quantization_groups,
-    quantize,
-    unpack_signs,
-)
+from dtstudy.strategies.compressed import AllReduceOneBit, chunk_groups, compress_with_feedback, decode, dequantize, encode, pack_signs, quantization_groups, quantize, unpack_signs
 
 
 def test_signs_pack_eight_to_a_byte_and_unpack():
@@ -326,7 +315,7 @@ def two_worker_runs(tmp_path_factory, tiny_data):
 
 
 def _lenet_shapes() -> list[torch.Size]:
-    from dtstudy.models import build_model
+    from dtstudy.training.models import build_model
 
     return [p.shape for p in build_model("lenet5", 1, 10, 28).parameters()]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_study, validated
-from dtstudy.config import ConfigError, deep_merge, load_config, run_config, validate_schema
+from dtstudy.errors import ConfigError
+from dtstudy.config.study_config import deep_merge, run_config, validate_schema
+from dtstudy.checks import load_config
 
 
 def test_schema_fills_every_default():

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from conftest import REPO, run_snakemake, tiny_study, validated
-from dtstudy import schema, strategy_specs
-from dtstudy.config import ConfigError
-from dtstudy.strategy_specs import SPECS
+from dtstudy.config import schema
+from dtstudy.strategies import specs
+from dtstudy.errors import ConfigError
+from dtstudy.strategies.specs import SPECS
 
 # (override of the tiny study, the key named, the value as the message shows it, what it is not)
 TYPE_MATRIX = [
@@ -81,7 +82,7 @@ def test_a_spec_without_a_knob_schema_fails_at_import(monkeypatch):
     del knob_schemas["gossip"]
     monkeypatch.setattr(schema, "knob_schemas", lambda: knob_schemas)
     with pytest.raises(RuntimeError, match="gossip"):
-        strategy_specs._attach_knob_schemas()
+        specs._attach_knob_schemas()
 
 
 def test_a_knob_without_a_default_fails_at_import(monkeypatch):
@@ -89,9 +90,9 @@ def test_a_knob_without_a_default_fails_at_import(monkeypatch):
     del knob_schemas["gossip"]["properties"]["topology"]["default"]
     monkeypatch.setattr(schema, "knob_schemas", lambda: knob_schemas)
     with pytest.raises(RuntimeError, match="strategy_params.gossip"):
-        strategy_specs._attach_knob_schemas()
+        specs._attach_knob_schemas()
     monkeypatch.undo()
-    strategy_specs._attach_knob_schemas()  # the real schema again
+    specs._attach_knob_schemas()  # the real schema again
     assert SPECS["gossip"].defaults == {"topology": "ring"}
 
 

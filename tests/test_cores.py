@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import train_run
-from dtstudy import cores
+from dtstudy.launch import cores
 
 CORES = len(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(CORES < 2, reason="needs 2 cores")
@@ -36,7 +36,7 @@ def test_leases_are_distinct_and_exhaustible(private_leases):
 
 def test_a_killed_holder_frees_its_cores(private_leases, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from dtstudy import cores; "
+        [sys.executable, "-c", "import sys, time; from dtstudy.launch import cores; "
          f"held = cores.lease({CORES}); print(held.cores, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True, env=os.environ)
     try:

@@ -188,7 +188,7 @@ def test_check_dataset_does_not_import_torch():
         "import sys; from dtstudy import data; "
         f"data.check_dataset({make_cfg()!r}); assert 'torch' not in sys.modules"
     )
-    env = {"PYTHONPATH": str(Path(data.__file__).parents[1])}
+    env = {"PYTHONPATH": str(Path(data.__file__).parents[2])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 

@@ -101,7 +101,7 @@ def test_plain_tree_check_stays_torch_free(plain_tree):
         f"n = data.check_dataset({make_cfg(root=str(plain_tree))!r}); "
         "assert n == 22, n; assert 'torch' not in sys.modules and 'PIL' not in sys.modules"
     )
-    env = {"PYTHONPATH": str(Path(data.__file__).parents[1])}
+    env = {"PYTHONPATH": str(Path(data.__file__).parents[2])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import assert_same_parameters, in_workers, tiny_study, train_run, validated
-from dtstudy.config import ConfigError
+from dtstudy.errors import ConfigError
 from dtstudy.strategies.gossip import Gossip, pair_partner, ring_neighbours
 from dtstudy.strategies.local import EASGD, LocalSGD
 
@@ -67,11 +67,11 @@ def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_da
     mean of the workers' running statistics is not the averaged model's): the checkpoint's
     statistics are those update_bn computes for its parameters on the first batches."""
     from dtstudy.data import load_split
-    from dtstudy.models import build_model
-    from dtstudy.strategies import Strategy
+    from dtstudy.training.models import build_model
+    from dtstudy.strategies.base import Strategy
 
-    from dtstudy.config import run_config
-    from dtstudy.launcher import run_training_job
+    from dtstudy.config.study_config import run_config
+    from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
 
     batch = 8

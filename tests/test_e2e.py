@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from conftest import read_json, run_snakemake, tiny_study
-from dtstudy import aggregate
-from dtstudy.strategies import STRATEGIES
+from dtstudy.analysis import aggregate
+from dtstudy.strategies.registry import STRATEGIES
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import assert_same_parameters, read_json, tiny_study
-from dtstudy.run_tracker import RUN_ID_FILE
+from dtstudy.tracking.live_run import RUN_ID_FILE
 from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE
 from test_pool import training_runs, wait_for_output
 
@@ -32,7 +32,7 @@ TASKS = {"local_processes": "tasks", "timeout_min": TIMEOUT_MIN}
 def launch(tmp_path: Path, data_dir: Path, strategy: str, name: str = "run", train=None, launcher=None, **config):
     """`python -m dtstudy train` of an N=2 run on the tasks path, tracked in a SQLite store
     of its own; the study config and the command, so that the run can be started again."""
-    from dtstudy.tracking import init_store
+    from dtstudy.tracking.mlflow_store import init_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     init_store(uri, "distributed-training-study")
@@ -130,7 +130,7 @@ def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, 
 def test_a_slurm_job_ends_all_its_tasks_when_one_fails():
     """srun --kill-on-bad-exit: a task that exits non-zero (a lost peer seen, an error) ends
     the job's other tasks at once, on every node."""
-    from dtstudy.launcher import job_parameters
+    from dtstudy.launch.launcher import job_parameters
     from test_launcher import spec_for
 
     assert job_parameters(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}))["slurm_srun_args"] == [
@@ -219,21 +219,21 @@ CALLS, POINTS = 40, 5  # per writer: batches of metric points, as a live run sen
 
 
 def _write_metrics(uri: str, writer: int) -> None:
-    from dtstudy import tracking
+    from dtstudy.tracking import mlflow_store
 
-    tracking.client_for.cache_clear()  # a forked child opens its own database engine
-    record = tracking.start_training_run(uri, "distributed-training-study", f"writer-{writer}",
+    mlflow_store.client_for.cache_clear()  # a forked child opens its own database engine
+    record = mlflow_store.start_training_run(uri, "distributed-training-study", f"writer-{writer}",
                                          {"writer": str(writer)}, {"writer": writer})
     for call in range(CALLS):
         points = [("train_loss", float(writer), call * POINTS + i, int(time.time() * 1000)) for i in range(POINTS)]
-        tracking.log_metric_points(uri, record["run_id"], points)
-    tracking.end_run(uri, record["run_id"], "FINISHED")
+        mlflow_store.log_metric_points(uri, record["run_id"], points)
+    mlflow_store.end_run(uri, record["run_id"], "FINISHED")
 
 
 def test_sixteen_processes_writing_to_one_sqlite_store_lose_no_metric(tmp_path):
     from mlflow import MlflowClient
 
-    from dtstudy.tracking import init_store
+    from dtstudy.tracking.mlflow_store import init_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     init_store(uri, "distributed-training-study")

@@ -1,5 +1,5 @@
 """gloo's event-loop threads run at launcher.gloo_loop_nice (SCHED_IDLE or a nice value) in
-every process of a run and in the communication benchmark (dtstudy.gloo_loops; why: README
+every process of a run and in the communication benchmark (dtstudy.launch.gloo_loops; why: README
 "What one exchange costs")."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import run_snakemake, tiny_study
-from dtstudy.gloo_loops import GLOO_LOOP_THREAD
-from dtstudy.ports import free_port
+from dtstudy.launch.gloo_loops import GLOO_LOOP_THREAD
+from dtstudy.launch.ports import free_port
 
 
 def _threads_priority() -> list[tuple[str, int, int]]:
@@ -27,8 +27,8 @@ def _threads_priority() -> list[tuple[str, int, int]]:
 def _join_and_report(rank: int, world: int, workers: int, priority: int | str, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from dtstudy.distributed import join_process_group
-    from dtstudy.task_layout import TaskLayout
+    from dtstudy.launch.process_group import join_process_group
+    from dtstudy.runspec import TaskLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = join_process_group(TaskLayout(workers, world - workers), rank, rank, "cpu", 1, 30, gloo_loop_nice=priority)

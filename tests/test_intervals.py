@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dtstudy import intervals
+from dtstudy.analysis import intervals
 
 
 def test_t_interval_by_hand():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_study, validated
-from dtstudy.config import ConfigError, run_config
-from dtstudy.launcher import job_parameters
+from dtstudy.errors import ConfigError
+from dtstudy.config.study_config import run_config
+from dtstudy.launch.launcher import job_parameters
 from dtstudy.runspec import RunSpec
 
 
@@ -60,7 +61,7 @@ def test_parameter_server_shards_ride_along_on_multi_node_jobs():
 
 @pytest.mark.parametrize("workers, extras, nodes", [(1, 0, 1), (2, 1, 1), (8, 1, 2), (64, 4, 16), (12, 5, 3)])
 def test_every_rank_has_exactly_one_task_and_workers_fill_the_first_slots(workers, extras, nodes):
-    from dtstudy.task_layout import TaskLayout
+    from dtstudy.runspec import TaskLayout
 
     layout = TaskLayout(workers, extras, nodes)
     ranks = [layout.rank_of_task(task) for task in range(nodes * layout.tasks_per_node)]
@@ -81,7 +82,7 @@ def test_more_workers_on_a_node_than_visible_gpus_fails_before_the_group_forms(m
     key and the counts before it joins (the GPU count is faked: no GPU here)."""
     import torch
 
-    from dtstudy.distributed import pick_device
+    from dtstudy.launch.process_group import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtstudy.models import build_model, inference_layout
+from dtstudy.training.models import build_model, inference_layout
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import assert_same_parameters, tiny_study, train_run, validated
-from dtstudy.config import ConfigError
-from dtstudy.strategies import STRATEGIES
-from dtstudy.strategies.ps_protocol import split_by_size
-from dtstudy.strategies.ps_shard import ShardServer, UpdatePolicy
+from dtstudy.errors import ConfigError
+from dtstudy.strategies.registry import STRATEGIES
+from dtstudy.strategies.parameter_server.protocol import split_by_size
+from dtstudy.strategies.parameter_server.shard import ShardServer, UpdatePolicy
 
 STEPS = 12
 TEST_DEADLINE_S = 240  # a hung exchange must not stall the suite until gloo's own timeout
@@ -276,7 +276,7 @@ def test_ps_backup_closes_a_short_version_when_every_worker_is_idle_or_waiting()
 
 
 def test_implicit_momentum_compensation_hand_computed():
-    from dtstudy.strategies.parameter_server import implicit_momentum_compensation as compensation
+    from dtstudy.strategies.parameter_server.strategy import implicit_momentum_compensation as compensation
 
     # (1 - mu') / N = 1 - mu: N=4, mu=0.9 -> mu' = 0.6 and the rate x 0.4 / 0.1 = 4
     assert compensation(0.9, 4) == (pytest.approx(0.6), pytest.approx(4.0))
@@ -292,8 +292,8 @@ def test_async_shards_drop_nesterov_with_the_last_of_the_momentum(monkeypatch):
     # Nesterov; at N=20 no explicit momentum is left, and torch's SGD refuses Nesterov without it
     from types import SimpleNamespace
 
-    from dtstudy.strategies.parameter_server import ParameterServer
-    from dtstudy.worker import make_optimizer_factory
+    from dtstudy.strategies.parameter_server.strategy import ParameterServer
+    from dtstudy.training.loop import make_optimizer_factory
 
     built = []
     monkeypatch.setattr(ParameterServer, "setup",

@@ -18,7 +18,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import read_json, tiny_study
-from dtstudy.run_tracker import RUN_ID_FILE
+from dtstudy.tracking.live_run import RUN_ID_FILE
 from dtstudy.runspec import METRICS_FILE
 
 FAIL_FAST_S = 30  # a lost rank must end its run well inside this (the job's time limit is 60 min)
@@ -27,7 +27,7 @@ FAIL_FAST_S = 30  # a lost rank must end its run well inside this (the job's tim
 def start_launcher(tmp_path: Path, data_dir: Path, strategy: str, epochs: int = 200, **config) -> tuple:
     """`python -m dtstudy train` of a long run tracked in a SQLite store of its own (created
     first, as the workflow's init_tracking rule does)."""
-    from dtstudy.tracking import init_store
+    from dtstudy.tracking.mlflow_store import init_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     init_store(uri, "distributed-training-study")
@@ -128,7 +128,7 @@ def _pool_processes(study: Path) -> list[str]:
     for proc in Path("/proc").iterdir():
         try:
             command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if "dtstudy.pool" in command and os.readlink(proc / "cwd").startswith(str(study)):
+            if "dtstudy.launch.pool" in command and os.readlink(proc / "cwd").startswith(str(study)):
                 found.append(command)
         except OSError:
             continue
@@ -163,7 +163,7 @@ def test_a_study_folder_made_again_gets_a_pool_of_its_own_and_snakemake_stops_it
 def test_the_pool_address_names_the_folder_by_identity_and_the_interpreter_by_its_binary(tmp_path):
     import shutil
 
-    from dtstudy import pool
+    from dtstudy.launch import pool
 
     study = tmp_path / "study"
     study.mkdir()
@@ -177,7 +177,7 @@ def test_the_pool_address_names_the_folder_by_identity_and_the_interpreter_by_it
         os.close(held)
     # `python` and `python3` of one environment compute the same address
     names = [name for name in ("python", "python3") if shutil.which(name)]
-    code = f"import sys; sys.path.insert(0, {str(Path(pool.__file__).parents[1])!r}); from dtstudy import pool; " \
+    code = f"import sys; sys.path.insert(0, {str(Path(pool.__file__).parents[3])!r}); from dtstudy.launch import pool; " \
            f"print(pool.pool_address({str(study)!r}))"
     addresses = {subprocess.run([name, "-c", code], capture_output=True, text=True, check=True).stdout
                  for name in names}

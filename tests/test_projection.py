@@ -23,8 +23,9 @@ import yaml
 
 from conftest import REPO, read_json
 
-from dtstudy import calibration, hardware, layer_profiles, perfmodel as pm, projection
-from dtstudy.config import ConfigError
+from dtstudy.projection import calibration, hardware, layer_profiles, project
+from dtstudy import perfmodel as pm
+from dtstudy.errors import ConfigError
 from dtstudy.perfmodel import Link, Machine, Stragglers, Workload
 
 WORKFLOW = str(REPO / "workflow")
@@ -183,15 +184,15 @@ def test_local_and_gossip_hand_computed():
 
 
 def test_registry_matches_the_strategies():
-    from dtstudy.strategies import STRATEGIES
+    from dtstudy.strategies.registry import STRATEGIES
 
     assert set(pm.MODELS) == set(STRATEGIES)
     # the knobs a run really gets when it sets none (the registry's check fills the defaults)
     assert pm.knob_defaults() == {name: cls.check_params({}, 2) for name, cls in STRATEGIES.items()}
     # the parameter servers, as the calibration and the benchmarks tell them: the strategies whose
     # jobs start shard processes, and whose implementations talk to shards
-    from dtstudy.strategies.parameter_server import ParameterServer
-    from dtstudy.strategy_specs import PARAMETER_SERVERS, SPECS
+    from dtstudy.strategies.parameter_server.strategy import ParameterServer
+    from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS
 
     assert PARAMETER_SERVERS == {n for n, spec in SPECS.items() if spec.extra_processes(dict(spec.defaults), 1)}
     assert PARAMETER_SERVERS == {n for n, cls in STRATEGIES.items() if issubclass(cls, ParameterServer)}
@@ -295,7 +296,7 @@ def run_command_without_torch(tmp_path, args):
 
 def test_command_with_a_layer_profile(tmp_path):
     m, h = write_inputs(tmp_path)
-    fixed = projection.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
+    fixed = project.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
     measured = yaml.safe_load((tmp_path / "M.yaml").read_text())
     measured["model"]["layer_profile"] = "resnet50"
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
@@ -475,7 +476,7 @@ def test_command_projects_the_hardware_files_stragglers(tmp_path):
         folder = tmp_path / str(len(stragglers))
         folder.mkdir()
         m, h = write_inputs(folder, hardware_profile={**profile, **stragglers})
-        rows = projection.run_command(m, h, "ps_sync,ps_backup", "1,256", str(folder / "p.csv"))
+        rows = project.run_command(m, h, "ps_sync,ps_backup", "1,256", str(folder / "p.csv"))
         return {(r["strategy"], r["workers"]): r for r in rows}, (folder / "p.md").read_text()
 
     plain, _ = steps({})
@@ -590,7 +591,7 @@ def test_project_rule_on_recorded_runs(tmp_path):
     config = {"model": "lenet5", "strategies": ["allreduce", "gossip"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [1, 2, 64, 1024], "hardware": "this_machine"}}
     out = tmp_path / "tables/projection.csv"
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(out),
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(out),
                                 str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
     assert (tmp_path / "plots/projection.png").stat().st_size > 10_000
     with open(out) as handle:
@@ -612,7 +613,7 @@ def test_project_rule_on_recorded_runs(tmp_path):
     assert first[("allreduce", 2)]["overlap"] == "wait-free backprop (lenet5)"
     assert "'lenet5' (config key 'model'" in (tmp_path / "tables/projection.md").read_text()
     # a model without a profile keeps the hardware profile's fixed overlap, and says why
-    other = projection.run_study(metrics, str(tmp_path / "bench.json"), {**config, "model": "resnet18"}, str(out),
+    other = project.run_study(metrics, str(tmp_path / "bench.json"), {**config, "model": "resnet18"}, str(out),
                                  str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
     assert {r["overlap"] for r in other if r["strategy"] == "allreduce"} == {"fixed 0 of compute"}
     assert "no layer profile of 'resnet18'" in (tmp_path / "tables/projection.md").read_text()
@@ -632,7 +633,7 @@ def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(
 
     import torch
 
-    from dtstudy.models import build_model
+    from dtstudy.training.models import build_model
 
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
                fake_run(tmp_path / "p1", "allreduce_powersgd", 1, 7900.0, 0.0, 0.0)]
@@ -647,7 +648,7 @@ def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     config = {"model": "lenet5", "strategies": ["allreduce", "allreduce_powersgd"], "strategy_params": {},
               "stragglers": {}, "projection": {"workers": [1, 2], "hardware": "this_machine"}}
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
                                 str(tmp_path / "p.md"), str(tmp_path / "p.png"))
     exchange = {r["strategy"]: r["step_exchange_s"] for r in rows if r["workers"] == 2}
     # three all-reduces (the whole tensors, P, Q) of the ratio's bytes on 2 processes: 3 x (2 x 1e-4) + bytes / 2e9,
@@ -678,7 +679,7 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     config = {"model": "lenet5", "strategies": ["ps_sync", "ps_async"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [1, 2], "hardware": "this_machine"}}
     md = tmp_path / "tables/projection.md"
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "tables/p.csv"),
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "tables/p.csv"),
                                 str(md), str(tmp_path / "plots/projection.png"))
     request = 0.001  # the mean of the two runs' 1.2 and 0.8 ms beyond the model
     t_c = 64 / 8000
@@ -690,7 +691,7 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     assert by[("ps_async", 1)]["throughput"] == pytest.approx(64 / (t_c + modelled + request), rel=1e-9)
     assert "N=1 parameter-server run(s)" in md.read_text()
     # the model's size from a parameter server's bytes: the gradient after its request header
-    from dtstudy.strategies.ps_protocol import REQUEST_SIZE
+    from dtstudy.strategies.parameter_server.protocol import REQUEST_SIZE
 
     assert calibration.PS_REQUEST_BYTES == REQUEST_SIZE * 8  # float64 fields
     assert calibration.parameters_from_runs(calibration.read_runs(metrics[1:])) == 61706
@@ -717,7 +718,7 @@ def test_project_rule_projects_every_profile_of_the_list(tmp_path):
     config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [1, 2, 16], "hardware": ["this_machine", "h100_ib400"]}}
     out, md, png = tmp_path / "p.csv", tmp_path / "p.md", tmp_path / "p.png"
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(out), str(md), str(png))
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(out), str(md), str(png))
     with open(out) as handle:
         written = [(r["profile"], int(r["workers"])) for r in csv.DictReader(handle)]
     assert written == [(p, n) for p in ("this_machine", "h100_ib400") for n in (1, 2, 16)]
@@ -795,7 +796,7 @@ def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_pa
     config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [1, 2], "hardware": "this_machine"}}
     md = tmp_path / "p.md"
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"), str(md),
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"), str(md),
                                 str(tmp_path / "p.png"))
     by = {r["workers"]: r for r in rows}
     steps = [64 / thr for thr in (7600.0, 8000.0, 8400.0)]
@@ -827,7 +828,7 @@ def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_pa
     assert float(written[2]["efficiency_high"]) == pytest.approx(by[2]["efficiency_high"], rel=1e-5)
     # a GPU profile gives its links: only t_c varies there
     gpu = {**config, "projection": {"workers": [1, 2], "hardware": "h100_ib400"}}
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), gpu, str(tmp_path / "p.csv"), str(md),
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), gpu, str(tmp_path / "p.csv"), str(md),
                                 str(tmp_path / "p.png"))
     nvlink = 6e-6 + 246824 / (0.824 * 450e9)
     two = next(r for r in rows if r["workers"] == 2)
@@ -854,7 +855,7 @@ def test_band_of_the_parameter_servers_round_trip(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     config = {"model": "lenet5", "strategies": ["ps_sync"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [2], "hardware": "this_machine"}}
-    rows = projection.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
+    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
                                 str(tmp_path / "p.md"), str(tmp_path / "p.png"))
     t_c = 64 / 8000
     base = t_c + 2 * (2 * 5e-5 + 2 * m / 2e9) + (2 + 4) * m * 5e-11
@@ -882,13 +883,13 @@ def test_project_rule_adds_its_table_and_plot_to_the_mlflow_study_run(tmp_path):
 
     from mlflow import MlflowClient
 
-    from dtstudy import tracking
+    from dtstudy.tracking import mlflow_store
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     table = tmp_path / "tables" / "scaling.csv"
     table.parent.mkdir()
     table.write_text("strategy,workers\nallreduce,1\n")
-    run_id = tracking.log_study_run(uri, "exp", [], [table])  # ended, as aggregate leaves it
+    run_id = mlflow_store.log_study_run(uri, "exp", [], [table])  # ended, as aggregate leaves it
     (tmp_path / "study_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": uri, "experiment": "exp"}))
     ring = 2 * (2 - 1) / 2 * 61706 * 4
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import assert_same_parameters, tiny_study, validated
-from dtstudy import resume
+from dtstudy.training import checkpoint
 from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE, RunSpec
 
 JOB_DEADLINE_S = 180  # a hung job must fail the test, not stall the suite
@@ -26,7 +26,7 @@ def make_spec(root: Path, data_dir, strategy="allreduce", workers=2, batch_size=
     """conftest.train_run's run (lr_scaling none, base_lr 0.1) over several epochs, with
     progress every 5 steps and the preemption check every 5 steps (28 steps per epoch at
     N=2, batch 32: a stop is never at an epoch boundary)."""
-    from dtstudy.config import run_config
+    from dtstudy.config.study_config import run_config
 
     study = validated(tiny_study(
         strategies=[strategy],
@@ -44,8 +44,8 @@ def submit(spec: RunSpec):
     """The launcher's submission (submitit LocalExecutor, one task per process), returning
     the job so that the test can signal its tasks. Unlike launcher.run it leaves the resume
     folder alone."""
-    from dtstudy.launcher import free_port, make_executor
-    from dtstudy.job import TrainingJob
+    from dtstudy.launch.launcher import free_port, make_executor
+    from dtstudy.launch.job import TrainingJob
 
     os.environ["MASTER_PORT"] = str(free_port())
     return make_executor(spec, Path(spec.out_dir) / "submitit").submit(TrainingJob(spec))
@@ -148,7 +148,7 @@ def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines
     assert metrics["wall_time_s"] > float(stopped.group(2))
     assert [v["wall_s"] for v in metrics["val"]] == sorted(v["wall_s"] for v in metrics["val"])
     # the state is gone once metrics.json is written
-    assert not resume.resume_dir(spec.out_dir).exists()
+    assert not checkpoint.resume_dir(spec.out_dir).exists()
 
 
 def test_preempted_parameter_server_run_starts_again(tmp_path, tiny_data):
@@ -163,15 +163,15 @@ def test_preempted_parameter_server_run_starts_again(tmp_path, tiny_data):
     restart = log.index("training starts again from step 0")
     assert min(global_steps(log[restart:])) == 5  # the progress lines start over
     assert metrics["steps"] == steps and len(metrics["train_loss"]) == steps
-    assert not resume.resume_dir(spec.out_dir).exists()
+    assert not checkpoint.resume_dir(spec.out_dir).exists()
 
 
 def test_unusable_resume_state_is_reported_and_not_used(tmp_path, tiny_data):
     """A run finding rank files it cannot trust trains from step 0, says why, removes them."""
     spec = make_spec(tmp_path, tiny_data, steps=10, epochs=1)
-    folder = resume.resume_dir(spec.out_dir)
+    folder = checkpoint.resume_dir(spec.out_dir)
     folder.mkdir(parents=True)
-    resume.save_rank(spec.out_dir, 0, {**resume.run_identity(spec), "seed": 7}, 5, {})
+    checkpoint.save_rank(spec.out_dir, 0, {**checkpoint.run_identity(spec), "seed": 7}, 5, {})
     (folder / "rank1.pt").write_bytes(b"not a torch file")
     metrics, _, log = finish(submit(spec), spec)
     assert re.search(r"resume state in \S+ not used \(rank 0: rank0.pt was written by another run: seed 7 "
@@ -189,32 +189,32 @@ def _say():
 
 def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny_data):
     spec = make_spec(tmp_path, tiny_data, workers=1)
-    identity = resume.run_identity(spec)
+    identity = checkpoint.run_identity(spec)
     said, say = _say()
-    assert resume.load_agreed(spec.out_dir, identity, 0, 1, None, say) is None and said == []  # nothing there
+    assert checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say) is None and said == []  # nothing there
 
-    resume.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.arange(3)})
-    state = resume.load_agreed(spec.out_dir, identity, 0, 1, None, say)
+    checkpoint.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.arange(3)})
+    state = checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say)
     assert torch.equal(state["x"], torch.arange(3)) and said == []
 
     other = make_spec(tmp_path, tiny_data, workers=1, base_lr=0.2)  # same run name, other config
-    assert resume.load_agreed(other.out_dir, resume.run_identity(other), 0, 1, None, say) is None
+    assert checkpoint.load_agreed(other.out_dir, checkpoint.run_identity(other), 0, 1, None, say) is None
     assert "written by another run: config_sha256" in said[-1] and "starts from step 0" in said[-1]
-    assert not resume.resume_dir(spec.out_dir).exists()  # removed, never picked up later
+    assert not checkpoint.resume_dir(spec.out_dir).exists()  # removed, never picked up later
 
-    two = resume.run_identity(make_spec(tmp_path, tiny_data, workers=2))
-    resume.save_rank(spec.out_dir, 0, two, 20, {})
-    state, step, why = resume.read_rank(spec.out_dir, 0, two)
+    two = checkpoint.run_identity(make_spec(tmp_path, tiny_data, workers=2))
+    checkpoint.save_rank(spec.out_dir, 0, two, 20, {})
+    state, step, why = checkpoint.read_rank(spec.out_dir, 0, two)
     assert state is None and why == "incomplete set, rank1.pt missing"
 
-    resume.save_rank(spec.out_dir, 1, two, 20, {})
-    resume.rank_file(spec.out_dir, 0).write_bytes(resume.rank_file(spec.out_dir, 0).read_bytes()[:100])  # cut short
-    state, step, why = resume.read_rank(spec.out_dir, 0, two)
+    checkpoint.save_rank(spec.out_dir, 1, two, 20, {})
+    checkpoint.rank_file(spec.out_dir, 0).write_bytes(checkpoint.rank_file(spec.out_dir, 0).read_bytes()[:100])  # cut short
+    state, step, why = checkpoint.read_rank(spec.out_dir, 0, two)
     assert state is None and why.startswith("rank0.pt is unreadable")
-    assert resume.read_rank(spec.out_dir, 1, two)[1] == 20
+    assert checkpoint.read_rank(spec.out_dir, 1, two)[1] == 20
 
-    resume.clear(spec.out_dir)
-    assert not resume.resume_dir(spec.out_dir).exists()
+    checkpoint.clear(spec.out_dir)
+    assert not checkpoint.resume_dir(spec.out_dir).exists()
 
 
 WAITER = r"""
@@ -243,7 +243,7 @@ def test_waiting_on_rank0s_store_ends_when_rank0_is_gone(tmp_path):
     import subprocess
     import sys
 
-    from dtstudy.launcher import free_port
+    from dtstudy.launch.launcher import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = [subprocess.Popen([sys.executable, "-c", WAITER, str(rank)], env=env, text=True,

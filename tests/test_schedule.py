@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dtstudy.schedule import LRSchedule, make_schedule, scaled_lr
+from dtstudy.training.lr_schedule import LRSchedule, make_schedule, scaled_lr
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ FAST_SLURM = ["--default-resources", "cpus_per_task=1", "mem_mb=1000", "runtime=
 
 def tiny_cluster_study(**overrides) -> dict:
     """An overlay on config/cluster.yaml: the tiny study, CPU workers (fake GPUs off)."""
-    from dtstudy.config import deep_merge
+    from dtstudy.config.study_config import deep_merge
 
     overlay = tiny_study(
         strategies=STRATEGIES,
@@ -88,7 +88,7 @@ def slurm_cluster():
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (SQLite behind it, as on a login node); yields its URI."""
-    from dtstudy.launcher import free_port
+    from dtstudy.launch.launcher import free_port
 
     folder = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
@@ -223,8 +223,8 @@ def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
     import torch
 
     from conftest import validated
-    from dtstudy.config import run_config
-    from dtstudy.launcher import run_training_job
+    from dtstudy.config.study_config import run_config
+    from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
 
     study = validated(tiny_study(

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from conftest import train_run
-from dtstudy.stragglers import Straggler, slow_ranks
+from dtstudy.training.stragglers import slow_ranks, Straggler
 
 BASE = {"ranks": [], "fraction": 0.0, "delay_ms": 10.0, "distribution": "fixed", "seed": 0}
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dtstudy.config import ConfigError
-from dtstudy.strategies import STRATEGIES, CommMeter, Strategy, get_strategy
+from dtstudy.errors import ConfigError
+from dtstudy.strategies.registry import get_strategy, STRATEGIES
+from dtstudy.strategies.base import CommMeter, Strategy
 from dtstudy.strategies.allreduce import AllReduce, ring_allreduce_bytes
 
 

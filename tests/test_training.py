@@ -43,8 +43,8 @@ def test_train_deterministic_sets_a_gpus_kernels_and_the_run_records_them(kernel
     (train.deterministic, default true) and the CPU's leaves alone."""
     import torch
 
-    from dtstudy.provenance import kernels
-    from dtstudy.worker import choose_kernels
+    from dtstudy.tracking.provenance import kernels
+    from dtstudy.training.loop import choose_kernels
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert validated(tiny_study())["train"]["deterministic"] is True
@@ -68,7 +68,7 @@ def test_label_smoothing_loss_by_hand():
 
     import torch
 
-    from dtstudy.worker import make_criterion
+    from dtstudy.training.loop import make_criterion
 
     values, label, eps = (2.0, 0.0, -1.0), torch.tensor([0]), 0.3
     logits = torch.tensor([values])
@@ -116,8 +116,8 @@ def _users_run(tmp_path, data_dir, strategy, workers, seed=0):
     and the strategy's default knobs, for 2 epochs on the small subset."""
     import yaml
 
-    from dtstudy.config import run_config
-    from dtstudy.launcher import run_training_job
+    from dtstudy.config.study_config import run_config
+    from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
 
     users = yaml.safe_load((Path(__file__).parents[1] / "config/config.yaml").read_text())["train"]
@@ -166,7 +166,7 @@ def test_ps_async_at_four_workers_learns_as_allreduce_with_the_linear_rule(tmp_p
 
 
 def _lenet():
-    from dtstudy.models import build_model
+    from dtstudy.training.models import build_model
 
     return build_model("lenet5", 1, 10, 28)
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_snakemake, tiny_study
-from dtstudy.strategies import STRATEGIES
+from dtstudy.strategies.registry import STRATEGIES
 
 
 def job_counts(output: str) -> dict[str, int]:

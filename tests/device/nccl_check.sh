@@ -44,7 +44,7 @@ PY
 # one submitit task per process: the same numbers as the study's runs are expected
 mkdir -p /tmp/tasks && python3 - "$CONFIG" <<'PY'
 import sys, yaml
-from dtstudy.config import deep_merge
+from dtstudy.config.study_config import deep_merge
 merged = deep_merge(yaml.safe_load(open("config/config.yaml")), yaml.safe_load(open(sys.argv[1])))
 merged["launcher"]["local_processes"] = "tasks"
 yaml.safe_dump(merged, open("/tmp/tasks/config.yaml", "w"))

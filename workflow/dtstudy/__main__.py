@@ -11,13 +11,15 @@ import json
 import sys
 from pathlib import Path
 
-from . import config as config_module
+from dtstudy.checks import load_config
+from dtstudy.config import study_config
+from dtstudy.errors import ConfigError
 
 
 def _config(args) -> dict:
     if args.config_json:
         return json.loads(args.config_json)
-    return config_module.load_config(args.config)
+    return load_config(args.config)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -33,14 +35,14 @@ def cmd_check_config(args) -> None:
 
 
 def cmd_prepare_data(args) -> None:
-    from .data import prepare
+    from dtstudy.data import prepare
 
     meta = prepare(_config(args)["dataset"], args.out)
     print(f"prepared {meta['name']} in {args.out}: {meta['sizes']}")
 
 
 def cmd_init_tracking(args) -> None:
-    from .tracking import init_store, resolve_uri
+    from dtstudy.tracking.mlflow_store import init_store, resolve_uri
 
     tracking = _config(args)["tracking"]
     uri = resolve_uri(tracking["uri"])
@@ -52,12 +54,12 @@ def cmd_init_tracking(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .launcher import TrainingJobFailed, run_training_job
-    from .runspec import RunSpec
+    from dtstudy.launch.launcher import run_training_job, TrainingJobFailed
+    from dtstudy.runspec import RunSpec
 
     cfg = _config(args)
     if "strategies" in cfg:  # a whole study config: keep what this run depends on
-        cfg = config_module.run_config(cfg, args.strategy)
+        cfg = study_config.run_config(cfg, args.strategy)
     spec = RunSpec(
         strategy=args.strategy,
         workers=args.workers,
@@ -65,7 +67,7 @@ def cmd_train(args) -> None:
         config=cfg,
         data_dir=args.data,
         out_dir=args.out,
-        tracking_uri=None if args.no_tracking else config_module.tracking_uri(cfg["tracking"]["uri"]),
+        tracking_uri=None if args.no_tracking else study_config.tracking_uri(cfg["tracking"]["uri"]),
     )
     job_dir = args.job_dir or str(Path(args.out) / "submitit")
     try:
@@ -81,7 +83,7 @@ def cmd_train(args) -> None:
 
 def cmd_evaluate(args) -> None:
     if args.via_pool:  # the study's warm pool evaluates: no torch import here
-        from . import pool
+        from dtstudy.launch import pool
 
         try:
             result = pool.request_evaluation(pool.pool_address(), args.run, args.data, args.out)
@@ -91,21 +93,21 @@ def cmd_evaluate(args) -> None:
         print(f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} "
               f"on {result['test_images']} images (in the warm pool)")
         return
-    from .evaluate import evaluate_run
+    from dtstudy.training.evaluate import evaluate_run
 
     evaluate_run(args.run, args.data, args.out)
 
 
 def cmd_pool_stop(args) -> None:
-    from . import pool
+    from dtstudy.launch import pool
 
     stopped = pool.stop(pool.pool_address(args.study_dir))
     print("warm pool: asked to stop" if stopped else "warm pool: none running")
 
 
 def cmd_aggregate(args) -> None:
-    from .aggregate import aggregate_study
-    from .tracking import resolve_uri
+    from dtstudy.analysis.aggregate import aggregate_study
+    from dtstudy.tracking.mlflow_store import resolve_uri
 
     cfg = _config(args)
     done = aggregate_study(
@@ -118,38 +120,38 @@ def cmd_aggregate(args) -> None:
         study_params=cfg,
     )
     if args.study_run:  # where the study run is, for the steps after this one (the projection)
-        from .atomic_files import write_json
+        from dtstudy.atomic_files import write_json
 
         write_json(args.study_run, {"run_id": done["parent_run_id"], "tracking_uri": done["tracking_uri"],
                                     "experiment": cfg["tracking"]["experiment"]})
 
 
 def cmd_project(args) -> None:
-    """Projection of throughput and efficiency (dtstudy.projection): a measurement file and
+    """Projection of throughput and efficiency (dtstudy.projection.project): a measurement file and
     a hardware profile, or (--study) the project rule's study runs and comm benchmark."""
-    from . import projection
+    from dtstudy.projection import project
 
     if args.study:
-        projection.run_study(args.metrics, args.commbench, _config(args), args.out, args.out_md, args.plot)
+        project.run_study(args.metrics, args.commbench, _config(args), args.out, args.out_md, args.plot)
         print(f"projection written to {args.out}, {args.out_md}, {args.plot}")
         if args.study_run:  # beside the study's tables and plots in MLflow
-            from . import tracking
+            from dtstudy.tracking import mlflow_store
 
             study_run = json.loads(Path(args.study_run).read_text())
-            tracking.attach_artifacts(study_run["tracking_uri"], study_run["run_id"],
+            mlflow_store.attach_artifacts(study_run["tracking_uri"], study_run["run_id"],
                                       dict.fromkeys([args.out, args.out_md, args.plot], "projection"))
             print(f"projection logged to the MLflow study run {study_run['run_id']} (artifacts: projection/)")
         return
     if args.commbench_out:
-        from . import commbench
+        from dtstudy.projection import commbench
 
         commbench.write(args.commbench_out, gloo_loop_nice=args.gloo_loop_nice)
         print(f"communication benchmark written to {args.commbench_out}")
         return
     for flag in ("measured", "hardware", "strategies", "workers"):
         if getattr(args, flag) is None:
-            raise config_module.ConfigError(f"project: --{flag} is required (or --study / --commbench-out)")
-    rows = projection.run_command(args.measured, args.hardware, args.strategies, args.workers, args.out)
+            raise ConfigError(f"project: --{flag} is required (or --study / --commbench-out)")
+    rows = project.run_command(args.measured, args.hardware, args.strategies, args.workers, args.out)
     print(f"{len(rows)} projections written to {args.out}")
 
 
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except config_module.ConfigError as err:
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

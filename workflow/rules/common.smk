@@ -6,7 +6,8 @@ import sys
 # Snakefile itself imports it from the source tree, so that config checks never run stale code.
 sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 
-import dtstudy.config as study_config
+import dtstudy.config.study_config as study_config
+from dtstudy.checks import check_config
 from dtstudy.data import prepared_files
 from dtstudy.runspec import RunSpec
 
@@ -15,7 +16,7 @@ from dtstudy.runspec import RunSpec
 # disk): fail before any job starts. The data set is walked once, in the main Snakemake
 # process, not again in every job.
 study_config.validate_schema(config)
-study_config.check_config(config, check_data=workflow.is_main_process)
+check_config(config, check_data=workflow.is_main_process)
 
 DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"
@@ -23,7 +24,7 @@ TRACKING_MARKER = "results/mlflow.ready.json"
 RUN_DIR = "results/runs/{strategy}/n{workers}/seed{seed}"
 # Local runs reserve the cores their processes use; cluster runs get their own nodes.
 TRAIN_ON_THIS_MACHINE = config["launcher"]["cluster"] == "local"
-# Local evaluations run in the study's warm pool (dtstudy.pool), like the training runs.
+# Local evaluations run in the study's warm pool (dtstudy.launch.pool), like the training runs.
 EVALUATE_FLAGS = "--via-pool" if TRAIN_ON_THIS_MACHINE and config["launcher"]["local_processes"] == "pool" else ""
 
 
@@ -76,8 +77,8 @@ def all_runs(filename):
 
 
 def stop_warm_pool():
-    """Ask this study's warm pool (dtstudy.pool) to exit; it would after a while idle anyway."""
+    """Ask this study's warm pool (dtstudy.launch.pool) to exit; it would after a while idle anyway."""
     if TRAIN_ON_THIS_MACHINE:
-        from dtstudy import pool
+        from dtstudy.launch import pool
 
         pool.stop(pool.pool_address())

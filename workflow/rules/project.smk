@@ -1,4 +1,4 @@
-# The performance model past the machine (dtstudy.projection): this machine's gloo
+# The performance model past the machine (dtstudy.projection.project): this machine's gloo
 # benchmark, then every strategy of the study projected to projection.workers on
 # projection.hardware, calibrated on the study's runs. README "Projection past the machine".
 rule commbench:

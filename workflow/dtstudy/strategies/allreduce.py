@@ -7,7 +7,7 @@ import time
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import OptimizerFactory, Strategy
+from dtstudy.strategies.base import OptimizerFactory, Strategy
 
 
 def ring_allreduce_bytes(payload_bytes: int, workers: int) -> float:

@@ -1,6 +1,6 @@
 """The interface every distributed training strategy implements.
 
-The training loop (dtstudy.worker) runs, on each of the N workers:
+The training loop (dtstudy.training.loop) runs, on each of the N workers:
 
     module = strategy.setup(model, make_optimizer)      # once
     every step:  loss = criterion(module(x), y)
@@ -15,7 +15,7 @@ and `strategy.serve()` on the extra processes a strategy asks for with `extra_pr
 (parameter-server shards), which are ranks N..N+extra-1 of the same job. The loop never
 branches on the strategy's name.
 
-Preemption (dtstudy.resume): a `resumable` strategy's workers save the model, the optimizer
+Preemption (dtstudy.training.checkpoint): a `resumable` strategy's workers save the model, the optimizer
 and `state_dict()` at a step boundary, and a requeued run continues after `load_state_dict`;
 any other strategy's run is requeued after `abandon()` (rank 0) and starts again from step 0.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar, Iterable
 import torch
 from torch import nn
 
-from ..strategy_specs import SPECS, StrategySpec
+from dtstudy.strategies.specs import SPECS, StrategySpec
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -90,7 +90,7 @@ class CommMeter:
 class Strategy(ABC):
     """One distributed training strategy (see the module docstring for the call order)."""
 
-    #: the name in the registry; its knobs and their checks are dtstudy.strategy_specs.SPECS[name]
+    #: the name in the registry; its knobs and their checks are dtstudy.strategies.specs.SPECS[name]
     name: ClassVar[str]
     #: a preempted run can save its state at a step boundary and continue exactly from it:
     #: the workers are in lockstep (they agree on stopping by a collective) and all the
@@ -98,7 +98,7 @@ class Strategy(ABC):
     resumable: ClassVar[bool] = False
     #: why not (printed when a preempted run starts again from step 0)
     not_resumable_because: ClassVar[str] = "it declares no resumable state"
-    #: a resumed run first does one throwaway forward/backward (see dtstudy.worker.throwaway_step)
+    #: a resumed run first does one throwaway forward/backward (see dtstudy.training.loop.throwaway_step)
     replays_first_step: ClassVar[bool] = False
     #: the learning-rate rule: how many images one update averages (see `update_batch`)
     update_batch_rule: ClassVar[str] = "N*b: one update averages the gradients of the N workers' batches"
@@ -114,7 +114,7 @@ class Strategy(ABC):
         self.meter = CommMeter()
         self.optimizer: torch.optim.Optimizer | None = None
 
-    # ----- its knobs: dtstudy.strategy_specs (torch-free, checked before any job starts) ----
+    # ----- its knobs: dtstudy.strategies.specs (torch-free, checked before any job starts) ----
     @classmethod
     def spec(cls) -> type[StrategySpec]:
         return SPECS[cls.name]
@@ -187,7 +187,7 @@ class Strategy(ABC):
         entries also become MLflow metrics."""
         return {}
 
-    # ----- preemption (dtstudy.resume) ---------------------------------------------------
+    # ----- preemption (dtstudy.training.checkpoint) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the model's and the optimizer's state for an
         exact continuation (step counters, error-feedback residuals, generators...); tensors,

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from ..strategy_specs import ONEBIT_QUANTIZERS
-from .allreduce import AllReduce, ring_allreduce_bytes
+from dtstudy.strategies.specs import ONEBIT_QUANTIZERS
+from dtstudy.strategies.allreduce import AllReduce, ring_allreduce_bytes
 
 
 def strategy_hook(state, bucket):

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import OptimizerFactory
-from .local import LocalTraining, flatten, shaped_like
+from dtstudy.strategies.base import OptimizerFactory
+from dtstudy.strategies.local import flatten, LocalTraining, shaped_like
 
 
 

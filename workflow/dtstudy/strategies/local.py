@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging import utils as model_averaging
 
-from .allreduce import ring_allreduce_bytes
-from .base import OptimizerFactory, Strategy
+from dtstudy.strategies.allreduce import ring_allreduce_bytes
+from dtstudy.strategies.base import OptimizerFactory, Strategy
 
 
 def average_over_workers(tensors: Iterable[torch.Tensor], group) -> int:

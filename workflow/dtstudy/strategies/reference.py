@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import OptimizerFactory, Strategy
+from dtstudy.strategies.base import OptimizerFactory, Strategy
 
 
 class NoExchange(Strategy):

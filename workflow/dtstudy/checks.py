@@ -1,0 +1,100 @@
+"""The study config's checks that a schema cannot do, across every layer: strategy names and
+knobs for every N (strategy specs), the job layout over nodes, stragglers, the projection's
+hardware profiles, and the data set on disk against the batch sizes. They run when the
+Snakefile is parsed, before any job starts (torch-free); every error names the config key,
+the bad value and what is allowed. `load_config` reads, validates and checks a config file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtstudy import data
+from dtstudy.config.study_config import deep_merge, global_batch_size, read_yaml, run_config, validate_schema
+from dtstudy.errors import ConfigError
+from dtstudy.projection import hardware
+from dtstudy.runspec import RunSpec
+from dtstudy.strategies.specs import SPECS as STRATEGIES
+from dtstudy.training import stragglers
+
+__all__ = ["check_config", "check_data_against_batches", "load_config"]
+
+EARLY_SIGNAL_S = 60  # how early SLURM may send a job's --signal (its time-limit checks are 30 s apart)
+
+
+def check_config(config: dict, check_data: bool = True) -> None:
+    """The checks a schema cannot do; raises ConfigError naming the key. `check_data`: also
+    look at the data set on disk (Snakemake's main process does; the jobs it starts, which
+    parse the Snakefile again, need not walk the data set again)."""
+    for i, name in enumerate(config["strategies"]):
+        if name not in STRATEGIES:
+            raise ConfigError(
+                f"config key 'strategies[{i}]': unknown strategy {name!r}; "
+                f"allowed: {', '.join(sorted(STRATEGIES))}"
+            )
+    # strategy_params' names are the schema's (dtstudy.strategies.specs checks they match SPECS)
+    for name in config["strategies"]:
+        for workers in config["workers"]:
+            STRATEGIES[name].check_params(config["strategy_params"].get(name, {}), workers)
+    launcher = config["launcher"]
+    signal_after_s = launcher["timeout_min"] * 60 - launcher["signal_delay_s"]
+    if signal_after_s <= EARLY_SIGNAL_S:
+        # a signal that comes before submitit's handler is installed kills the task
+        raise ConfigError(
+            f"config key 'launcher.signal_delay_s': {launcher['signal_delay_s']} s before a time limit of "
+            f"{launcher['timeout_min']} min comes {signal_after_s} s after the job starts; SLURM may send it "
+            f"up to {EARLY_SIGNAL_S} s early, so it must be due more than {EARLY_SIGNAL_S} s after the start: "
+            "lower signal_delay_s or raise launcher.timeout_min"
+        )
+    if launcher["cluster"] != "local":  # the job layout must fit the nodes
+        for name in config["strategies"]:
+            for workers in config["workers"]:
+                RunSpec(name, workers, 0, run_config(config, name), "", "").layout()
+
+    train = config["train"]
+    if train["nesterov"] and train["momentum"] == 0:
+        raise ConfigError(
+            "config key 'train.nesterov': true needs momentum, but train.momentum is 0 "
+            "(Nesterov's look-ahead is along the momentum); set train.momentum > 0 or nesterov: false"
+        )
+    try:
+        stragglers.check(config["stragglers"], config["workers"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    hardware.check_study_profiles(config["projection"]["hardware"], config["strategies"])
+    if check_data:
+        check_data_against_batches(config)
+
+
+def check_data_against_batches(config: dict) -> None:
+    """The data set exists and holds enough training images for every N's global batch."""
+    try:
+        train_images = data.check_dataset(config["dataset"])
+    except data.DataConfigError as err:
+        raise ConfigError(str(err)) from None
+    train = config["train"]
+    usable = train_images if config["dataset"]["subset"] is None else config["dataset"]["subset"]
+    usable = int(usable * (1 - config["dataset"]["val_fraction"]))
+    for workers in config["workers"]:
+        global_batch = global_batch_size(train, workers)
+        if train["scaling"] == "strong" and train["batch_size"] % workers:
+            raise ConfigError(
+                f"config key 'train.batch_size': {train['batch_size']} does not divide over "
+                f"{workers} workers with train.scaling 'strong'; use a multiple of every N in 'workers'"
+            )
+        if global_batch > usable:
+            raise ConfigError(
+                f"config key 'train.batch_size': a global batch of {global_batch} "
+                f"({workers} workers) is larger than the {usable} training images; "
+                "lower the batch size or raise dataset.subset"
+            )
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """Read a YAML config (plus optional nested overrides), validate it and check it."""
+    config = read_yaml(path)
+    if overrides:
+        config = deep_merge(config, overrides)
+    validate_schema(config)
+    check_config(config)
+    return config

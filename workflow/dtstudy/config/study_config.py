@@ -1,0 +1,93 @@
+"""A study config as data, torch-free: read a YAML file, merge overrides, validate it against
+the JSON schema (workflow/schemas/config.schema.yaml, read by dtstudy.config.schema; strict
+types, defaults filled in), and the slice of it that one run depends on. The checks a schema
+cannot do, which need the other layers (strategy specs, data, hardware profiles), are
+dtstudy.checks. Every error names the config key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dtstudy.config import schema
+from dtstudy.errors import ConfigError
+
+__all__ = ["ConfigError", "deep_merge", "read_yaml", "run_config", "validate_schema"]
+
+
+def validate_schema(config: dict) -> dict:
+    """Validate against the JSON schema (strict types: 64.0 is no integer) and fill defaults,
+    in place; returns the config. `strategy_params` keeps what was written: a run's knob
+    defaults are filled by its strategy's check_params, so that a run's config (and what
+    makes Snakemake rerun it) changes only with what the user changes."""
+    knobs_as_written = copy.deepcopy(config.get("strategy_params", {}))
+    schema.validate_config(config)
+    config["strategy_params"] = knobs_as_written
+    return config
+
+
+def per_worker_batch(train: dict, workers: int) -> int:
+    return train["batch_size"] // workers if train["scaling"] == "strong" else train["batch_size"]
+
+
+def global_batch_size(train: dict, workers: int) -> int:
+    return per_worker_batch(train, workers) * workers
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A config file's YAML; ConfigError (one line: the file, the line and column) if it cannot be read."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"config file {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path}: malformed YAML{where}: {problem}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"config file {path}: a mapping of config keys is needed, not {type(config).__name__}")
+    return config
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def run_config(config: dict, strategy: str) -> dict:
+    """The part of the study config that one training run of `strategy` depends on.
+
+    Rules pass exactly this to the training CLI, so that a change of, say, the list of
+    workers does not make Snakemake rerun every finished training run.
+    """
+    keys = ("dataset", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
+    selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
+    selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
+    return selected
+
+
+def tracking_uri(uri: str | None, results_dir: str | Path = "results") -> str:
+    """The MLflow tracking URI to use: `uri` unchanged, or SQLite at <results_dir>/mlflow.db."""
+    if uri is not None:
+        return uri
+    return f"sqlite:///{(Path(results_dir) / 'mlflow.db').resolve()}"
+
+
+def to_json(config: dict) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+

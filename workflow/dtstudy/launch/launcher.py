@@ -1,0 +1,211 @@
+"""Submit one training run as a submitit job and block until it ends. Torch-free: on a SLURM
+login node one waiting launcher per run costs a small Python process, not a torch import.
+
+Locally (launcher.cluster: local) the job is one light task that has the study's warm pool
+(dtstudy.launch.pool) fork the run's N workers and a strategy's extra processes; on SLURM it is one
+task per process (one per GPU). Interrupting the caller (SIGINT/SIGTERM, as Snakemake does
+on Ctrl-C) cancels the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+from dtstudy.launch import pool
+from dtstudy.launch.job import launcher_environment, PooledTrainingJob, TrainingJob
+from dtstudy.launch.ports import free_port
+from dtstudy.tracking.live_run import recorded_run, RUN_ID_FILE
+from dtstudy.runspec import lost_rank_path, RunSpec
+
+
+class TrainingJobFailed(RuntimeError):
+    """A run's job ended without its metrics; the message names the job's stderr file."""
+
+
+def uses_pool(spec: RunSpec) -> bool:
+    """Local runs go through the warm pool (launcher.local_processes: pool, the default);
+    `tasks` starts one submitit task per process instead, as on SLURM."""
+    launcher = spec.config["launcher"]
+    return launcher["cluster"] == "local" and launcher["local_processes"] == "pool"
+
+
+def job_parameters(spec: RunSpec, pooled: bool = False) -> dict:
+    """submitit parameters of a run's job: the N workers (one per GPU on a GPU cluster) plus
+    the strategy's extra processes as further tasks, over the fewest nodes that hold them;
+    `pooled`: one task, the pool forks the processes."""
+    launcher = spec.config["launcher"]
+    layout = spec.layout()
+    parameters = {
+        "name": spec.run_name,
+        "timeout_min": launcher["timeout_min"],
+        "nodes": 1 if pooled else layout.nodes,
+        "tasks_per_node": 1 if pooled else layout.tasks_per_node,
+    }
+    # SIGUSR2 this long before the time limit: the run checkpoints and is requeued
+    if launcher["cluster"] == "local":
+        # AutoExecutor knows this key only for SLURM; make_executor hands it to the local one
+        parameters["signal_delay_s"] = launcher["signal_delay_s"]
+        return parameters
+    parameters["slurm_signal_delay_s"] = launcher["signal_delay_s"]
+    # a task that fails (or sees a peer lost, dtstudy.launch.process_group.PeerWatch) ends the whole
+    # job at once, rather than leaving its siblings to hold their GPUs until a time-out
+    parameters["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
+    parameters["cpus_per_task"] = launcher["cpus_per_task"]
+    if launcher["gpus_per_node"]:
+        parameters["gpus_per_node"] = launcher["gpus_per_node"]
+    if launcher["mem_gb"] is not None:
+        parameters["mem_gb"] = launcher["mem_gb"]
+    for key in ("partition", "account", "qos", "constraint"):
+        if launcher[key] is not None:
+            parameters[f"slurm_{key}"] = launcher[key]
+    if launcher["additional_parameters"]:
+        parameters["slurm_additional_parameters"] = dict(launcher["additional_parameters"])
+    return parameters
+
+
+def make_executor(spec: RunSpec, job_dir: Path, pooled: bool = False):
+    import submitit
+
+    launcher = spec.config["launcher"]
+    # a requeue after a time-out counts against max_requeues; preemptions do not (submitit)
+    executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"],
+                                     slurm_max_num_timeout=launcher["max_requeues"])
+    parameters = job_parameters(spec, pooled)
+    if launcher["cluster"] == "local":
+        # AutoExecutor would rename signal_delay_s to slurm_signal_delay_s (and it rejects
+        # local_signal_delay_s), leaving the local controller at its default
+        executor._executor.update_parameters(**parameters)
+    else:
+        executor.update_parameters(**parameters)
+    return executor
+
+
+class _LogFollower:
+    """Copies what rank 0 prints into our stdout, so the rule's log shows progress."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def pump(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        self.offset += len(chunk)
+        if chunk:
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -> dict:
+    """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
+    the run's MLflow run marked FAILED)."""
+    import submitit
+
+    submitted_at = time.time()
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = spec.metrics_path
+    metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
+    # spec.resume_dir stays: a run that died resumes from its last checkpoint (dtstudy.training.checkpoint;
+    # a finished run leaves none, and state of another config is not used)
+    (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
+    pooled = uses_pool(spec)
+
+    if spec.config["launcher"]["cluster"] == "local" and not pooled:
+        # the tasks inherit it (submitit reads it); a SLURM job picks one on its first node
+        # (distributed.rendezvous_port)
+        os.environ["MASTER_PORT"] = str(free_port())
+    job = None
+
+    def cancel(signum, _frame):
+        if job is not None:
+            print(f"{spec.run_name}: signal {signum}, cancelling job {job.job_id}", flush=True)
+            job.cancel(check=False)  # SLURM: scancel; local: SIGINT to the job's controller
+            deadline = time.monotonic() + 30
+            while not job.done() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        raise SystemExit(128 + signum)
+
+    # Installed before the job starts: a local job's processes then get SIGINT's default
+    # disposition even where ours was inherited as "ignored" (a shell's `&`), and cancel works.
+    previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        timings = {"submitted": submitted_at}
+        environ = launcher_environment(spec.config["launcher"]["cluster"])
+        if pooled:
+            callable_ = PooledTrainingJob(spec, pool.pool_address(), timings, environ)
+        else:
+            callable_ = TrainingJob(spec, timings, environ)
+        job = make_executor(spec, job_dir, pooled).submit(callable_)
+        what = f"1 task (the warm pool forks its {spec.processes()} processes)" if pooled else f"{spec.processes()} tasks"
+        print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
+        follower = _LogFollower(Path(job.paths.stdout))
+        while not job.done():
+            follower.pump()
+            time.sleep(poll_s)
+        follower.pump()
+        lost = lost_rank(job)
+        if lost is not None:  # known at once: no need to wait for result files (submitit: 15 s)
+            mark_failed(spec, f"job {job.job_id} failed: {lost}")
+            raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} failed; {lost}; "
+                                    f"rank 0's stderr: {job.paths.stderr}")
+        try:
+            results = job.results()
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as error:
+            mark_failed(spec, f"job {job.job_id} failed (state {job.state}): {_cause(str(error))}")
+            raise TrainingJobFailed(
+                f"{spec.run_name}: job {job.job_id} failed (state {job.state}); its stderr: {job.paths.stderr}\n"
+                f"{error}"
+            ) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    metrics = results[0]
+    if metrics is None or not metrics_path.exists():
+        mark_failed(spec, f"job {job.job_id} ended without writing {metrics_path}")
+        raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
+                                f"its stderr: {job.paths.stderr}")
+    return metrics
+
+
+def lost_rank(job) -> str | None:
+    """Which rank a failed job lost and where its log is, as the process that saw it recorded
+    (dtstudy.launch.process_group.PeerWatch); None when no process recorded one."""
+    path = lost_rank_path(job.paths.folder, job.job_id)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)  # a local job id is a pid: a later job may get it again
+    return f"rank {record['rank']} was lost ({record['why']}); its log: {record['log']}"
+
+
+def _cause(job_error: str) -> str:
+    """The line of a failed job's error that says what went wrong (the exception's message)."""
+    lines = [line.strip() for line in job_error.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line):
+            return line
+    return lines[0] if lines else "unknown"
+
+
+def mark_failed(spec: RunSpec, reason: str) -> None:
+    """Record why the attempt failed on its MLflow run (when it got as far as creating one),
+    and end it as FAILED if its rank 0 could not (a killed process). Imports MLflow only here."""
+    record = recorded_run(spec.out_dir)
+    if record is None:
+        return
+    try:
+        from dtstudy.tracking import mlflow_store
+
+        mlflow_store.end_run(record["tracking_uri"], record["run_id"], "FAILED", reason)
+    except Exception as error:  # the training failure is what the user must see
+        print(f"{spec.run_name}: could not mark MLflow run {record['run_id']} FAILED: {error}", flush=True)

@@ -1,0 +1,350 @@
+"""Parameter-server strategies: S shard processes own the parameters and the optimizer state;
+workers push gradients and get parameters back (point-to-point torch.distributed over gloo).
+
+    ps_sync    a shard averages the N gradients that read version v into update v, then
+               answers every worker                                     rate of N*b
+    ps_backup  the first N-k pushes that read version v make update v; a push that read an
+               older version is dropped (Chen et al. 2016, TF SyncReplicas)  rate of (N-k)*b
+    ps_async   every gradient is applied on arrival and answered at once  rate of b
+    ssp        as ps_async, but a worker's clock (gradients pushed) stays at most s ahead of
+               the slowest worker's: the reply to its push waits (Ho et al. 2013)  rate of b
+
+The messages are in ps_protocol, the shard in ps_shard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from abc import abstractmethod
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtstudy.launch.gloo_loops import lower_gloo_event_loops
+from dtstudy.strategies.base import OptimizerFactory, Strategy
+from dtstudy.strategies.parameter_server.protocol import Kind, request, SETUP_FIELDS, split_by_size, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
+from dtstudy.strategies.parameter_server.shard import ShardServer, ShardStats, UpdatePolicy
+
+
+class ShardSlice:
+    """A worker's view of one shard: the parameters it owns and flat CPU message buffers."""
+
+    def __init__(self, rank: int, parameters: list[nn.Parameter]):
+        self.rank = rank
+        self.parameters = parameters
+        self.numel = sum(p.numel() for p in parameters)
+        self.outgoing = torch.empty(self.numel, dtype=VALUE_DTYPE)
+        self.incoming = torch.empty(self.numel, dtype=VALUE_DTYPE)
+        self.incoming_version = torch.empty(1, dtype=torch.float64)
+        self.read_version = 0  # the shard's version of the parameters this worker holds
+
+    def _views(self, flat: torch.Tensor):
+        offset = 0
+        for parameter in self.parameters:
+            yield parameter, flat[offset:offset + parameter.numel()].view_as(parameter)
+            offset += parameter.numel()
+
+    def pack_gradients(self) -> None:
+        for parameter, view in self._views(self.outgoing):
+            if parameter.grad is None:
+                view.zero_()
+            else:
+                view.copy_(parameter.grad)
+                parameter.grad = None
+
+    def pack_parameters(self) -> None:
+        for parameter, view in self._views(self.outgoing):
+            view.copy_(parameter.detach())
+
+    @torch.no_grad()
+    def take_reply(self) -> None:
+        self.read_version = int(self.incoming_version.item())
+        for parameter, view in self._views(self.incoming):
+            parameter.copy_(view)
+
+
+class ShardClient:
+    """A worker's end of the exchange with every shard."""
+
+    def __init__(self, slices: list[ShardSlice], group):
+        self.slices, self.group = slices, group
+        self.steps = 0  # gradients pushed so far = the step this worker is in
+
+    def send_setup(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rank 0: each shard's size, the optimizer's hyper-parameters and initial values."""
+        if type(optimizer) is not torch.optim.SGD:
+            raise TypeError(f"parameter-server shards run SGD; the training loop built {type(optimizer).__name__}")
+        hyper = optimizer.param_groups[0]
+        for piece in self.slices:
+            setup = [float(piece.numel)] + [float(hyper[name]) for name in SETUP_FIELDS[1:]]
+            dist.send(torch.tensor(setup, dtype=torch.float64), dst=piece.rank, group=self.group, tag=TAG_SETUP)
+            piece.pack_parameters()
+            dist.send(piece.outgoing, dst=piece.rank, group=self.group, tag=TAG_PARAMETERS)
+
+    def push(self, lr: float) -> int:
+        """Send this step's gradients, wait for the parameters of the next step; returns bytes sent."""
+        works = self._expect_replies()
+        sent = 0
+        for piece in self.slices:
+            piece.pack_gradients()
+            header = request(Kind.PUSH, self.steps, piece.read_version, lr)
+            works.append(dist.isend(header, dst=piece.rank, group=self.group, tag=TAG_REQUEST))
+            works.append(dist.isend(piece.outgoing, dst=piece.rank, group=self.group, tag=TAG_GRADIENT))
+            sent += _nbytes(header) + _nbytes(piece.outgoing)
+        self._finish(works)
+        self.steps += 1
+        return sent
+
+    def pull(self) -> None:
+        works = self._expect_replies()
+        works += [dist.isend(request(Kind.PULL), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+                  for piece in self.slices]
+        self._finish(works)
+
+    def idle(self) -> None:
+        """Tell every shard this worker sends no more pushes until its next pull."""
+        for piece in self.slices:
+            dist.send(request(Kind.IDLE), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+
+    def done(self) -> None:
+        for piece in self.slices:
+            dist.send(request(Kind.DONE), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+
+    def receive_stats(self) -> list[ShardStats]:
+        return [ShardStats.receive(piece.rank, self.group) for piece in self.slices]
+
+    def _expect_replies(self) -> list:
+        # posted before the request goes out, so that a shard's reply never waits for us
+        works = []
+        for piece in self.slices:
+            works.append(dist.irecv(piece.incoming_version, src=piece.rank, group=self.group, tag=TAG_VERSION))
+            works.append(dist.irecv(piece.incoming, src=piece.rank, group=self.group, tag=TAG_PARAMETERS))
+        return works
+
+    def _finish(self, works: list) -> None:
+        for work in works:
+            work.wait()
+        for piece in self.slices:
+            piece.take_reply()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class ParameterServer(Strategy):
+    """What the four parameter-server strategies share; each gives its `update_policy`."""
+
+    # parameters and optimizer state live on the shards (and with ps_async/ssp, in-flight
+    # gradients and staleness): a preempted run is requeued and starts again from step 0
+    resumable = False
+    not_resumable_because = "its parameters and optimizer state live on the parameter-server shards"
+
+    def __init__(self, ctx, params):
+        super().__init__(ctx, params)
+        # NCCL moves no CPU point-to-point messages; every rank creates the group, in this order
+        # (a new group's time-out is the backend's default, not the run's: given here)
+        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
+                      if ctx.backend != "gloo" else None)
+        if self.group is not None:
+            lower_gloo_event_loops(ctx.gloo_loop_nice)  # the new group's loop
+        self.shard_stats: list[ShardStats] = []
+
+    @abstractmethod
+    def update_policy(self) -> UpdatePolicy:
+        """How the shards turn this strategy's pushes into updates."""
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
+        model.to(self.ctx.device)
+        self.model = model
+        self.batch = 0  # images of this worker's last training batch (each push's images)
+        model.register_forward_pre_hook(self._note_batch)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        if any(p.dtype != VALUE_DTYPE for p in parameters):
+            raise TypeError(f"parameter-server strategies exchange {VALUE_DTYPE} parameters only")
+        owned = split_by_size([p.numel() for p in parameters], self.params["shards"])
+        slices = [ShardSlice(self.ctx.workers + shard, [parameters[i] for i in indices])
+                  for shard, indices in enumerate(owned)]
+        self.client = ShardClient(slices, self.group)
+        if self.ctx.rank == 0:
+            self.client.send_setup(make_optimizer(parameters))
+        self.client.pull()
+        return model
+
+    def _note_batch(self, module: nn.Module, args) -> None:
+        if module.training and args:
+            self.batch = len(args[0])
+
+    def update(self, lr: float) -> None:
+        with self.meter.timed():
+            self.meter.bytes_sent += self.client.push(lr)
+
+    def eval_model(self) -> nn.Module:
+        self.client.idle()  # the shards may now close a version that can no longer fill up
+        if self.ctx.workers > 1:
+            # once every worker holds the replies to all its pushes, every shard has taken them in
+            dist.barrier(group=self.ctx.worker_group)
+            # buffers (batch-norm statistics) stay on the workers: evaluate rank 0's everywhere
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=0, group=self.ctx.worker_group)
+        self.client.pull()
+        return self.model
+
+    def abandon(self) -> None:
+        for piece in self.client.slices:
+            dist.send(request(Kind.STOP), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+
+    def finish(self) -> None:
+        self.client.done()
+        if self.ctx.rank == 0:
+            self.shard_stats = self.client.receive_stats()
+
+    @staticmethod
+    def _histogram(counts: Counter) -> dict[str, int]:
+        # JSON keys are strings: the same in metrics.json as in the returned dict
+        return {str(value): counts[value] for value in sorted(counts)}
+
+    def summary(self) -> dict[str, Any]:
+        if not self.shard_stats:
+            return {}
+        staleness = sum((stats.staleness for stats in self.shard_stats), start=Counter())
+        ahead = sum((stats.ahead for stats in self.shard_stats), start=Counter())
+        gradients = staleness.total()
+        dropped_by_worker = [sum(counts) for counts in zip(*(stats.dropped for stats in self.shard_stats))]
+        dropped = sum(dropped_by_worker)
+        busy = [stats.busy_s / stats.wall_s if stats.wall_s else 0.0 for stats in self.shard_stats]
+        shards = len(self.shard_stats)
+        return {
+            "shards": shards,
+            "shard_numel": [piece.numel for piece in self.client.slices],
+            "updates": sum(stats.updates for stats in self.shard_stats),  # optimizer steps, all shards
+            "gradients_applied": gradients,  # all shards
+            "dropped_gradients": dropped,  # all shards
+            "dropped_by_worker": dropped_by_worker,
+            "dropped_fraction": dropped / max(dropped + gradients, 1),
+            # the images whose gradients made updates (per shard: each shard sees every push;
+            # every worker's batch has the same size, drop_last)
+            "images_applied": gradients * self.batch / shards,
+            "staleness": self._histogram(staleness),
+            "staleness_mean": sum(value * count for value, count in staleness.items()) / max(gradients, 1),
+            "staleness_max": max(staleness, default=0),
+            # per answered push: how many clocks (gradients pushed) its worker was ahead of the slowest
+            "clock_ahead": self._histogram(ahead),
+            "clock_ahead_max": max(ahead, default=0),
+            "shard_busy_fraction": sum(busy) / len(busy),
+            "shard_busy_fraction_per_shard": busy,
+        }
+
+    def serve(self) -> None:
+        ShardServer(self.ctx.workers, self.group, self.update_policy(), self.ctx.comm_timeout_s,
+                    self.ctx.startup_timeout_s).serve()
+
+
+class PsSync(ParameterServer):
+    name = "ps_sync"
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy.synchronous(self.ctx.workers)
+
+
+class PsBackup(ParameterServer):
+    name = "ps_backup"
+    update_batch_rule = "(N-k)*b: an update averages the first N-k gradients of the version they read"
+
+    @staticmethod
+    def backups(params, workers) -> int:
+        return min(params["backup"], workers - 1)
+
+    @classmethod
+    def update_batch(cls, params, workers, per_worker_batch):
+        return (workers - cls.backups(params, workers)) * per_worker_batch
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy.synchronous(self.ctx.workers - self.backups(self.params, self.ctx.workers))
+
+
+def implicit_momentum_compensation(momentum: float, workers: int) -> tuple[float, float]:
+    """(explicit momentum, rate factor) for N asynchronous workers whose updates carry an
+    implicit momentum of 1 - 1/N (Mitliagkas et al. 2016): mu' = max(0, 1 - N (1 - mu)) makes
+    (1 - mu') (1 - (1 - 1/N)) = 1 - mu; the factor (1 - mu') / (1 - mu) keeps lr / (1 - mu)."""
+    explicit = max(0.0, 1.0 - workers * (1.0 - momentum))
+    return explicit, (1.0 - explicit) / (1.0 - momentum)
+
+
+class AsyncParameterServer(ParameterServer):
+    """Every gradient is an update of its own, applied on arrival: the rate is that of one
+    worker's batch b (Dean et al. 2012; Zhang et al. 2016). Knobs shared by ps_async and ssp:
+
+    staleness_lr: divide each update's rate by its staleness (>= 1) at the shard (Zhang et al.
+        2016, staleness-aware async SGD).
+    momentum: the momentum mu the run asks for (null: train.momentum, as every other strategy).
+    implicit_momentum: count the momentum asynchrony adds by itself, about 1 - 1/N
+        (Mitliagkas et al. 2016, "Asynchrony begets momentum"): the shards' explicit momentum
+        becomes mu' = max(0, 1 - N (1 - mu)), so that (1 - mu') / N = 1 - mu, and every rate
+        is multiplied by (1 - mu') / (1 - mu), so that the effective step lr / (1 - mu) is
+        the one asked for (implicit_momentum_compensation). N=1: mu and the rate unchanged.
+    """
+
+    update_batch_rule = ("b: every worker's gradient is applied on arrival as an update of its own (times "
+                         "strategy_metrics.momentum.rate_factor with implicit_momentum)")
+
+    @classmethod
+    def update_batch(cls, params, workers, per_worker_batch):
+        return per_worker_batch
+
+    def setup(self, model, make_optimizer):
+        asked = self.params["momentum"]
+        if asked is None:  # train.momentum, read off the run's own optimizer factory
+            asked = make_optimizer([torch.zeros(1, requires_grad=True)]).param_groups[0]["momentum"]
+        self.momentum_asked = asked
+        self.momentum, self.rate_factor = (implicit_momentum_compensation(asked, self.ctx.workers)
+                                           if self.params["implicit_momentum"] else (asked, 1.0))
+
+        def with_momentum(parameters, make=make_optimizer):
+            optimizer = make(parameters)
+            for group in optimizer.param_groups:
+                group["momentum"] = self.momentum
+                # no momentum left to look ahead along (N >= 1 / (1 - mu)): plain SGD, as torch requires
+                group["nesterov"] = group["nesterov"] and self.momentum > 0
+            return optimizer
+
+        return super().setup(model, with_momentum)
+
+    def update(self, lr: float) -> None:
+        super().update(lr * self.rate_factor)
+
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary()
+        if summary:
+            summary["momentum"] = {"asked": self.momentum_asked, "explicit": self.momentum,
+                                   "rate_factor": self.rate_factor,
+                                   "implicit_momentum": bool(self.params["implicit_momentum"])}
+        return summary
+
+    def clock_bound(self) -> float:
+        return math.inf
+
+    def update_policy(self) -> UpdatePolicy:
+        return UpdatePolicy.asynchronous(self.clock_bound(), self.params["staleness_lr"])
+
+
+class PsAsync(AsyncParameterServer):
+    name = "ps_async"
+
+
+class Ssp(AsyncParameterServer):
+    """Stale synchronous parallel (Ho et al. 2013): as ps_async, every gradient is applied on
+    arrival and a worker's reply holds its own update, but a worker's clock (gradients it
+    pushed) stays at most `staleness` s ahead of the slowest worker's: the reply that starts
+    its next step waits until then. s = 0: every clock is a barrier (with momentum 0 and the
+    linear rule, ps_sync's parameters); `staleness: null`: unbounded, ps_async."""
+
+    name = "ssp"
+
+    def clock_bound(self) -> float:
+        staleness = self.params["staleness"]
+        return math.inf if staleness is None else staleness

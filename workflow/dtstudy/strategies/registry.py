@@ -1,0 +1,44 @@
+"""The strategy registry: each strategy is one class (one file per family) plus one line here,
+and its knobs one spec class in dtstudy.strategies.specs (torch-free, for the config check)."""
+
+from __future__ import annotations
+
+from dtstudy.strategies.specs import SPECS
+from dtstudy.strategies.allreduce import AllReduce
+from dtstudy.strategies.base import CommMeter, DistContext, Strategy
+from dtstudy.strategies.compressed import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReducePowerSGD
+from dtstudy.strategies.gossip import Gossip
+from dtstudy.strategies.local import EASGD, LocalSGD
+from dtstudy.strategies.parameter_server.strategy import PsAsync, PsBackup, PsSync, Ssp
+from dtstudy.strategies.reference import NoExchange
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    AllReduce.name: AllReduce,
+    PsSync.name: PsSync,
+    PsBackup.name: PsBackup,
+    PsAsync.name: PsAsync,
+    Ssp.name: Ssp,
+    LocalSGD.name: LocalSGD,
+    EASGD.name: EASGD,
+    Gossip.name: Gossip,
+    AllReduceFP16.name: AllReduceFP16,
+    AllReduceBF16.name: AllReduceBF16,
+    AllReducePowerSGD.name: AllReducePowerSGD,
+    AllReduceOneBit.name: AllReduceOneBit,
+    NoExchange.name: NoExchange,
+}
+
+
+# every implementation has its spec (knobs, checks) and every spec its implementation
+if STRATEGIES.keys() != SPECS.keys():
+    raise RuntimeError(f"strategies without both a spec and an implementation: {sorted(STRATEGIES.keys() ^ SPECS.keys())}")
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(STRATEGIES))}") from None
+
+
+__all__ = ["STRATEGIES", "CommMeter", "DistContext", "Strategy", "get_strategy"]

@@ -1,0 +1,408 @@
+"""The training loop of one worker, in the spirit of torchvision's
+references/classification/train.py: set up, then one epoch function and one validation
+function per epoch; every knob comes from the run config and the strategy object does
+everything strategy-specific (the loop never branches on its name).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from dtstudy import data as data_module
+from dtstudy.training import checkpoint
+from dtstudy.config.study_config import per_worker_batch
+from dtstudy.training.measurements import summarize, WorkerLog
+from dtstudy.training.models import build_model, inference_layout
+from dtstudy.tracking.provenance import environment
+from dtstudy.training.checkpoint import LoopState, Preemption
+from dtstudy.tracking.run_outputs import write_checkpoint, write_metrics
+from dtstudy.tracking.live_run import LiveRun, start_live_run
+from dtstudy.runspec import RunSpec
+from dtstudy.training.lr_schedule import LRSchedule, make_schedule
+from dtstudy.strategies.base import DistContext, Strategy
+from dtstudy.strategies.registry import get_strategy
+from dtstudy.training.stragglers import Straggler
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def choose_kernels(deterministic: bool, device: torch.device) -> None:
+    """train.deterministic on a GPU: deterministic kernels (the same seed gives the same
+    numbers on the same GPU), or cuDNN's autotuned fastest ones. Before the first kernel runs:
+    cuBLAS reads its workspace setting when it starts. The CPU's kernels are deterministic
+    already and are left alone. metrics.json's `environment.kernels` records what was set."""
+    if device.type != "cuda":
+        return
+    if deterministic:
+        # cuBLAS is deterministic with a fixed workspace only (torch's reproducibility notes)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    # warn_only: an op without a deterministic kernel (e.g. adaptive average pooling's
+    # backward on CUDA) warns instead of stopping the run
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
+def make_optimizer_factory(train: dict):
+    def make_optimizer(parameters):
+        # lr is set by the schedule every step (strategy.update). fused: one kernel for the
+        # whole update instead of ~5 ops per tensor (LeNet-5 on one core: 0.3 of the loop's
+        # time, ~0.12 ms a step; benchmarks/optimizer_step.py); the same formula.
+        return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"],
+                               nesterov=train["nesterov"], fused=True)
+
+    return make_optimizer
+
+
+def make_criterion(train: dict) -> nn.Module:
+    return nn.CrossEntropyLoss(label_smoothing=train["label_smoothing"])
+
+
+def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2, skip: int = 0):
+    """(inputs, labels) batches: in-memory data sets are indexed directly (no per-image
+    Python work), file-backed ones go through a DataLoader with worker processes. `skip`:
+    leave out the epoch's first batches (a resumed run), without loading them."""
+    if skip:
+        batch_sampler = list(itertools.islice(batch_sampler, skip, None))
+    if getattr(dataset, "is_in_memory", True):
+        for indices in batch_sampler:
+            yield dataset.batch(torch.as_tensor(indices))
+    else:
+        yield from DataLoader(dataset, batch_sampler=batch_sampler, num_workers=loader_workers)
+
+
+@torch.no_grad()
+def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = data_module.EVAL_BATCH,
+                     images: int | None = None) -> float:
+    """Top-1 accuracy of `model` on `dataset` (its first `images` images; None = all), each
+    worker scoring a 1/N share."""
+    counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    shard = list(range(ctx.rank, len(dataset) if images is None else images, ctx.workers))
+    with inference_layout(model) as model:
+        for inputs, labels in data_module.iterate_batches(dataset, shard, batch_size, drop_last=False):
+            predictions = model(inputs.to(ctx.device)).argmax(dim=1)
+            counts[0] += (predictions == labels.to(ctx.device)).sum()
+            counts[1] += len(labels)
+    if ctx.workers > 1:
+        dist.all_reduce(counts, group=ctx.worker_group)
+    return (counts[0] / counts[1]).item()
+
+
+class Progress:
+    """Rank 0 prints an epoch/step line with the rate every `every` steps."""
+
+    def __init__(self, ctx: DistContext, every: int, steps_per_epoch: int, epochs: int):
+        self.enabled = ctx.rank == 0
+        self.every, self.steps_per_epoch, self.epochs = every, steps_per_epoch, epochs
+        self.window_start, self.window_images = time.perf_counter(), 0
+
+    def step(self, epoch: int, step_in_epoch: int, images: int, loss: torch.Tensor, lr: float) -> bool:
+        """Count the step's images; True when this step printed a line (rank 0)."""
+        self.window_images += images
+        if not self.enabled or (step_in_epoch + 1) % self.every:
+            return False
+        now = time.perf_counter()
+        rate = self.window_images / (now - self.window_start)
+        print(
+            f"epoch {epoch + 1}/{self.epochs} step {step_in_epoch + 1}/{self.steps_per_epoch} "
+            f"loss {loss.item():.4f} lr {lr:.4g} {rate:.0f} img/s (this worker)",
+            flush=True,
+        )
+        self.window_start, self.window_images = now, 0
+        return True
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+
+@dataclass
+class WorkerRun:
+    """What one worker trains with: built once by `set_up`, read by the epoch function."""
+
+    spec: RunSpec
+    ctx: DistContext
+    strategy: Strategy
+    model: nn.Module
+    module: nn.Module  # what the forward pass runs on (the strategy may wrap the model)
+    criterion: nn.Module
+    train_set: object
+    val_set: object
+    meta: dict
+    sampler: DistributedSampler
+    batch_sampler: BatchSampler
+    schedule: LRSchedule
+    straggler: Straggler
+    progress: Progress
+    preemption: Preemption
+    tracker: LiveRun
+    grid_images: int = 0  # the grid evaluates the first this many validation images (a fixed subset)
+    grid_every: int | None = None  # steps between grid evaluations; None = epoch ends only
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.batch_sampler)
+
+
+def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Preemption, tracker: LiveRun) -> WorkerRun:
+    cfg, train = spec.config, spec.config["train"]
+    seed_everything(spec.seed)
+    choose_kernels(train["deterministic"], ctx.device)
+    train_set = data_module.load_split(spec.data_dir, "train")
+    val_set = data_module.load_split(spec.data_dir, "val")
+    meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
+    model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
+    module = strategy.setup(model, make_optimizer_factory(train))
+    batch_size = per_worker_batch(train, spec.workers)
+    strategy.use_batch_norm_data(train_set, batch_size)  # for averaged models' BatchNorm statistics
+    sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
+    batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
+    # the rate of the batch one update really averages: the strategy's rule (Strategy.update_batch)
+    schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
+                             len(batch_sampler), strategy.update_batch_rule, strategy.step_limit(strategy.params))
+    progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
+    grid_every = None
+    if train["evals_per_epoch"] > 1:
+        grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
+    grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
+    return WorkerRun(spec, ctx, strategy, model, module, make_criterion(train), train_set, val_set, meta,
+                     sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),
+                     progress, preemption, tracker, grid_images, grid_every)
+
+
+def resume_or_start(run: WorkerRun) -> LoopState:
+    """The saved state of an interrupted attempt of this run when every worker has one, else a fresh start."""
+    spec, ctx, strategy = run.spec, run.ctx, run.strategy
+    fresh = LoopState(log=WorkerLog(rank=ctx.rank))
+    if not strategy.resumable:
+        return fresh
+    saved = checkpoint.load_agreed(spec.out_dir, checkpoint.run_identity(spec), ctx.rank, spec.workers,
+                               ctx.worker_group, run.progress.say)
+    if saved is None:
+        return fresh
+    if saved["position"]["step"] > 0 and strategy.replays_first_step and spec.workers > 1:
+        batches = epoch_batches(run.train_set, run.batch_sampler)
+        inputs, labels = next(batches)
+        batches.close()
+        throwaway_step(run, inputs.to(ctx.device), labels.to(ctx.device))
+    state = checkpoint.restore(saved, run.model, strategy, run.straggler, ctx.device)
+    run.progress.say(f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
+                     f"with the state in {checkpoint.resume_dir(spec.out_dir)}")
+    return state
+
+
+def throwaway_step(run: WorkerRun, inputs, labels) -> None:
+    """One forward/backward whose gradients are dropped, before a resumed run loads its state:
+    the set-up a strategy does on its first step (DDP rebuilds its gradient buckets in the
+    order gradients became ready) is then the interrupted run's, so the resumed steps reduce
+    the same buckets in the same order (PowerSGD's memory is per bucket)."""
+    run.strategy.backward(run.criterion(run.module(inputs), labels))
+    for parameter in run.module.parameters():
+        parameter.grad = None
+    run.strategy.meter.take()
+
+
+def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
+    """The epoch's steps from where `state` stands; `state` advances step by step."""
+    ctx, strategy, log = run.ctx, run.strategy, state.log
+    run.sampler.set_epoch(epoch)
+    first = state.step_in_epoch if epoch == state.epoch else 0
+    batches = epoch_batches(run.train_set, run.batch_sampler, skip=first)
+    for step_in_epoch in range(first, run.steps_per_epoch):
+        if state.step >= run.schedule.total_steps:
+            break
+        action = run.preemption.poll(state.step)  # a step boundary, outside the timed step
+        if action is not None:
+            state.epoch, state.step_in_epoch = epoch, step_in_epoch
+            if action == checkpoint.STOP:
+                stop_for_preemption(run, state, time.perf_counter() - start)
+            save_checkpoint(run, state, time.perf_counter() - start)
+        t_data = time.perf_counter()
+        inputs, labels = next(batches)
+        inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
+        t_step = time.perf_counter()
+        lr = run.schedule(state.step)
+        run.straggler.delay()  # a slow worker's extra compute time
+        loss = run.criterion(run.module(inputs), labels)
+        strategy.backward(loss)
+        strategy.update(lr)
+        ctx.synchronize()
+        t_end = time.perf_counter()
+        comm_s, sent = strategy.meter.take()
+        state.losses.append(loss.detach())
+        log.record(t_step - t_data, t_end - t_step, comm_s, sent, len(labels))
+        if run.progress.step(epoch, step_in_epoch, len(labels), loss, lr):
+            run.tracker.log_metric("train_loss", loss.item(), state.step)  # rank 0, as printed
+        state.step += 1
+        if grid_point_due(run, step_in_epoch):  # outside the timed step
+            evaluate_point(run, state, epoch, start, "grid")
+    batches.close()
+
+
+def training_seconds(log: WorkerLog) -> float:
+    """This worker's training time so far: its steps and their data loading, without the
+    evaluation passes (what time-to-accuracy is measured in)."""
+    return sum(log.step_s) + sum(log.data_s)
+
+
+VALIDATION_METRIC = {"epoch": "val_top1", "grid": "val_top1_grid"}  # MLflow's name of each kind
+
+
+def evaluate_point(run: WorkerRun, state: LoopState, epoch: int, start: float, kind: str) -> dict:
+    """One validation entry, in the history and in MLflow: "epoch" (the whole validation
+    split, at an epoch's end) or "grid" (its first train.eval_images images,
+    train.evals_per_epoch times an epoch)."""
+    images = len(run.val_set) if kind == "epoch" else run.grid_images
+    top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx, images=images)
+    run.strategy.meter.take()  # evaluation's exchanges are not a training step's
+    entry = {"kind": kind, "epoch": epoch + 1, "step": state.step, "top1": top1, "images": images,
+             "train_s": training_seconds(state.log), "wall_s": time.perf_counter() - start}
+    state.val_history.append(entry)
+    run.tracker.log_metric(VALIDATION_METRIC[kind], top1, state.step)
+    return entry
+
+
+def grid_point_due(run: WorkerRun, step_in_epoch: int) -> bool:
+    """Whether a grid evaluation follows batch `step_in_epoch`: after every `grid_every`
+    batches, evals_per_epoch - 1 times an epoch; the epoch's end is its last point (1687
+    steps in 10: points at 168, ..., 1512 and 1687, not also at 1680)."""
+    every = run.grid_every
+    done = step_in_epoch + 1
+    return (every is not None and done % every == 0 and done // every < run.spec.config["train"]["evals_per_epoch"]
+            and done < run.steps_per_epoch)
+
+
+def validate(run: WorkerRun, state: LoopState, epoch: int, start: float, last: bool) -> None:
+    """The epoch's end: the grid's point (when there is a grid) and the whole split. With a
+    grid, the whole split is scored at the end of training only (`last`): the grid already
+    has each epoch's end, and 3 whole-split passes cost a 4-epoch run of LeNet-5 about 2%."""
+    if run.grid_every is not None:
+        entry = evaluate_point(run, state, epoch, start, "grid")
+    if run.grid_every is None or last:
+        entry = evaluate_point(run, state, epoch, start, "epoch")
+    on = "" if entry["kind"] == "epoch" else f" (first {entry['images']} images)"
+    run.progress.say(f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
+                     f"val top-1 {entry['top1']:.4f}{on} at {entry['wall_s']:.1f}s")
+
+
+def save_checkpoint(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
+    """A periodic checkpoint (train.checkpoint_every_min): every worker saves what a preemption
+    saves, and training goes on; a rerun of a run that died resumes from it. The barrier:
+    no worker goes on (and may save the next one) before every worker has saved this one."""
+    path = save_state(run, state, elapsed_s)
+    run.progress.say(f"checkpoint at step {state.step}: state saved in {path.parent}")
+
+
+def save_state(run: WorkerRun, state: LoopState, elapsed_s: float) -> Path:
+    """Every worker saves what a resumed run needs (dtstudy.training.checkpoint), then waits until every
+    worker's file is written; returns this worker's file."""
+    spec, ctx = run.spec, run.ctx
+    saved = checkpoint.resumable_state(state, run.model, run.strategy, run.straggler, ctx.device, elapsed_s)
+    path = checkpoint.save_rank(spec.out_dir, ctx.rank, checkpoint.run_identity(spec), state.step, saved)
+    if spec.workers > 1:
+        dist.barrier(group=ctx.worker_group)
+    return path
+
+
+def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
+    """The workers agreed to stop here (a preemption). A resumable run: each worker saves its
+    state, then rank 0 requeues the job and the others wait until it is gone. Otherwise rank 0
+    requeues the job without state (it starts from step 0). Does not return."""
+    spec, ctx, strategy, preemption = run.spec, run.ctx, run.strategy, run.preemption
+    if not strategy.resumable:
+        run.progress.say(f"preempted: strategy {spec.strategy} cannot resume exactly "
+                         f"({strategy.not_resumable_because}); the job is requeued and training starts "
+                         "again from step 0")
+        strategy.abandon()
+        preemption.requeue()
+    preemption.stopping = True
+    path = save_state(run, state, elapsed_s)
+    if ctx.rank == 0:
+        run.progress.say(f"preempted at step {state.step} after {elapsed_s:.2f} s of training: "
+                         f"state saved in {path.parent}; requeueing the job")
+        preemption.requeue()
+    preemption.wait_for_rank0()
+
+
+def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None = None,
+                 timings: dict | None = None) -> dict | None:
+    """Train on one worker; rank 0 returns the run's metrics (and writes its files).
+
+    With a `preemption` installed, a preempted run saves its state at a step boundary and
+    is requeued (resumable strategies), or is requeued to start again (the others); a run
+    that finds its saved state continues from it (see dtstudy.training.checkpoint). `timings`: wall-clock
+    stamps of the run so far (the launcher's submission, this process's start), for metrics.json.
+    """
+    timings = dict(timings or {})
+    strategy: Strategy = get_strategy(spec.strategy)(ctx, spec.strategy_params())
+    if preemption is None:  # nothing installed: never preempted
+        preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device,
+                                spec.config["train"]["preempt_check_every"], lockstep=strategy.resumable)
+    if not ctx.is_worker:
+        strategy.serve()
+        return None
+    tracker = start_live_run(spec) if ctx.rank == 0 else LiveRun.disabled()
+    try:
+        return _train(spec, ctx, strategy, preemption, tracker, timings)
+    except BaseException as error:
+        if not preemption.stopping:
+            tracker.close("FAILED", f"{type(error).__name__}: {error}")
+        raise
+
+
+def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
+    run = set_up(spec, ctx, strategy, preemption, tracker)
+    train = spec.config["train"]
+    run.progress.say(
+        f"{spec.run_name}: {len(run.train_set)} training images, batch {run.batch_sampler.batch_size}/worker, "
+        f"{run.steps_per_epoch} steps/epoch, peak lr {run.schedule.peak_lr:.4g}, device {ctx.device} ({ctx.backend})"
+    )
+    state = resume_or_start(run)
+    timings["training_start"] = time.time()
+    start = time.perf_counter() - state.elapsed_s
+    for epoch in range(state.epoch, train["epochs"]):
+        train_one_epoch(run, state, epoch, start)
+        last = epoch == train["epochs"] - 1 or state.step >= run.schedule.total_steps
+        validate(run, state, epoch, start, last)
+        if last:
+            break
+    preemption.drain()
+    wall_time = time.perf_counter() - start
+    timings["training_end"] = time.time()
+    final_model = strategy.eval_model()  # collective; before finish(), which may stop servers
+    strategy.finish()
+    state.log.loss = state.losses_so_far()
+    state.log.injected_delay_s = run.straggler.total_s
+
+    logs: list[WorkerLog] = [state.log]
+    if spec.workers > 1:
+        logs = [None] * spec.workers  # type: ignore[list-item]
+        dist.all_gather_object(logs, state.log, group=ctx.worker_group)
+    if ctx.rank != 0:
+        return None
+    timings["gathered"] = time.time()
+    write_checkpoint(spec, final_model, run.meta)
+    timings["checkpoint_written"] = time.time()
+    metrics = summarize(spec, logs, state.val_history, wall_time, run.schedule.describe(), strategy.summary(),
+                        environment(ctx.device, ctx.backend, ctx.world_size), timings)
+    timings["summarized"] = time.time()
+    metrics["mlflow"] = tracker.finish(metrics)  # final metrics logged; the run stays RUNNING
+    timings["mlflow_logged"] = time.time()
+    write_metrics(spec, metrics)
+    tracker.close("FINISHED")  # only once metrics.json, the rule's output, is on disk
+    checkpoint.clear(spec.out_dir)  # the run is complete: nothing to resume any more
+    return metrics
