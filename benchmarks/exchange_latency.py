@@ -5,7 +5,7 @@ process's own forward and backward of a batch of 32) and as the communication be
 times it (right after a barrier), beside the same bytes exchanged both ways over a plain TCP
 socket after the same compute. Each gloo pattern runs twice: over a group whose event-loop
 thread keeps its priority (gloo's default) and over a second group whose loop runs at nice
-19 (launcher.gloo_loop_nice, the study's default; dtstudy.launch.gloo_loops). Side by side in one
+19 (launcher.gloo_loop_nice, the study's default; dtstudy.gloo_loops). Side by side in one
 run, interleaved round by round; prints the median with the 10th and 90th percentiles of each.
 
     python3 benchmarks/exchange_latency.py [--rounds 300]
@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from dtstudy.launch.gloo_loops import gloo_loop_threads, lower_gloo_event_loops
+from dtstudy.gloo_loops import gloo_loop_threads, lower_gloo_event_loops
 from dtstudy.training.models import build_model
 
 NICE = 19

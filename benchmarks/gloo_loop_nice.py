@@ -4,8 +4,8 @@ study's recipe from config/config.yaml, cut to `--steps`) with gloo's event-loop
 each of `--priorities` (a nice value, 0 = as gloo starts them, or idle = SCHED_IDLE),
 alternating run by run so that drift of the machine hits all. Prints each run's images/s
 and per-step compute and exchange times, then per strategy and N the median ratio of
-throughput (each priority / the first) with its range over the repeats. README "What one
-exchange costs".
+throughput (each priority / the first) with its range over the repeats. Why: docs/running-locally.md
+"Cores"; how to run it: docs/benchmarks.md.
 
     python3 benchmarks/gloo_loop_nice.py [--runs allreduce:2,allreduce:4,ps_async:2]
                                          [--priorities 0,19,idle] [--repeats 3] [--steps 400]
@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dtstudy.config.study_config import run_config, validate_schema
-from dtstudy.data import prepare
+from dtstudy.data.prepare import prepare
 from dtstudy.launch.launcher import run_training_job
 from dtstudy.runspec import RunSpec
 

@@ -4,7 +4,7 @@ their ratio, measured side by side in one run).
 Every validation point of a run and every `evaluate` job scores LeNet-5 on thousands of
 images (`models.inference_layout`: eval mode, the 4-d weights swapped for channels-last
 copies). Rounds alternate the model as trained (contiguous, eval mode) and that pass (the
-copies included) on the same 10000 images in batches of `data.EVAL_BATCH`, one thread as in a
+copies included) on the same 10000 images in batches of `data.loading.EVAL_BATCH`, one thread as in a
 worker. Prints the median [min - max] seconds per pass and the median of the per-round
 ratios.
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dtstudy.data import EVAL_BATCH
+from dtstudy.data.loading import EVAL_BATCH
 from dtstudy.training.models import build_model, inference_layout
 
 

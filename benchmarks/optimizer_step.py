@@ -2,7 +2,7 @@
 and their ratio, measured side by side in one run).
 
 Every strategy's worker steps LeNet-5's 10 tensors with momentum, Nesterov and weight decay
-(`worker.make_optimizer_factory`). torch's default on CPU runs ~5 small ops per tensor from
+(`training.loop.make_optimizer_factory`). torch's default on CPU runs ~5 small ops per tensor from
 Python; `fused=True` does the whole update in one kernel. Rounds alternate the three
 implementations (loop, foreach, fused) so that the machine's drift hits all of them; each
 round times `--steps` steps after a warm-up. Prints the median [min - max] microseconds per

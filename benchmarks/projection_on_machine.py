@@ -1,8 +1,8 @@
 """On this machine: calibrated on N=1 and the communication benchmark, how well the
 performance model predicts the measured N=2 throughput (target: within 15%), measured side
 by side in one run. Not a timed test: the machine's noise (identical runs differ by tens of
-percent) decides too much of it; the figures are quoted in README ("Projection past the
-machine"). With --record, the rounds' runs and benchmark are written to a file, and
+percent) decides too much of it; the figures are quoted in docs/performance-model.md ("Validation
+on this machine"). With --record, the rounds' runs and benchmark are written to a file, and
 tests/test_projection.py holds the model, as the code stands, to each in RECORDS.
 
     python3 benchmarks/projection_on_machine.py [--repeats 5] [--steps 300] [--record FILE]

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 from scipy.optimize import brentq  # noqa: E402
 
 from dtstudy.projection import layer_profiles
-from dtstudy import perfmodel as pm
-from dtstudy.perfmodel import Link, Machine, Workload
+from dtstudy.perfmodel import collectives, steps
+from dtstudy.strategies import specs
+from dtstudy.perfmodel.machine import Link, Machine, Workload
 
 HOROVOD = "https://github.com/horovod/horovod/blob/master/docs/benchmarks.rst"
 TF_BENCH = "https://www.tensorflow.org/performance/benchmarks (TF 1.x, tensorflow/docs r1 guide/performance/benchmarks.md)"
@@ -124,7 +125,7 @@ def horovod_cases(overlap: float = 0.0, wait_free: bool = False, algorithm: str 
                   payload_share: float = roce_payload_share(ROCE_MTU)) -> list[dict]:
     """`wait_free`: each architecture's layer profile, Horovod's 64 MiB fusion buffers filled
     in backprop order (perfmodel's DDP-style buckets), instead of the fixed `overlap`.
-    `algorithm`: how the all-reduce spans the servers (perfmodel.ALLREDUCE_ALGORITHMS);
+    `algorithm`: how the all-reduce spans the servers (perfmodel.collectives.ALLREDUCE_ALGORITHMS);
     Horovod then ran NCCL 2's flat ring ("ring"): its hierarchical mode came in v0.13.6, July
     2018 (https://github.com/horovod/horovod/pull/329), after both benchmarks. `payload_share`:
     the share of the servers' 25 Gbit/s that carries gradient bytes."""
@@ -135,8 +136,8 @@ def horovod_cases(overlap: float = 0.0, wait_free: bool = False, algorithm: str 
             workload = Workload(PARAMETERS[name], 4, 64, compute_s=64 / P100_SINGLE[name],
                                 layers=_layers(name, wait_free))
             params = {"bucket_cap_mb": HOROVOD_FUSION_MB}
-            single = pm.step("allreduce", workload, machine, 1, params).throughput
-            s = pm.step("allreduce", workload, machine, gpus, params)
+            single = specs.model_step("allreduce", workload, machine, 1, params).throughput
+            s = specs.model_step("allreduce", workload, machine, gpus, params)
             rows.append({"source": source,
                          "case": f"Horovod {name}, {gpus} GPUs ({gpus // 4} x 4 Pascal, 25 Gbit/s RoCE)",
                          "published": efficiency, "projected": s.throughput / (gpus * single), "bound": s.bound})
@@ -146,14 +147,14 @@ def horovod_cases(overlap: float = 0.0, wait_free: bool = False, algorithm: str 
 def hierarchical_ps_exchange(workload: Workload, machine: Machine, workers: int, shards: int) -> float:
     """distributed_replicated: gradients summed over a node's GPUs (ring all-reduce inside),
     then each node pushes its sum to the shards and pulls the parameters: a parameter server
-    with one worker per node (pm.ps_phase_time with gpus_per_node 1), both phases."""
+    with one worker per node (steps.ps_phase_time with gpus_per_node 1), both phases."""
     g = machine.gpus_per_node
     nodes = machine.nodes(workers)
-    inside = pm.ring_allreduce_time(workload.model_bytes, min(workers, g), machine.intra)
+    inside = collectives.ring_allreduce_time(workload.model_bytes, min(workers, g), machine.intra)
     if nodes == 1:
         return inside
     per_node = dataclasses.replace(machine, gpus_per_node=1, intra_p2p=machine.inter_p2p or machine.inter)
-    return inside + 2 * pm.ps_phase_time(workload, per_node, nodes, shards, "colocated")
+    return inside + 2 * steps.ps_phase_time(workload, per_node, nodes, shards, "colocated")
 
 
 def tf_step(workload: Workload, machine: Machine, workers: int, shards: int) -> float:
@@ -172,7 +173,7 @@ def tf_step(workload: Workload, machine: Machine, workers: int, shards: int) -> 
     total = sum(size for size, _ in variables)
     backward = workload.layers.backward_share * workload.compute_s
     timeline = [(ready * backward, inside * size / total, push * size / total) for size, ready in variables]
-    return workload.compute_s + pm.wait_free_exposed(timeline, backward) + pull
+    return workload.compute_s + steps.wait_free_exposed(timeline, backward) + pull
 
 
 def fit_tf_intra(workload: Workload, machine: Machine, throughput: float) -> Link:

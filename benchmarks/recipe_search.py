@@ -33,7 +33,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from dtstudy.checks import load_config
 from dtstudy.config.study_config import validate_schema
-from dtstudy.data import load_split
+from dtstudy.data.loading import load_split
 from dtstudy.training.evaluate import topk_accuracy
 from dtstudy.training.models import build_model
 from dtstudy.training.lr_schedule import make_schedule
@@ -56,7 +56,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def worker_batch_samplers(train_set, workers: int, batch_size: int, seed: int) -> list[BatchSampler]:
-    """Each worker's batches, as the study's workers draw them (worker.set_up)."""
+    """Each worker's batches, as the study's workers draw them (training.loop.set_up)."""
     return [BatchSampler(DistributedSampler(train_set, num_replicas=workers, rank=rank, shuffle=True, seed=seed),
                          batch_size, drop_last=True) for rank in range(workers)]
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from dtstudy.config.study_config import run_config, validate_schema
-from dtstudy.data import load_split, prepare
+from dtstudy.data.loading import load_split
+from dtstudy.data.prepare import prepare
 from dtstudy.launch.launcher import run_training_job
 from dtstudy.training.models import build_model
 from dtstudy.runspec import RunSpec

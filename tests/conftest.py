@@ -51,7 +51,7 @@ def validated(config: dict) -> dict:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The tiny study's data set, prepared once per test session."""
-    from dtstudy.data import prepare
+    from dtstudy.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "fashion_mnist"
     prepare(validated(tiny_study())["dataset"], out)

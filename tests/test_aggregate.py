@@ -8,7 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dtstudy.analysis import aggregate
+from dtstudy.analysis.aggregate import aggregate_study
+from dtstudy.analysis.findings import accuracy_markdown, findings_markdown, noise_note, scaling_markdown
+from dtstudy.analysis.plots import make_plots
+from dtstudy.analysis.runs import efficiency, load_run_metrics, load_runs, mean_of_reached, speedup
+from dtstudy.analysis.tables import (ACCURACY_COLUMNS, OVERSUBSCRIBED_NOTE, SCALING_COLUMNS, accuracy_table,
+                                     noise_summary, scaling_table, write_table)
 
 # Throughput (images/s) per (strategy, workers) for seeds 0 and 1.
 THROUGHPUT = {
@@ -70,7 +75,7 @@ def run_dirs(tmp_path):
 
 @pytest.fixture
 def runs(run_dirs):
-    return aggregate.load_runs(run_dirs)
+    return load_runs(run_dirs)
 
 
 def row(table, strategy, workers):
@@ -82,15 +87,15 @@ def row(table, strategy, workers):
 # --- arithmetic -----------------------------------------------------------------------
 
 def test_speedup_and_efficiency_by_hand():
-    assert aggregate.speedup(205.0, 105.0) == pytest.approx(1.952381, rel=1e-6)
-    assert aggregate.efficiency(3.714286, 4) == pytest.approx(0.928571, rel=1e-6)
-    assert math.isnan(aggregate.speedup(205.0, None))
-    assert math.isnan(aggregate.speedup(205.0, float("nan")))
+    assert speedup(205.0, 105.0) == pytest.approx(1.952381, rel=1e-6)
+    assert efficiency(3.714286, 4) == pytest.approx(0.928571, rel=1e-6)
+    assert math.isnan(speedup(205.0, None))
+    assert math.isnan(speedup(205.0, float("nan")))
 
 
 def test_mean_of_reached_ignores_runs_that_never_reached():
-    assert aggregate.mean_of_reached([30.0, None, 50.0]) == 40.0
-    assert math.isnan(aggregate.mean_of_reached([None, float("nan")]))
+    assert mean_of_reached([30.0, None, 50.0]) == 40.0
+    assert math.isnan(mean_of_reached([None, float("nan")]))
 
 
 # --- loading --------------------------------------------------------------------------
@@ -109,14 +114,14 @@ def test_missing_metrics_names_the_path(run_dirs):
     missing = run_dirs[3] / "metrics.json"
     missing.unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
-        aggregate.load_runs(run_dirs)
+        load_runs(run_dirs)
 
 
 def test_invalid_eval_names_the_path(run_dirs):
     broken = run_dirs[5] / "eval.json"
     broken.write_text("{not json")
     with pytest.raises(ValueError, match=re.escape(str(broken))):
-        aggregate.load_runs(run_dirs)
+        load_runs(run_dirs)
 
 
 def test_missing_key_names_the_path(run_dirs):
@@ -125,7 +130,7 @@ def test_missing_key_names_the_path(run_dirs):
     del metrics["throughput"]
     path.write_text(json.dumps(metrics))
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*throughput"):
-        aggregate.load_runs(run_dirs)
+        load_runs(run_dirs)
 
 
 def test_null_value_names_the_path(run_dirs):
@@ -134,19 +139,19 @@ def test_null_value_names_the_path(run_dirs):
     metrics["step_time"]["comm_s"] = None
     path.write_text(json.dumps(metrics))
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*comm_s"):
-        aggregate.load_runs(run_dirs)
+        load_runs(run_dirs)
 
 
 def test_duplicate_runs_are_an_error(tmp_path, run_dirs):
     copy = write_run(tmp_path / "elsewhere", "ps_sync", 4, 0)
     with pytest.raises(ValueError, match="same"):
-        aggregate.load_runs(run_dirs + [copy])
+        load_runs(run_dirs + [copy])
 
 # --- scaling table --------------------------------------------------------------------
 
 def test_scaling_columns_and_alphabetical_order(runs):
-    table = aggregate.scaling_table(runs)
-    assert list(table.columns) == aggregate.SCALING_COLUMNS
+    table = scaling_table(runs)
+    assert list(table.columns) == SCALING_COLUMNS
     assert list(zip(table["strategy"], table["workers"])) == [
         ("allreduce", 1), ("allreduce", 2), ("allreduce", 4),
         ("ps_sync", 1), ("ps_sync", 2), ("ps_sync", 4)]
@@ -154,7 +159,7 @@ def test_scaling_columns_and_alphabetical_order(runs):
 
 
 def test_scaling_follows_config_order(runs):
-    table = aggregate.scaling_table(runs, strategies_order=["ps_sync", "allreduce"])
+    table = scaling_table(runs, strategies_order=["ps_sync", "allreduce"])
     assert list(table["strategy"]) == ["ps_sync"] * 3 + ["allreduce"] * 3
     assert list(table["workers"]) == [1, 2, 4, 1, 2, 4]
 
@@ -169,7 +174,7 @@ def test_scaling_follows_config_order(runs):
 ])
 def test_scaling_numbers_by_hand(runs, strategy, workers, throughput, speedup, efficiency,
                                  vs_allreduce):
-    r = row(aggregate.scaling_table(runs), strategy, workers)
+    r = row(scaling_table(runs), strategy, workers)
     assert r["seeds"] == 2 and r["windows"] == 10
     assert r["throughput"] == pytest.approx(throughput)
     assert r["speedup"] == pytest.approx(speedup, rel=1e-5)
@@ -185,7 +190,7 @@ def test_scaling_intervals_come_from_the_windows_of_every_seed(tmp_path):
                 write_run(tmp_path, "allreduce", 1, 1, windows=[w * 2 for w in narrow]),
                 write_run(tmp_path, "allreduce", 2, 0, windows=narrow),
                 write_run(tmp_path, "allreduce", 2, 1, windows=[w + 100 for w in narrow])]
-    r = row(aggregate.scaling_table(aggregate.load_runs(run_dirs)), "allreduce", 2)
+    r = row(scaling_table(load_runs(run_dirs)), "allreduce", 2)
     assert r["throughput"] == pytest.approx((105.0 + 195.0) / 2)
     assert r["throughput_low"] < 150.0 < r["throughput_high"]
     assert r["throughput_high"] - r["throughput_low"] > 50.0
@@ -197,35 +202,35 @@ def test_efficiency_against_the_ceiling(tmp_path):
     run_dirs = [write_run(tmp_path, name, workers, 0, windows=[thr] * 5)
                 for name, workers, thr in (("allreduce", 1, 100.0), ("allreduce", 2, 150.0),
                                            ("no_exchange", 1, 100.0), ("no_exchange", 2, 170.0))]
-    df = aggregate.load_runs(run_dirs)
-    table = aggregate.scaling_table(df)
+    df = load_runs(run_dirs)
+    table = scaling_table(df)
     r = row(table, "allreduce", 2)
     assert r["ceiling_efficiency"] == pytest.approx(0.85)
     assert r["efficiency_vs_ceiling"] == pytest.approx(150 / 170)
     assert row(table, "no_exchange", 2)["efficiency_vs_ceiling"] == pytest.approx(1.0)
-    assert "no_exchange" not in set(aggregate.accuracy_table(df)["strategy"])
+    assert "no_exchange" not in set(accuracy_table(df)["strategy"])
 
 
 def test_noise_is_the_spread_of_the_identical_single_worker_runs(runs):
-    noise = aggregate.noise_summary(runs)
+    noise = noise_summary(runs)
     single = [100.0, 110.0, 80.0, 90.0]  # allreduce and ps_sync at N=1, two seeds each
     assert noise["n1_runs"] == 4
     assert (noise["n1_min"], noise["n1_max"]) == (80.0, 110.0)
     assert noise["n1_ratio"] == pytest.approx(110 / 80)
     assert noise["n1_cv"] == pytest.approx(np.std(single, ddof=1) / np.mean(single))
-    assert "80 to 110 images/s" in aggregate.noise_note(noise)
+    assert "80 to 110 images/s" in noise_note(noise)
 
 
 def test_speedup_is_nan_without_single_worker_run(runs):
     without = runs[~((runs["strategy"] == "ps_sync") & (runs["workers"] == 1))]
-    table = aggregate.scaling_table(without)
+    table = scaling_table(without)
     assert math.isnan(row(table, "ps_sync", 2)["speedup"])
     assert math.isnan(row(table, "ps_sync", 4)["efficiency"])
     assert row(table, "ps_sync", 2)["speedup_vs_allreduce_1"] == pytest.approx(155 / 105)
 
 
 def test_speedup_vs_allreduce_is_nan_without_allreduce(runs):
-    table = aggregate.scaling_table(runs[runs["strategy"] == "ps_sync"])
+    table = scaling_table(runs[runs["strategy"] == "ps_sync"])
     assert table["speedup_vs_allreduce_1"].isna().all()
     assert row(table, "ps_sync", 4)["speedup"] == pytest.approx(270 / 85)
 
@@ -233,8 +238,8 @@ def test_speedup_vs_allreduce_is_nan_without_allreduce(runs):
 # --- accuracy table -------------------------------------------------------------------
 
 def test_accuracy_columns_and_numbers(runs):
-    table = aggregate.accuracy_table(runs)
-    assert list(table.columns) == aggregate.ACCURACY_COLUMNS
+    table = accuracy_table(runs)
+    assert list(table.columns) == ACCURACY_COLUMNS
     r = row(table, "ps_sync", 4)
     assert r["top1"] == pytest.approx(0.82)
     assert (r["top1_low"], r["top1_high"], r["top1_interval"]) == (0.80, 0.84, "range")  # 2 seeds
@@ -251,7 +256,7 @@ def test_three_seeds_give_a_t_interval_of_the_paired_difference(tmp_path):
     base, other = (0.90, 0.91, 0.92), (0.88, 0.90, 0.90)  # differences -0.02, -0.01, -0.02
     run_dirs = [write_run(tmp_path, name, 1, seed, top1=values[seed], windows=[100.0] * 5)
                 for name, values in (("allreduce", base), ("ps_sync", other)) for seed in range(3)]
-    r = row(aggregate.accuracy_table(aggregate.load_runs(run_dirs)), "ps_sync", 1)
+    r = row(accuracy_table(load_runs(run_dirs)), "ps_sync", 1)
     differences = np.array([-0.02, -0.01, -0.02])
     half = 4.302653 * differences.std(ddof=1) / math.sqrt(3)
     assert r["top1_interval"] == "t95" and r["paired_seeds"] == 3
@@ -260,7 +265,7 @@ def test_three_seeds_give_a_t_interval_of_the_paired_difference(tmp_path):
 
 
 def test_time_to_accuracy_only_over_seeds_that_reached(runs):
-    table = aggregate.accuracy_table(runs)
+    table = accuracy_table(runs)
     some = row(table, "ps_sync", 4)
     assert some["time_to_accuracy_s"] == 30.0
     assert some["reached_target"] == "1/2"
@@ -275,23 +280,23 @@ def test_time_to_accuracy_only_over_seeds_that_reached(runs):
 # --- writing --------------------------------------------------------------------------
 
 def test_write_table_csv_and_markdown(runs, tmp_path):
-    table = aggregate.scaling_table(runs)
-    noise = aggregate.noise_summary(runs)
+    table = scaling_table(runs)
+    noise = noise_summary(runs)
     csv_path, md_path = tmp_path / "out" / "scaling.csv", tmp_path / "out" / "scaling.md"
-    aggregate.write_table(table, csv_path, md_path, markdown=aggregate.scaling_markdown(table, noise))
+    write_table(table, csv_path, md_path, markdown=scaling_markdown(table, noise))
     pd.testing.assert_frame_equal(pd.read_csv(csv_path), table, check_dtype=False)
     markdown = md_path.read_text()
     assert markdown.startswith("# Scaling table")
     assert "| allreduce" in markdown and "| ps_sync" in markdown
     assert "| 390 [380, 400]" in markdown  # allreduce N=4: seeds at 380 and 400, equal windows
     assert "| 0.04500 " in markdown
-    assert aggregate.noise_note(noise) in markdown
-    assert aggregate.OVERSUBSCRIBED_NOTE not in markdown
+    assert noise_note(noise) in markdown
+    assert OVERSUBSCRIBED_NOTE not in markdown
     assert sorted(p.name for p in csv_path.parent.iterdir()) == ["scaling.csv", "scaling.md"]
 
 
 def test_accuracy_markdown_marks_the_strategies_below_allreduce(runs):
-    markdown = aggregate.accuracy_markdown(aggregate.accuracy_table(runs))
+    markdown = accuracy_markdown(accuracy_table(runs))
     marked = [line for line in markdown.splitlines() if "points below allreduce" in line and line.startswith("| ")]
     assert [line.split("|")[1].strip() + line.split("|")[2].strip() for line in marked] == ["ps_sync4"]
     assert "0.8200 (0.8000–0.8400)" in markdown
@@ -302,19 +307,19 @@ def test_accuracy_markdown_marks_the_strategies_below_allreduce(runs):
 def test_markdown_notes_oversubscribed_rows(tmp_path):
     run_dirs = [write_run(tmp_path, "allreduce", workers, seed, oversubscribed=(workers == 4))
                 for workers in (1, 2, 4) for seed in SEEDS]
-    table = aggregate.scaling_table(aggregate.load_runs(run_dirs))
+    table = scaling_table(load_runs(run_dirs))
     assert list(table["oversubscribed"]) == [False, False, True]
     md_path = tmp_path / "scaling.md"
-    aggregate.write_table(table, tmp_path / "scaling.csv", md_path,
-                          markdown=aggregate.scaling_markdown(table, aggregate.noise_summary(aggregate.load_runs(run_dirs))))
-    assert aggregate.OVERSUBSCRIBED_NOTE in md_path.read_text()
+    write_table(table, tmp_path / "scaling.csv", md_path,
+                markdown=scaling_markdown(table, noise_summary(load_runs(run_dirs))))
+    assert OVERSUBSCRIBED_NOTE in md_path.read_text()
 
 
 def test_findings_state_the_noise_the_ranking_and_the_gaps(runs):
-    scaling, accuracy, noise = aggregate.scaling_table(runs), aggregate.accuracy_table(runs), aggregate.noise_summary(runs)
-    findings = aggregate.findings_markdown(scaling, accuracy, noise)
+    scaling, accuracy, noise = scaling_table(runs), accuracy_table(runs), noise_summary(runs)
+    findings = findings_markdown(scaling, accuracy, noise)
     assert "## Scaling" in findings and "## Accuracy" in findings
-    assert aggregate.noise_note(noise) in findings
+    assert noise_note(noise) in findings
     assert "Efficiency at N=4" in findings
     # allreduce N=4 E = 0.93, ps_sync 0.79, but two seeds each 5% apart: the intervals overlap
     assert "  - allreduce: E = 0.93 [0.86, 1.00]\n  - ps_sync: E = 0.79 [0.72, 0.88]; within the noise" in findings
@@ -325,8 +330,8 @@ def test_findings_state_the_noise_the_ranking_and_the_gaps(runs):
 # --- plots ----------------------------------------------------------------------------
 
 def test_make_plots_writes_four_nontrivial_pngs(runs, run_dirs, tmp_path):
-    run_metrics = aggregate.load_run_metrics(run_dirs)
-    paths = aggregate.make_plots(runs, run_metrics, tmp_path / "plots")
+    run_metrics = load_run_metrics(run_dirs)
+    paths = make_plots(runs, run_metrics, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
         "accuracy.png", "convergence.png", "efficiency.png", "throughput.png"]
     for path in paths:
@@ -354,9 +359,9 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
         run_dirs.append(run_dir)
 
-    summary = aggregate.aggregate_study(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
-                            "study-test", strategies_order=["allreduce"],
-                            study_params={"model": "lenet5", "train": {"epochs": 3}})
+    summary = aggregate_study(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
+                              "study-test", strategies_order=["allreduce"],
+                              study_params={"model": "lenet5", "train": {"epochs": 3}})
 
     assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [
         "accuracy.csv", "accuracy.md", "findings.md", "scaling.csv", "scaling.md"]
@@ -373,7 +378,7 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
 def test_speedup_at_one_worker_is_one_without_an_interval(tmp_path):
     narrow = [95.0, 97.0, 100.0, 103.0, 105.0]
     run_dirs = [write_run(tmp_path, "allreduce", 1, seed, windows=[w + 10 * seed for w in narrow]) for seed in SEEDS]
-    r = row(aggregate.scaling_table(aggregate.load_runs(run_dirs)), "allreduce", 1)
+    r = row(scaling_table(load_runs(run_dirs)), "allreduce", 1)
     assert (r["speedup"], r["speedup_low"], r["speedup_high"]) == (1.0, 1.0, 1.0)
     assert (r["efficiency_low"], r["efficiency_high"]) == (1.0, 1.0)
     assert r["throughput_low"] < r["throughput"] < r["throughput_high"]

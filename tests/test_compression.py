@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from conftest import in_workers, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
 from dtstudy.strategies import compressed
-from dtstudy.strategies.compressed import AllReduceOneBit, chunk_groups, compress_with_feedback, decode, dequantize, encode, pack_signs, quantization_groups, quantize, unpack_signs
+from dtstudy.strategies.compressed import AllReduceOneBit
+from dtstudy.strategies import onebit_codec
+from dtstudy.strategies.onebit_codec import (chunk_groups, compress_with_feedback, decode, dequantize, encode, pack_signs,
+                                            quantization_groups, quantize, unpack_signs)
 
 
 def test_signs_pack_eight_to_a_byte_and_unpack():
@@ -67,7 +70,8 @@ def test_column_quantizer_keeps_every_columns_sum_zeros_included():
 
 @pytest.mark.parametrize("quantizer", ["column", "tensor"])
 def test_error_feedback_loses_nothing_in_sum(quantizer):
-    """STUDY.md: sum of what was sent plus the residual equals the sum of the true gradients."""
+    """Sum of what was sent plus the residual equals the sum of the true gradients
+    (docs/strategies.md, "Equivalences the tests check")."""
     torch.manual_seed(0)
     shapes = [torch.Size([30, 10]), torch.Size([17]), torch.Size([10, 100])]
     groups = quantization_groups(shapes, quantizer)
@@ -148,8 +152,8 @@ def _check_onebit_exchange(ctx, quantizer, broken, exchange):
     (the residuals stay small against the sum; per column they sum to 0). `broken`: "zeros",
     a quantiser sending zeros (the identity still holds, tracking must fail);
     "no_server_residual", a server step that never adds its residual back (the identity must fail)."""
-    if broken == "zeros":
-        compressed.quantize = _sends_zeros
+    if broken == "zeros":  # in this worker process only: the strategy's and the codec's chunk quantiser
+        compressed.quantize = onebit_codec.quantize = _sends_zeros
     if broken == "no_server_residual":
         compressed.reduce_chunk = _drops_server_residual
     torch.manual_seed(0)
@@ -282,7 +286,7 @@ def _check_resume(ctx):
     fourth = _step(strategy, module, parameters, inputs, labels)
 
     resumed, resumed_module, resumed_parameters = fresh()
-    _step(resumed, resumed_module, resumed_parameters, inputs, labels)  # throwaway, as worker.throwaway_step
+    _step(resumed, resumed_module, resumed_parameters, inputs, labels)  # throwaway, as training.loop.throwaway_step
     resumed.load_state_dict(saved)
     for key in ("residuals", "server_residuals"):
         for loaded, value in zip(resumed.state_dict()[key], saved[key], strict=True):
@@ -360,23 +364,24 @@ def test_compressed_training_reaches_allreduce_accuracy(two_worker_runs, name):
 
 
 def test_onebit_training_learns(two_worker_runs):
-    """1 bit per value costs accuracy this early in training (see the README's numbers),
-    but the error feedback keeps it learning."""
+    """1 bit per value costs accuracy this early in training, but the error feedback keeps it
+    learning (docs/strategies.md, "Equivalences the tests check")."""
     assert two_worker_runs["allreduce_onebit"]["final_val_top1"] > 0.3
 
 
 def test_onebit_reduce_scatter_modelled_hand_computed():
-    """perfmodel: two all-gathers of M/N (the all-to-all and the gather of averaged chunks)."""
-    from dtstudy import perfmodel as pm
+    """The spec's model_step: two all-gathers of M/N (the all-to-all and the gather of averaged chunks)."""
+    from dtstudy.perfmodel.machine import NO_STRAGGLERS, Link, Machine, Workload
+    from dtstudy.strategies import specs
 
-    workload = pm.Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1)
-    machine = pm.Machine(gpus_per_node=4, intra=pm.Link(1e-5, 1e9), inter=pm.Link(1e-4, 1e8))
-    knobs = {**pm.knob_defaults()["allreduce_onebit"], "exchange": "reduce_scatter"}
+    workload = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1)
+    machine = Machine(gpus_per_node=4, intra=Link(1e-5, 1e9), inter=Link(1e-4, 1e8))
+    knobs = {**specs.knob_defaults()["allreduce_onebit"], "exchange": "reduce_scatter"}
     # N=8 = 2 nodes of 4; a chunk's message 1e6/8/8 = 15625 bytes: inside 3*1e-5 + 3*15625/1e9,
     # across 1e-4 + 4*15625/1e8; twice. (allgather: inside 3e-5 + 3.75e-4, across 1e-4 + 5e-3)
-    step = pm.step("allreduce_onebit", workload, machine, 8, knobs, pm.NO_STRAGGLERS)
+    step = specs.model_step("allreduce_onebit", workload, machine, 8, knobs, NO_STRAGGLERS)
     assert step.exchange_s == pytest.approx(2 * (3e-5 + 4.6875e-5 + 1e-4 + 6.25e-4), rel=1e-9)
     # 1e-9 s per byte of the 4e6: (1/2 + 1/2 + 1/8 + 1/2) x 4e-3
-    timed = pm.Machine(4, machine.intra, machine.inter, compression_s_per_byte={"allreduce_onebit": 1e-9})
-    step = pm.step("allreduce_onebit", workload, timed, 8, knobs, pm.NO_STRAGGLERS)
+    timed = Machine(4, machine.intra, machine.inter, compression_s_per_byte={"allreduce_onebit": 1e-9})
+    step = specs.model_step("allreduce_onebit", workload, timed, 8, knobs, NO_STRAGGLERS)
     assert step.exchange_s == pytest.approx(2 * (3e-5 + 4.6875e-5 + 1e-4 + 6.25e-4) + 4e-3 * 1.625, rel=1e-9)

@@ -77,12 +77,22 @@ def test_every_strategy_has_its_knob_schema_with_no_other_knobs_allowed():
             knob: sub["default"] for knob, sub in knob_schema["properties"].items()}
 
 
-def test_a_spec_without_a_knob_schema_fails_at_import(monkeypatch):
+def test_knobs_without_a_spec_fail_at_import(monkeypatch):
     knob_schemas = schema.knob_schemas()
-    del knob_schemas["gossip"]
+    knob_schemas["gossipp"] = knob_schemas["gossip"]  # a misspelt strategy name in the schema
     monkeypatch.setattr(schema, "knob_schemas", lambda: knob_schemas)
-    with pytest.raises(RuntimeError, match="gossip"):
+    with pytest.raises(RuntimeError, match="gossipp"):
         specs._attach_knob_schemas()
+
+
+def test_a_spec_the_schema_gives_no_knobs_takes_none():
+    class NoKnobsSpec(specs.StrategySpec):
+        name = "no_knobs"
+        family = "synchronous"
+
+    assert NoKnobsSpec.check_params({}, workers=2) == {}
+    with pytest.raises(ConfigError, match=r"strategy_params\.no_knobs.*period"):
+        NoKnobsSpec.check_params({"period": 4}, workers=2)
 
 
 def test_a_knob_without_a_default_fails_at_import(monkeypatch):
@@ -158,7 +168,7 @@ def test_every_hardware_profile_of_the_projection_is_checked_when_the_study_star
     bad = tmp_path / "bad.yaml"
     bad.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: -25, latency_us: 5}\n"
                    "intra_node: {bandwidth_gbyte_s: 12}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml inter_node: key 'bandwidth_gbit_s': -25 is not allowed"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: key 'inter_node\.bandwidth_gbit_s': -25 is .*; allowed: a number > 0"):
         validated(tiny_study(projection={"hardware": [str(bad)]}))
     no_intra = tmp_path / "no_intra.yaml"  # a study has no single-node throughput to fit the link to
     no_intra.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: 25, latency_us: 5}\n")

@@ -8,10 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import dataset_config
-from dtstudy import data
+from conftest import REPO, dataset_config
+from dtstudy.data.checks import check_dataset
+from dtstudy.data.errors import DataConfigError
+from dtstudy.data.formats import DEFAULT_FASHION_MNIST_ROOT, FASHION_MNIST_FILES
+from dtstudy.data.loading import iterate_batches, load_split
+from dtstudy.data.prepare import IMAGENET_MEAN, IMAGENET_STD, prepare
 
-FMNIST = Path(data.DEFAULT_FASHION_MNIST_ROOT)
+FMNIST = Path(DEFAULT_FASHION_MNIST_ROOT)
 BASE_KEYS = {"name": "fashion_mnist", "subset": 600}  # the rest: the schema's defaults
 
 
@@ -31,7 +35,7 @@ def read_idx_gz(name: str) -> np.ndarray:
 @pytest.fixture(scope="module")
 def fmnist_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("fmnist")
-    data.prepare(make_cfg(), out)
+    prepare(make_cfg(), out)
     return out
 
 
@@ -59,7 +63,7 @@ def test_prepare_fashion_mnist_files_shapes_and_meta(fmnist_dir):
     assert meta["mean"][0] == pytest.approx(train.mean().item(), abs=1e-9)
     assert meta["std"][0] == pytest.approx(train.std(unbiased=False).item(), abs=1e-9)
     assert (meta["subset"], meta["val_fraction"], meta["split_seed"]) == (600, 0.1, 0)
-    assert set(meta["source_files"]) == {f"{name}.gz" for name in data.FASHION_MNIST_FILES.values()}
+    assert set(meta["source_files"]) == {f"{name}.gz" for name in FASHION_MNIST_FILES.values()}
     assert all(len(digest) == 64 for digest in meta["source_files"].values())
 
 
@@ -83,7 +87,7 @@ def test_test_split_is_official_test_set(fmnist_dir):
 
 
 def test_prepare_is_deterministic(fmnist_dir, tmp_path):
-    meta = data.prepare(make_cfg(), tmp_path)
+    meta = prepare(make_cfg(), tmp_path)
     assert meta == json.loads((fmnist_dir / "meta.json").read_text())
     for name in ("train.pt", "val.pt", "test.pt", "meta.json"):
         assert (tmp_path / name).read_bytes() == (fmnist_dir / name).read_bytes(), name
@@ -91,7 +95,7 @@ def test_prepare_is_deterministic(fmnist_dir, tmp_path):
 
 
 def test_other_seed_changes_split(fmnist_dir, tmp_path):
-    data.prepare(make_cfg(split_seed=1), tmp_path)
+    prepare(make_cfg(split_seed=1), tmp_path)
     assert not torch.equal(load_pt(tmp_path / "val.pt")["labels"], load_pt(fmnist_dir / "val.pt")["labels"])
 
 
@@ -99,7 +103,7 @@ def test_other_seed_changes_split(fmnist_dir, tmp_path):
 
 
 def test_load_split_batch_normalised_with_right_labels(fmnist_dir):
-    train = data.load_split(fmnist_dir, "train")
+    train = load_split(fmnist_dir, "train")
     assert (len(train), train.num_classes, train.channels, train.is_in_memory) == (540, 10, 1, True)
     inputs, labels = train.batch(torch.arange(len(train)))
     assert inputs.dtype == torch.float32 and labels.dtype == torch.int64
@@ -115,19 +119,19 @@ def test_load_split_batch_normalised_with_right_labels(fmnist_dir):
 
 
 def test_load_split_sizes_and_bad_split(fmnist_dir):
-    assert len(data.load_split(fmnist_dir, "val")) == 60
-    assert len(data.load_split(fmnist_dir, "test")) == 10000
+    assert len(load_split(fmnist_dir, "val")) == 60
+    assert len(load_split(fmnist_dir, "test")) == 10000
     with pytest.raises(ValueError, match="split"):
-        data.load_split(fmnist_dir, "validation")
+        load_split(fmnist_dir, "validation")
 
 
 def test_iterate_batches(fmnist_dir):
-    val = data.load_split(fmnist_dir, "val")
+    val = load_split(fmnist_dir, "val")
     indices = list(range(59, -1, -1))
-    chunks = list(data.iterate_batches(val, indices, 25, drop_last=False))
+    chunks = list(iterate_batches(val, indices, 25, drop_last=False))
     assert [len(labels) for _, labels in chunks] == [25, 25, 10]
     assert torch.equal(torch.cat([labels for _, labels in chunks]), val.batch(torch.tensor(indices))[1])
-    chunks = list(data.iterate_batches(val, torch.tensor(indices), 25, drop_last=True))
+    chunks = list(iterate_batches(val, torch.tensor(indices), 25, drop_last=True))
     assert [len(labels) for _, labels in chunks] == [25, 25]
 
 
@@ -135,49 +139,49 @@ def test_iterate_batches(fmnist_dir):
 
 
 def test_check_dataset_default_root_counts_60000():
-    assert data.check_dataset(make_cfg(subset=None)) == 60000
+    assert check_dataset(make_cfg(subset=None)) == 60000
 
 
 def test_check_dataset_subset_too_large():
-    with pytest.raises(data.DataConfigError) as err:
-        data.check_dataset(make_cfg(subset=70000))
+    with pytest.raises(DataConfigError) as err:
+        check_dataset(make_cfg(subset=70000))
     assert "dataset.subset" in str(err.value) and "60000" in str(err.value) and "70000" in str(err.value)
 
 
 def test_check_dataset_missing_root(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(data.DataConfigError) as err:
-        data.check_dataset(make_cfg(root=str(missing)))
+    with pytest.raises(DataConfigError) as err:
+        check_dataset(make_cfg(root=str(missing)))
     assert "dataset.root" in str(err.value) and str(missing) in str(err.value)
 
 
 def test_check_dataset_root_without_files(tmp_path):
-    with pytest.raises(data.DataConfigError, match="dataset.root.*train-images-idx3-ubyte"):
-        data.check_dataset(make_cfg(root=str(tmp_path)))
-    assert data.check_dataset(make_cfg(root=str(tmp_path), download=True)) == 60000
+    with pytest.raises(DataConfigError, match="dataset.root.*train-images-idx3-ubyte"):
+        check_dataset(make_cfg(root=str(tmp_path)))
+    assert check_dataset(make_cfg(root=str(tmp_path), download=True)) == 60000
 
 
 def test_check_dataset_torchvision_layout_unpacked(tmp_path):
     raw = tmp_path / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
-    for name in data.FASHION_MNIST_FILES.values():
+    for name in FASHION_MNIST_FILES.values():
         (raw / name).write_bytes(gzip.open(FMNIST / f"{name}.gz").read())
-    assert data.check_dataset(make_cfg(root=str(tmp_path))) == 60000
-    meta = data.prepare(make_cfg(root=str(tmp_path), subset=100), tmp_path / "out")
+    assert check_dataset(make_cfg(root=str(tmp_path))) == 60000
+    meta = prepare(make_cfg(root=str(tmp_path), subset=100), tmp_path / "out")
     assert meta["sizes"] == {"train": 90, "val": 10, "test": 10000}
     assert "FashionMNIST/raw/train-images-idx3-ubyte" in meta["source_files"]
 
 
 def test_check_dataset_cifar10_needs_root(tmp_path):
-    with pytest.raises(data.DataConfigError, match="dataset.root.*cifar10"):
-        data.check_dataset(make_cfg(name="cifar10", subset=None))
-    with pytest.raises(data.DataConfigError, match="cifar-10-batches-py"):
-        data.check_dataset(make_cfg(name="cifar10", root=str(tmp_path), subset=None))
+    with pytest.raises(DataConfigError, match="dataset.root.*cifar10"):
+        check_dataset(make_cfg(name="cifar10", subset=None))
+    with pytest.raises(DataConfigError, match="cifar-10-batches-py"):
+        check_dataset(make_cfg(name="cifar10", root=str(tmp_path), subset=None))
 
 
 def test_check_dataset_empty_validation_split():
-    with pytest.raises(data.DataConfigError, match="dataset.val_fraction"):
-        data.check_dataset(make_cfg(subset=4))
+    with pytest.raises(DataConfigError, match="dataset.val_fraction"):
+        check_dataset(make_cfg(subset=4))
 
 
 def test_check_dataset_does_not_import_torch():
@@ -185,10 +189,10 @@ def test_check_dataset_does_not_import_torch():
     import sys
 
     code = (
-        "import sys; from dtstudy import data; "
-        f"data.check_dataset({make_cfg()!r}); assert 'torch' not in sys.modules"
+        "import sys; from dtstudy.data.checks import check_dataset; "
+        f"check_dataset({make_cfg()!r}); assert 'torch' not in sys.modules"
     )
-    env = {"PYTHONPATH": str(Path(data.__file__).parents[2])}
+    env = {"PYTHONPATH": str(REPO / "workflow")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
@@ -198,15 +202,15 @@ def test_check_dataset_does_not_import_torch():
 def test_synthetic_prepare_and_load(tmp_path):
     syn = {"train_size": 50, "test_size": 8, "channels": 3, "classes": 4}
     cfg = make_cfg(name="synthetic", subset=None, image_size=16, synthetic=syn)
-    assert data.check_dataset(cfg) == 50
-    meta = data.prepare(cfg, tmp_path / "a")
+    assert check_dataset(cfg) == 50
+    meta = prepare(cfg, tmp_path / "a")
     assert meta["sizes"] == {"train": 45, "val": 5, "test": 8}
     assert (meta["channels"], meta["height"], meta["classes"], meta["source_files"]) == (3, 16, 4, {})
-    train = data.load_split(tmp_path / "a", "train")
+    train = load_split(tmp_path / "a", "train")
     inputs, labels = train.batch(torch.arange(10))
     assert inputs.shape == (10, 3, 16, 16) and labels.max() < 4
     assert (train.num_classes, train.channels) == (4, 3)
-    data.prepare(cfg, tmp_path / "b")
+    prepare(cfg, tmp_path / "b")
     assert (tmp_path / "a" / "train.pt").read_bytes() == (tmp_path / "b" / "train.pt").read_bytes()
 
 
@@ -231,13 +235,13 @@ def image_tree(tmp_path):
 
 def test_imagefolder_prepare_and_load(image_tree, tmp_path):
     cfg = make_cfg(name="imagefolder", root=str(image_tree), subset=None, val_fraction=0.34, image_size=32)
-    assert data.check_dataset(cfg) == 6
+    assert check_dataset(cfg) == 6
     out = tmp_path / "prepared"
-    meta = data.prepare(cfg, out)
+    meta = prepare(cfg, out)
     assert sorted(p.name for p in out.iterdir()) == ["index.json", "meta.json"]
     assert meta["format"] == "imagefolder" and meta["channels"] == 3 and meta["classes"] == 2
     assert meta["sizes"] == {"train": 4, "val": 2, "test": 2}
-    assert meta["mean"] == data.IMAGENET_MEAN and meta["std"] == data.IMAGENET_STD
+    assert meta["mean"] == IMAGENET_MEAN and meta["std"] == IMAGENET_STD
     index = json.loads((out / "index.json").read_text())
     assert index["classes"] == ["cat", "dog"]
     assert sorted(map(tuple, index["train"] + index["val"])) == [
@@ -245,27 +249,27 @@ def test_imagefolder_prepare_and_load(image_tree, tmp_path):
     ]
     assert sorted(map(tuple, index["test"])) == [("test/cat/0.png", 0), ("test/dog/0.png", 1)]
 
-    train = data.load_split(out, "train")
+    train = load_split(out, "train")
     assert isinstance(train, torch.utils.data.Dataset) and train.is_in_memory is False
     assert (len(train), train.num_classes, train.channels) == (4, 2, 3)
     inputs, labels = train.batch(torch.tensor([0, 3]))
     assert inputs.shape == (2, 3, 32, 32) and inputs.dtype == torch.float32
     assert labels.tolist() == [index["train"][0][1], index["train"][3][1]]
-    loader = torch.utils.data.DataLoader(data.load_split(out, "test"), batch_size=2)
+    loader = torch.utils.data.DataLoader(load_split(out, "test"), batch_size=2)
     inputs, labels = next(iter(loader))
     assert inputs.shape == (2, 3, 32, 32) and sorted(labels.tolist()) == [0, 1]
 
 
 def test_imagefolder_needs_class_folders(tmp_path):
-    with pytest.raises(data.DataConfigError, match="dataset.root.*no class folders"):
-        data.check_dataset(make_cfg(name="imagefolder", root=str(tmp_path), subset=None))
-    with pytest.raises(data.DataConfigError, match="dataset.root.*imagefolder"):
-        data.check_dataset(make_cfg(name="imagefolder", root=None, subset=None))
+    with pytest.raises(DataConfigError, match="dataset.root.*no class folders"):
+        check_dataset(make_cfg(name="imagefolder", root=str(tmp_path), subset=None))
+    with pytest.raises(DataConfigError, match="dataset.root.*imagefolder"):
+        check_dataset(make_cfg(name="imagefolder", root=None, subset=None))
 
 
 def test_imagefolder_subset_keeps_first_files(image_tree, tmp_path):
     cfg = make_cfg(name="imagefolder", root=str(image_tree), subset=4, val_fraction=0.25, image_size=32)
-    meta = data.prepare(cfg, tmp_path)
+    meta = prepare(cfg, tmp_path)
     assert meta["sizes"] == {"train": 3, "val": 1, "test": 2}
     index = json.loads((tmp_path / "index.json").read_text())
     kept = sorted(map(tuple, index["train"] + index["val"]))

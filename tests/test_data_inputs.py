@@ -15,8 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import dataset_config
-from dtstudy import data
+from conftest import REPO, dataset_config
+from dtstudy.data.checks import PICKLE_STOP, check_dataset
+from dtstudy.data.errors import DataConfigError
+from dtstudy.data.formats import CIFAR10_DIR, CIFAR10_FILES, FASHION_MNIST_FILES
+from dtstudy.data.loading import load_split
+from dtstudy.data.prepare import SPLITS, prepare
 
 BASE_KEYS = {"name": "imagefolder", "val_fraction": 0.25, "test_fraction": 0.2, "image_size": 16}
 
@@ -42,7 +46,7 @@ def all_files(root: Path) -> set[str]:
 
 
 def error_of(call, *args) -> str:
-    with pytest.raises(data.DataConfigError) as err:
+    with pytest.raises(DataConfigError) as err:
         call(*args)
     return str(err.value)
 
@@ -71,8 +75,8 @@ def test_plain_tree_split_is_stratified_disjoint_complete_and_seeded(plain_tree,
 
     cfg = make_cfg(root=str(plain_tree))
     # held out per class: round(0.2 * 10) = 2, 2, round(0.2 * 7) = 1 -> 27 - 5 = 22 for training
-    assert data.check_dataset(cfg) == 22
-    meta = data.prepare(cfg, tmp_path / "a")
+    assert check_dataset(cfg) == 22
+    meta = prepare(cfg, tmp_path / "a")
     index = read_index(tmp_path / "a")
     assert meta["layout"] == "plain" and meta["test_source"] == "held out" and meta["test_fraction"] == 0.2
     assert meta["sizes"] == {"train": 16, "val": 6, "test": 5} and meta["classes"] == 3
@@ -80,28 +84,28 @@ def test_plain_tree_split_is_stratified_disjoint_complete_and_seeded(plain_tree,
     reference = ImageFolder(str(plain_tree))
     assert index["classes"] == reference.classes
     expected = {Path(path).relative_to(plain_tree).as_posix(): label for path, label in reference.samples}
-    splits = {split: [tuple(sample) for sample in index[split]] for split in data.SPLITS}
-    used = [sample for split in data.SPLITS for sample in splits[split]]
+    splits = {split: [tuple(sample) for sample in index[split]] for split in SPLITS}
+    used = [sample for split in SPLITS for sample in splits[split]]
     assert len(used) == len(set(used)) == len(expected)  # disjoint, each image once
     assert dict(used) == expected  # every image, with ImageFolder's label
     assert sorted(label for _, label in splits["test"]) == [0, 0, 1, 1, 2]  # stratified
 
-    data.prepare(cfg, tmp_path / "b")
+    prepare(cfg, tmp_path / "b")
     assert (tmp_path / "b" / "index.json").read_bytes() == (tmp_path / "a" / "index.json").read_bytes()
-    data.prepare(make_cfg(root=str(plain_tree), split_seed=1), tmp_path / "c")
+    prepare(make_cfg(root=str(plain_tree), split_seed=1), tmp_path / "c")
     assert set(map(tuple, read_index(tmp_path / "c")["test"])) != set(splits["test"])
 
-    inputs, labels = data.load_split(tmp_path / "a", "test").batch([0, 4])
+    inputs, labels = load_split(tmp_path / "a", "test").batch([0, 4])
     assert inputs.shape == (2, 3, 16, 16) and labels.tolist() == [splits["test"][0][1], splits["test"][4][1]]
 
 
 def test_plain_tree_check_stays_torch_free(plain_tree):
     code = (
-        "import sys; from dtstudy import data; "
-        f"n = data.check_dataset({make_cfg(root=str(plain_tree))!r}); "
+        "import sys; from dtstudy.data.checks import check_dataset; "
+        f"n = check_dataset({make_cfg(root=str(plain_tree))!r}); "
         "assert n == 22, n; assert 'torch' not in sys.modules and 'PIL' not in sys.modules"
     )
-    env = {"PYTHONPATH": str(Path(data.__file__).parents[2])}
+    env = {"PYTHONPATH": str(REPO / "workflow")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
@@ -109,9 +113,9 @@ def test_test_fraction_that_empties_a_class_or_the_test_split(tmp_path):
     root = tmp_path / "small"
     write_images(root / "a", 1, seed=1)
     write_images(root / "b", 1, seed=2)
-    message = error_of(data.check_dataset, make_cfg(root=str(root), test_fraction=0.2))
+    message = error_of(check_dataset, make_cfg(root=str(root), test_fraction=0.2))
     assert "dataset.test_fraction" in message and "0.2" in message and "no test image" in message
-    message = error_of(data.check_dataset, make_cfg(root=str(root), test_fraction=0.9))
+    message = error_of(check_dataset, make_cfg(root=str(root), test_fraction=0.9))
     assert "dataset.test_fraction" in message and str(root / "a") in message and "none for training" in message
 
 
@@ -124,8 +128,8 @@ def test_train_with_test_or_val_folder_and_train_alone(tmp_path):
         write_images(root / "train" / cls, 5, seed=seed)
         write_images(root / "test" / cls, 2, seed=seed + 10)
     cfg = make_cfg(root=str(root), val_fraction=0.2)
-    assert data.check_dataset(cfg) == 10  # test/ is the test split: nothing held out of train/
-    meta = data.prepare(cfg, tmp_path / "with_test")
+    assert check_dataset(cfg) == 10  # test/ is the test split: nothing held out of train/
+    meta = prepare(cfg, tmp_path / "with_test")
     index = read_index(tmp_path / "with_test")
     assert meta["layout"] == "split" and meta["test_source"] == "test/" and meta["test_fraction"] is None
     assert sorted(path for path, _ in index["test"]) == sorted(
@@ -136,23 +140,23 @@ def test_train_with_test_or_val_folder_and_train_alone(tmp_path):
     )
 
     (root / "test").rename(root / "val")
-    meta = data.prepare(cfg, tmp_path / "with_val")
+    meta = prepare(cfg, tmp_path / "with_val")
     assert meta["test_source"] == "val/" and meta["sizes"]["test"] == 4
 
     # train/ alone: the test split is held out of it (it used to be empty)
     (root / "val").rename(tmp_path / "elsewhere")
-    assert data.check_dataset(cfg) == 8  # round(0.2 * 5) = 1 per class held out
-    meta = data.prepare(cfg, tmp_path / "train_only")
+    assert check_dataset(cfg) == 8  # round(0.2 * 5) = 1 per class held out
+    meta = prepare(cfg, tmp_path / "train_only")
     index = read_index(tmp_path / "train_only")
     assert meta["test_source"] == "held out" and meta["sizes"]["test"] == 2
     assert sorted(label for _, label in index["test"]) == [0, 1]
-    used = [path for split in data.SPLITS for path, _ in index[split]]
+    used = [path for split in SPLITS for path, _ in index[split]]
     assert sorted(used) == sorted(f"train/{p}" for p in all_files(root / "train"))
 
 
 def test_test_folder_without_train_folder(tmp_path):
     write_images(tmp_path / "test" / "cat", 2, seed=1)
-    message = error_of(data.check_dataset, make_cfg(root=str(tmp_path)))
+    message = error_of(check_dataset, make_cfg(root=str(tmp_path)))
     assert "dataset.root" in message and str(tmp_path) in message and "test/ folder but no train/" in message
 
 
@@ -167,7 +171,7 @@ def test_empty_class_folder(tmp_path, layout):
     write_images(classes / "dog", 3, seed=2)
     (classes / "empty" / "sub").mkdir(parents=True)
     (classes / "empty" / "notes.txt").write_text("no images here")
-    message = error_of(data.check_dataset, make_cfg(root=str(root)))
+    message = error_of(check_dataset, make_cfg(root=str(root)))
     assert "dataset.root" in message and str(classes / "empty") in message and "no images" in message
 
 
@@ -176,7 +180,7 @@ def test_one_class(tmp_path, layout):
     root = tmp_path / "tree"
     classes = root if layout == "plain" else root / "train"
     write_images(classes / "cat", 6, seed=1)
-    message = error_of(data.check_dataset, make_cfg(root=str(root)))
+    message = error_of(check_dataset, make_cfg(root=str(root)))
     assert "dataset.root" in message and str(classes) in message and "one class folder (cat/)" in message
 
 
@@ -203,8 +207,8 @@ def tree_with_bad_images(tmp_path):
 def test_corrupt_images_error_names_count_and_files(tree_with_bad_images, tmp_path):
     root, bad = tree_with_bad_images
     cfg = make_cfg(root=str(root), val_fraction=0.2)
-    assert data.check_dataset(cfg) == 14  # parse time lists files only; prepare decodes them
-    message = error_of(data.prepare, cfg, tmp_path / "out")
+    assert check_dataset(cfg) == 14  # parse time lists files only; prepare decodes them
+    message = error_of(prepare, cfg, tmp_path / "out")
     assert "dataset.root" in message and "dataset.corrupt_images" in message
     assert "3 image(s)" in message and all(path in message for path in bad)
     assert not (tmp_path / "out" / "meta.json").exists() and not (tmp_path / "out" / "index.json").exists()
@@ -212,12 +216,12 @@ def test_corrupt_images_error_names_count_and_files(tree_with_bad_images, tmp_pa
 
 def test_corrupt_images_skip_leaves_them_out_and_reports_them(tree_with_bad_images, tmp_path, capsys):
     root, bad = tree_with_bad_images
-    meta = data.prepare(make_cfg(root=str(root), val_fraction=0.2, corrupt_images="skip"), tmp_path)
+    meta = prepare(make_cfg(root=str(root), val_fraction=0.2, corrupt_images="skip"), tmp_path)
     assert meta["skipped_images"] == 3 and sorted(meta["skipped_examples"]) == bad
     assert json.loads((tmp_path / "meta.json").read_text())["skipped_images"] == 3
     index = read_index(tmp_path)
     assert sorted(path for path, _ in index["skipped"]) == bad
-    used = [path for split in data.SPLITS for path, _ in index[split]]
+    used = [path for split in SPLITS for path, _ in index[split]]
     assert sorted(used) == sorted(all_files(root) - set(bad))
     assert meta["sizes"] == {"train": 10, "val": 2, "test": 4}
     assert "skipped 3 unreadable or corrupt image(s)" in capsys.readouterr().out
@@ -246,7 +250,7 @@ def small_idx_root(tmp_path, request):
         "test_labels": rng.integers(0, 10, 10),
     }
     for key, array in arrays.items():
-        write_idx(tmp_path / data.FASHION_MNIST_FILES[key], array, packed=request.param == "gz")
+        write_idx(tmp_path / FASHION_MNIST_FILES[key], array, packed=request.param == "gz")
     return tmp_path, request.param
 
 
@@ -254,11 +258,11 @@ def small_idx_root(tmp_path, request):
 def test_truncated_idx_file(small_idx_root, key):
     root, packing = small_idx_root
     cfg = make_cfg(name="fashion_mnist", root=str(root), val_fraction=0.1)
-    assert data.check_dataset(cfg) == 20
-    path = root / (data.FASHION_MNIST_FILES[key] + (".gz" if packing == "gz" else ""))
+    assert check_dataset(cfg) == 20
+    path = root / (FASHION_MNIST_FILES[key] + (".gz" if packing == "gz" else ""))
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) - 5])  # a download cut short
-    message = error_of(data.check_dataset, cfg)
+    message = error_of(check_dataset, cfg)
     assert "dataset.root" in message and str(path) in message and "truncated" in message
 
 
@@ -268,11 +272,11 @@ CIFAR_BATCH = 4  # images per fake batch file (the real ones hold 10000)
 @pytest.fixture
 def fake_cifar(tmp_path):
     """cifar-10-batches-py/ in its real pickle format, CIFAR_BATCH images per batch."""
-    folder = tmp_path / data.CIFAR10_DIR
+    folder = tmp_path / CIFAR10_DIR
     folder.mkdir()
     rng = np.random.default_rng(0)
     batches = {}
-    for name in data.CIFAR10_FILES[:-1]:
+    for name in CIFAR10_FILES[:-1]:
         entry = {
             "batch_label": name,
             "labels": rng.integers(0, 10, CIFAR_BATCH).tolist(),
@@ -287,7 +291,7 @@ def fake_cifar(tmp_path):
 
 def test_fake_cifar_prepares_exactly(fake_cifar, tmp_path):
     root, batches = fake_cifar
-    meta = data.prepare(make_cfg(name="cifar10", root=str(root), val_fraction=0.25), tmp_path / "out")
+    meta = prepare(make_cfg(name="cifar10", root=str(root), val_fraction=0.25), tmp_path / "out")
     assert meta["sizes"] == {"train": 15, "val": 5, "test": 4}
     test = torch.load(tmp_path / "out" / "test.pt", weights_only=True)
     expected = batches["test_batch"]["data"].reshape(-1, 3, 32, 32)
@@ -297,25 +301,25 @@ def test_fake_cifar_prepares_exactly(fake_cifar, tmp_path):
 
 def test_truncated_cifar_batch_caught_at_parse_time(fake_cifar):
     root, _ = fake_cifar
-    path = root / data.CIFAR10_DIR / "data_batch_3"
+    path = root / CIFAR10_DIR / "data_batch_3"
     raw = path.read_bytes()
     cut = len(raw) // 2
-    while raw[cut - 1 : cut] == data.PICKLE_STOP:  # a cut that does not end on pickle's end marker
+    while raw[cut - 1 : cut] == PICKLE_STOP:  # a cut that does not end on pickle's end marker
         cut -= 1
     path.write_bytes(raw[:cut])
-    message = error_of(data.check_dataset, make_cfg(name="cifar10", root=str(root)))
+    message = error_of(check_dataset, make_cfg(name="cifar10", root=str(root)))
     assert "dataset.root" in message and str(path) in message and "truncated" in message
 
 
 def test_truncated_cifar_batch_ending_like_a_pickle_caught_in_prepare(fake_cifar, tmp_path):
     root, _ = fake_cifar
-    path = root / data.CIFAR10_DIR / "test_batch"
+    path = root / CIFAR10_DIR / "test_batch"
     raw = path.read_bytes()
-    cut = raw.index(data.PICKLE_STOP, len(raw) // 2) + 1  # cut inside the pixels, just after a b"."
+    cut = raw.index(PICKLE_STOP, len(raw) // 2) + 1  # cut inside the pixels, just after a b"."
     assert cut < len(raw)
     path.write_bytes(raw[:cut])
     cfg = make_cfg(name="cifar10", root=str(root), val_fraction=0.25)
-    data.check_dataset(cfg)  # the one-byte check cannot see this cut
-    message = error_of(data.prepare, cfg, tmp_path / "out")
+    check_dataset(cfg)  # the one-byte check cannot see this cut
+    message = error_of(prepare, cfg, tmp_path / "out")
     assert "dataset.root" in message and str(path) in message and "truncated" in message
     assert not (tmp_path / "out" / "meta.json").exists()

@@ -16,7 +16,7 @@ PLAIN_SGD = {"momentum": 0.0, "weight_decay": 0.0}
 
 
 def test_local_sgd_with_period_1_equals_allreduce(tmp_path, tiny_data):
-    """STUDY.md: local_sgd with H=1 equals allreduce (plain SGD)."""
+    """local_sgd with H=1 equals allreduce (plain SGD) (docs/strategies.md, "Equivalences the tests check")."""
     _, allreduce, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, **PLAIN_SGD)
     metrics, local, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="local_sgd",
                                   strategy_params={"period": 1}, **PLAIN_SGD)
@@ -41,7 +41,7 @@ def test_local_sgd_warm_up_is_synchronous_sgd(tmp_path, tiny_data):
 
 
 def test_easgd_and_gossip_on_one_worker_are_plain_sgd(tmp_path, tiny_data):
-    """STUDY.md: easgd and gossip on one worker reduce to plain SGD."""
+    """easgd and gossip on one worker reduce to plain SGD (docs/strategies.md, "Equivalences the tests check")."""
     metrics, sgd, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=12)
     for name, params in (("easgd", {"period": 1, "alpha": 1.0}), ("gossip", {})):
         other, state, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=12, strategy=name,
@@ -66,7 +66,7 @@ def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_da
     """An average of models is evaluated with BatchNorm statistics recomputed for it (the
     mean of the workers' running statistics is not the averaged model's): the checkpoint's
     statistics are those update_bn computes for its parameters on the first batches."""
-    from dtstudy.data import load_split
+    from dtstudy.data.loading import load_split
     from dtstudy.training.models import build_model
     from dtstudy.strategies.base import Strategy
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from conftest import read_json, run_snakemake, tiny_study
-from dtstudy.analysis import aggregate
+from dtstudy.analysis.tables import ACCURACY_COLUMNS, SCALING_COLUMNS
 from dtstudy.strategies.registry import STRATEGIES
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def run_dir(study, strategy, n):
 def test_both_tables_have_a_row_per_strategy_and_workers(study):
     expected = [(name, n) for name in NAMES for n in (1, 2)]
     scaling = pd.read_csv(study / "results/tables/scaling.csv")
-    assert list(scaling.columns) == aggregate.SCALING_COLUMNS
+    assert list(scaling.columns) == SCALING_COLUMNS
     assert list(zip(scaling.strategy, scaling.workers)) == expected  # in the config's order
     assert (scaling.throughput > 0).all() and (scaling.throughput_low <= scaling.throughput).all()
     runs = {n: read_json(run_dir(study, "allreduce", n) / "metrics.json") for n in (1, 2)}
@@ -46,7 +46,7 @@ def test_both_tables_have_a_row_per_strategy_and_workers(study):
     assert allreduce.efficiency.iloc[1] == pytest.approx(runs[2]["throughput_median"] / runs[1]["throughput_median"] / 2)
 
     accuracy = pd.read_csv(study / "results/tables/accuracy.csv")
-    assert list(accuracy.columns) == aggregate.ACCURACY_COLUMNS
+    assert list(accuracy.columns) == ACCURACY_COLUMNS
     with_accuracy = [name for name in NAMES if name != "no_exchange"]  # the ceiling trains no model
     assert list(zip(accuracy.strategy, accuracy.workers)) == [(name, n) for name in with_accuracy for n in (1, 2)]
     evals = {n: read_json(run_dir(study, "allreduce", n) / "eval.json") for n in (1, 2)}

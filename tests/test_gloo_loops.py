@@ -1,6 +1,6 @@
 """gloo's event-loop threads run at launcher.gloo_loop_nice (SCHED_IDLE or a nice value) in
-every process of a run and in the communication benchmark (dtstudy.launch.gloo_loops; why: README
-"What one exchange costs")."""
+every process of a run and in the communication benchmark (dtstudy.gloo_loops; why: docs/running-locally.md
+"Cores")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import run_snakemake, tiny_study
-from dtstudy.launch.gloo_loops import GLOO_LOOP_THREAD
+from dtstudy.gloo_loops import GLOO_LOOP_THREAD
 from dtstudy.launch.ports import free_port
 
 

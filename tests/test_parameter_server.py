@@ -1,5 +1,6 @@
-"""Parameter-server strategies (ps_sync, ps_backup, ps_async, ssp): STUDY.md's maths checks
-through the real training path, the staleness record, and the knob checks."""
+"""Parameter-server strategies (ps_sync, ps_backup, ps_async, ssp): the maths checks of
+docs/strategies.md ("Parameter servers", "Equivalences the tests check") through the real
+training path, the staleness record, and the knob checks."""
 
 from __future__ import annotations
 
@@ -125,8 +126,9 @@ def test_ssp_with_a_straggler_reaches_but_never_exceeds_its_clock_bound(tmp_path
 
 
 def test_ssp_without_staleness_equals_ps_sync_with_the_linear_rule(tmp_path, tiny_data):
-    """STUDY.md: ssp with s=0, momentum 0 and the linear rule equals ps_sync: at s=0 every clock
-    is a barrier, and N updates of batch b at the rate of b are one update of N b at its rate."""
+    """ssp with s=0, momentum 0 and the linear rule equals ps_sync: at s=0 every clock is a
+    barrier, and N updates of batch b at the rate of b are one update of N b at its rate
+    (docs/strategies.md, "Equivalences the tests check")."""
     sync_metrics, sync, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_sync",
                                       **PLAIN_SGD_LINEAR)
     ssp_metrics, ssp, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ssp",

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import read_json, tiny_study
+from conftest import REPO, read_json, tiny_study
 from dtstudy.tracking.live_run import RUN_ID_FILE
 from dtstudy.runspec import METRICS_FILE
 
@@ -128,7 +128,7 @@ def _pool_processes(study: Path) -> list[str]:
     for proc in Path("/proc").iterdir():
         try:
             command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if "dtstudy.launch.pool" in command and os.readlink(proc / "cwd").startswith(str(study)):
+            if "dtstudy.launch.pool.server" in command and os.readlink(proc / "cwd").startswith(str(study)):
                 found.append(command)
         except OSError:
             continue
@@ -163,22 +163,22 @@ def test_a_study_folder_made_again_gets_a_pool_of_its_own_and_snakemake_stops_it
 def test_the_pool_address_names_the_folder_by_identity_and_the_interpreter_by_its_binary(tmp_path):
     import shutil
 
-    from dtstudy.launch import pool
+    from dtstudy.launch.pool.client import pool_address
 
     study = tmp_path / "study"
     study.mkdir()
-    first = pool.pool_address(study)
+    first = pool_address(study)
     held = os.open(study, os.O_RDONLY)  # as a pool's working directory holds it
     try:
         os.rmdir(study)
         study.mkdir()
-        assert pool.pool_address(study) != first
+        assert pool_address(study) != first
     finally:
         os.close(held)
     # `python` and `python3` of one environment compute the same address
     names = [name for name in ("python", "python3") if shutil.which(name)]
-    code = f"import sys; sys.path.insert(0, {str(Path(pool.__file__).parents[3])!r}); from dtstudy.launch import pool; " \
-           f"print(pool.pool_address({str(study)!r}))"
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'workflow')!r}); " \
+           f"from dtstudy.launch.pool.client import pool_address; print(pool_address({str(study)!r}))"
     addresses = {subprocess.run([name, "-c", code], capture_output=True, text=True, check=True).stdout
                  for name in names}
     assert len(names) == 2 and len(addresses) == 1, addresses

@@ -220,7 +220,7 @@ def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny
 WAITER = r"""
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from dtstudy.resume import Preemption
+from dtstudy.training.checkpoint import Preemption
 
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=2))
@@ -258,7 +258,7 @@ def test_waiting_on_rank0s_store_ends_when_rank0_is_gone(tmp_path):
 
 FINISHED_TASK = r"""
 import sys, torch
-from dtstudy.resume import Preemption
+from dtstudy.training.checkpoint import Preemption
 
 preemption = Preemption(0, 1, None, torch.device("cpu"), every=1, lockstep=False).install(wait_on_store=False)
 if sys.argv[1] == "over":

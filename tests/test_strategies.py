@@ -51,7 +51,7 @@ def test_comm_meter_take_resets():
      ("allreduce_onebit", {}, 4, 4 * 64)],
 )
 def test_update_batch_is_the_batch_one_update_averages(name, knobs, workers, expected):
-    """The rate follows the batch one update averages (STUDY.md, Hyper-parameters across scale)."""
+    """The rate follows the batch one update averages (docs/strategies.md, "The learning rate across scale")."""
     cls = get_strategy(name)
     assert cls.update_batch(cls.check_params(knobs, workers), workers, 64) == expected
     assert cls.update_batch_rule  # described in metrics.json's lr_schedule

@@ -112,9 +112,9 @@ def test_every_module_says_what_it_owns_in_its_first_line():
         assert docstring and docstring.splitlines()[0].strip(), f"{name} has no docstring"
 
 
-@pytest.mark.parametrize("module", ["dtstudy.checks", "dtstudy.config.study_config", "dtstudy.launch.launcher",
-                                    "dtstudy.launch.job", "dtstudy.launch.pool", "dtstudy.runspec",
-                                    "dtstudy.strategies.specs", "dtstudy.__main__"])
+@pytest.mark.parametrize("module", ["dtstudy.checks", "dtstudy.config.study_config", "dtstudy.data.checks",
+                                    "dtstudy.launch.launcher", "dtstudy.launch.job", "dtstudy.launch.pool.client",
+                                    "dtstudy.runspec", "dtstudy.strategies.specs", "dtstudy.__main__"])
 def test_light_modules_do_not_import_torch_or_mlflow(module):
     code = (f"import sys, json; import {module}; "
             "print(json.dumps(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules)))")
@@ -130,3 +130,57 @@ def test_a_torch_importing_module_is_seen_by_the_light_import_check():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=PACKAGE.parent)
     assert result.stdout.strip() == "True", result.stderr
+
+
+def strategy_name_keys(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every dict display or comprehension in `path` keyed by a strategy name literal."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        keys = node.keys if isinstance(node, ast.Dict) else [node.key] if isinstance(node, ast.DictComp) else []
+        found += [(node.lineno, key.value) for key in keys if isinstance(key, ast.Constant) and key.value in names]
+    return found
+
+
+#: where a strategy's knowledge lives: its spec (knobs, checks, performance model) and the registry
+STRATEGY_PLACES = {"dtstudy.strategies.specs", "dtstudy.strategies.registry"}
+#: the communication benchmark's results name the all-reduce *collective* it times (not the strategy)
+COLLECTIVE_KEYS = {"dtstudy.projection.commbench": {"allreduce"}}
+
+
+def test_no_strategy_name_is_a_dict_key_outside_the_specs_and_the_registry(tmp_path):
+    from dtstudy.strategies.specs import SPECS
+
+    names = set(SPECS)
+    offenders = {module: keys for module, path in MODULES.items() if module not in STRATEGY_PLACES
+                 and (keys := [k for k in strategy_name_keys(path, names) if k[1] not in COLLECTIVE_KEYS.get(module, ())])}
+    assert not offenders, f"name-keyed strategy tables outside the specs: {offenders}"
+    # the check can fail: a perfmodel-style table keyed by name is found
+    table = tmp_path / "table.py"
+    table.write_text('PASSES = {"allreduce_fp16": 3.0, **{n: 1 for n in ()}}\nJITTER = {"gossip": lambda n: n}\n')
+    assert strategy_name_keys(table, names) == [(1, "allreduce_fp16"), (2, "gossip")]
+
+
+def test_at_most_eight_modules_at_the_top_of_the_package():
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, f"the package's top level should show its folders, not {len(top)} modules: {top}"
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the package's top-level folders and modules."""
+    def top(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    folders: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        folders.setdefault(top(source), set()).update(
+            top(t) for t in targets if t != "dtstudy" and top(t) != top(source))
+    return folders
+
+
+def test_the_folders_import_one_way():
+    """The layering reads one way: no two folders import each other, however indirectly."""
+    folders = folder_graph(import_graph())
+    assert folders["strategies"] and "config" in folders["strategies"], "no folder imports read: vacuous"
+    assert find_cycle(folders) is None, f"folders import each other: {' -> '.join(find_cycle(folders))}"
+    # the check can fail: a module of one folder importing a module of another that imports it back
+    assert find_cycle(folder_graph({"dtstudy.a.x": {"dtstudy.b.y"}, "dtstudy.b.z": {"dtstudy.a.w"}})) is not None

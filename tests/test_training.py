@@ -13,7 +13,8 @@ from dtstudy.runspec import METRICS_FILE
 
 
 def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny_data):
-    """STUDY.md: N workers x batch b == 1 worker x batch N*b, same LR, after the same steps."""
+    """N workers x batch b == 1 worker x batch N*b, same LR, after the same steps
+    (docs/strategies.md, "Equivalences the tests check")."""
     metrics_2, params_2, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32)
     metrics_1, params_1, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=64)
     assert metrics_2["steps"] == metrics_1["steps"] == 12
@@ -103,7 +104,7 @@ SMALL_SUBSET = 12000  # the default study's 10800 training + 1200 validation ima
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
-    from dtstudy.data import prepare
+    from dtstudy.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("small") / "fashion_mnist"
     prepare(validated(tiny_study(dataset={"subset": SMALL_SUBSET}))["dataset"], out)

@@ -1,18 +1,24 @@
 """dtstudy: a reproducible study of distributed training strategies for a CNN.
 
-Modules, one concern each:
-  config      load, validate (JSON schema) and check a study config
-  data        prepare a data set once, load its splits fast in every worker
-  models      the CNNs (lenet5, resnet18, resnet50)
-  schedule    learning-rate scaling rule and warm-up schedule
-  strategies  one class per distributed strategy, found by name in a registry
-  distributed the process-group set-up inside a submitit job
-  train       the training loop (one worker) and the submitted job
-  launcher    submit a training job with submitit and wait for it
-  evaluate    test top-1/top-5 of a final checkpoint
-  aggregate   scaling/accuracy tables, plots and the MLflow study run
-  tracking    MLflow helpers
-The command line is `python -m dtstudy --help`.
+One folder per concern; the layering reads one way (a folder imports only those above it):
+
+  errors, atomic_files   the config error every layer raises; whole-or-nothing writes
+  gloo_loops             gloo's event-loop threads, lowered in priority (strategies, launch, benchmark)
+  config/                the study config, torch-free: its JSON schema and messages, reading and slicing
+  perfmodel/             the performance model's vocabulary: machines, collectives, waits, step formulas
+  strategies/            specs (each strategy's knobs, checks and performance model; torch-free),
+                         the registry, the interface (base) and one file per family
+  runspec                one run (strategy x N x seed): its files, processes and tasks over nodes
+  data/                  data-set checks, formats, one-off preparation, fast loading
+  tracking/              MLflow records, a run's files, provenance
+  analysis/              tables with confidence intervals, findings, plots, the study's MLflow run
+  training/              one worker's loop, the CNNs, LR schedule, stragglers, measurements,
+                         checkpoint and resume, the test pass
+  launch/                submitit jobs, the warm pool, a task's process body and process group, cores
+  projection/            hardware profiles, calibration, the communication benchmark, the projection
+  checks                 the study config's checks across every layer (run when the Snakefile is parsed)
+
+The command line is `python -m dtstudy --help`; docs/ describes the study by topic.
 """
 
 __version__ = "0.1.0"

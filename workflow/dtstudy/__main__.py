@@ -35,7 +35,7 @@ def cmd_check_config(args) -> None:
 
 
 def cmd_prepare_data(args) -> None:
-    from dtstudy.data import prepare
+    from dtstudy.data.prepare import prepare
 
     meta = prepare(_config(args)["dataset"], args.out)
     print(f"prepared {meta['name']} in {args.out}: {meta['sizes']}")
@@ -83,11 +83,11 @@ def cmd_train(args) -> None:
 
 def cmd_evaluate(args) -> None:
     if args.via_pool:  # the study's warm pool evaluates: no torch import here
-        from dtstudy.launch import pool
+        from dtstudy.launch.pool.client import PoolError, pool_address, request_evaluation
 
         try:
-            result = pool.request_evaluation(pool.pool_address(), args.run, args.data, args.out)
-        except pool.PoolError as err:
+            result = request_evaluation(pool_address(), args.run, args.data, args.out)
+        except PoolError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
         print(f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} "
@@ -99,9 +99,9 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_pool_stop(args) -> None:
-    from dtstudy.launch import pool
+    from dtstudy.launch.pool.client import pool_address, stop
 
-    stopped = pool.stop(pool.pool_address(args.study_dir))
+    stopped = stop(pool_address(args.study_dir))
     print("warm pool: asked to stop" if stopped else "warm pool: none running")
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtstudy import data
 from dtstudy.config.study_config import deep_merge, global_batch_size, read_yaml, run_config, validate_schema
+from dtstudy.data.checks import check_dataset
+from dtstudy.data.errors import DataConfigError
 from dtstudy.errors import ConfigError
 from dtstudy.projection import hardware
 from dtstudy.runspec import RunSpec
@@ -69,8 +70,8 @@ def check_config(config: dict, check_data: bool = True) -> None:
 def check_data_against_batches(config: dict) -> None:
     """The data set exists and holds enough training images for every N's global batch."""
     try:
-        train_images = data.check_dataset(config["dataset"])
-    except data.DataConfigError as err:
+        train_images = check_dataset(config["dataset"])
+    except DataConfigError as err:
         raise ConfigError(str(err)) from None
     train = config["train"]
     usable = train_images if config["dataset"]["subset"] is None else config["dataset"]["subset"]

@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 
 import dtstudy.config.study_config as study_config
 from dtstudy.checks import check_config
-from dtstudy.data import prepared_files
+from dtstudy.data.prepare import prepared_files
 from dtstudy.runspec import RunSpec
 
 # The schema (strict types, defaults filled in; not snakemake.utils.validate, which takes 64.0
@@ -79,6 +79,6 @@ def all_runs(filename):
 def stop_warm_pool():
     """Ask this study's warm pool (dtstudy.launch.pool) to exit; it would after a while idle anyway."""
     if TRAIN_ON_THIS_MACHINE:
-        from dtstudy.launch import pool
+        from dtstudy.launch.pool.client import pool_address, stop
 
-        pool.stop(pool.pool_address())
+        stop(pool_address())

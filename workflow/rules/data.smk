@@ -1,4 +1,4 @@
-# every file the preparation writes (dtstudy.data.prepared_files); meta.json, written last,
+# every file the preparation writes (dtstudy.data.prepare.prepared_files); meta.json, written last,
 # marks a complete preparation
 rule prepare_data:
     output:

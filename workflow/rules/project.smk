@@ -1,6 +1,6 @@
 # The performance model past the machine (dtstudy.projection.project): this machine's gloo
 # benchmark, then every strategy of the study projected to projection.workers on
-# projection.hardware, calibrated on the study's runs. README "Projection past the machine".
+# projection.hardware, calibrated on the study's runs. docs/performance-model.md.
 rule commbench:
     output:
         result="results/commbench/commbench.json",

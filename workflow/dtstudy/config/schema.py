@@ -1,4 +1,5 @@
 """The config's JSON schema (workflow/schemas/config.schema.yaml): loading it, a strict validator, and the messages.
+The other schemas of workflow/schemas/ (hardware.schema.yaml) are read and checked with the same machinery.
 
 The schema is the one source of truth of every config key and of every strategy's knobs
 (`strategy_params.<name>.<knob>`: type, default, range). The validator differs from plain
@@ -6,7 +7,8 @@ jsonschema in two ways: it writes the schema's `default`s into the instance, and
 "integer" refuses floats such as 64.0 (jsonschema, following JSON Schema, counts 64.0 as an
 integer; a batch size or a worker count of 64.0 would then fail inside every job, or name
 run folders `n2.0` that no rule matches). Every error names the config key, the value and
-what is allowed.
+what is allowed. A schema may refer to another file of workflow/schemas/
+(`$ref: "config.schema.yaml#/properties/stragglers"`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import yaml
 
 from dtstudy.errors import ConfigError
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+SCHEMAS_DIR = Path(__file__).resolve().parents[2] / "schemas"
+SCHEMA_PATH = SCHEMAS_DIR / "config.schema.yaml"
 
 
 def _is_integer(checker, instance) -> bool:
@@ -53,11 +56,28 @@ def validator_class(fill_defaults: bool):
     return jsonschema.validators.extend(strict, {"properties": set_defaults})
 
 
-@functools.lru_cache(maxsize=1)
-def _parsed_schema() -> dict:
+@functools.lru_cache(maxsize=4)
+def _parsed(name: str) -> dict:
     # parsed once: every run's knob check reads it (validation copies defaults, never writes it);
     # libyaml's loader where PyYAML has it: 8 ms instead of 70 in every launcher and client
-    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return yaml.load((SCHEMAS_DIR / name).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def _parsed_schema() -> dict:
+    return _parsed(SCHEMA_PATH.name)
+
+
+def load_schema_file(name: str) -> dict:
+    """A schema of workflow/schemas/ by file name, "hardware.schema.yaml" (a copy)."""
+    return copy.deepcopy(_parsed(name))
+
+
+@functools.lru_cache(maxsize=1)
+def _registry():
+    """Where a `$ref` to another schema file ("config.schema.yaml#/...") is read: workflow/schemas/."""
+    from referencing import Registry, Resource
+
+    return Registry(retrieve=lambda name: Resource.from_contents(_parsed(name)))
 
 
 def load_schema() -> dict:
@@ -99,6 +119,8 @@ def allowed(schema: dict) -> str:
     """What `schema` allows, in words: 'an integer >= 1 or null', 'a number in (0, 1]'."""
     if "enum" in schema:
         return "one of " + ", ".join("null" if value is None else str(value) for value in schema["enum"])
+    if "oneOf" in schema:
+        return " or ".join(allowed(alternative) for alternative in schema["oneOf"])
     types = schema.get("type", [])
     words = []
     for kind in [types] if isinstance(types, str) else types:
@@ -109,6 +131,8 @@ def allowed(schema: dict) -> str:
             word = repr(schema["pattern"][1:-1])  # a pattern of one word is that word
         elif kind == "array" and allowed(schema.get("items", {})):
             word += f" (each item {allowed(schema['items'])})"
+        elif kind == "object" and schema.get("required"):
+            word += f" with {', '.join(schema['required'])}"
         words.append(word)
     return " or ".join(words)
 
@@ -132,41 +156,55 @@ def _unknown_key(path: tuple, key: str) -> str:
     return f"unknown key {key!r}"
 
 
-def messages(error, prefix: tuple = ()) -> list[str]:
-    """One line per problem: "config key 'train.batch_size': 64.0 is not an integer; allowed: ..."."""
+def messages(error, prefix: tuple = (), subject: str = "config key") -> list[str]:
+    """One line per problem: "config key 'train.batch_size': 64.0 is not an integer; allowed: ..."
+    (`subject`: what names the key, "hardware profile <file>: key")."""
     path = (*prefix, *error.absolute_path)
     value, schema = error.instance, error.schema
     if error.validator == "additionalProperties" and isinstance(value, dict):
         names = sorted(schema.get("properties", {}))
         extras = sorted(set(value) - set(names), key=str)
-        return [f"config key '{key_path((*path, key))}': {_unknown_key(path, key)}; allowed: "
+        return [f"{subject} '{key_path((*path, key))}': {_unknown_key(path, key)}; allowed: "
                 f"{', '.join(names) or 'none'}" for key in extras]
+    if error.validator == "required":
+        return [f"{subject} '{key_path((*path, key))}' is missing; allowed: "
+                f"{allowed(schema.get('properties', {}).get(key, {})) or 'any value'}"
+                for key in error.validator_value if key not in value]
     if error.validator == "type":
         text = f"{value!r} is not {_types_in_words(error.validator_value)}"
         if allowed(schema) != _types_in_words(error.validator_value):
             text += f"; allowed: {allowed(schema)}"
     elif error.validator in _BOUNDED_BY:
         text = f"{error.message}; allowed: {allowed(schema)}"
+    elif error.validator == "oneOf":  # none of the alternatives, or (no context) several
+        text = f"{value!r} is not allowed; allowed: {allowed(schema)}{'' if error.context else ', only one of them'}"
     else:
         text = error.message
-    return [f"config key '{key_path(path)}': {text}"]
+    return [f"{subject} '{key_path(path)}': {text}"]
 
 
-def problems(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False) -> list[str]:
+def problems(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False,
+             subject: str = "config key") -> list[str]:
     """Every problem of `instance` (found at config key `prefix`) against `schema`, one line
     each with its key; `fill_defaults`: also write the defaults in, in place."""
-    validator = validator_class(fill_defaults)(schema)
+    validator = validator_class(fill_defaults)(schema, registry=_registry())
     errors = sorted(validator.iter_errors(instance), key=lambda e: [str(part) for part in e.absolute_path])
-    # a value of the wrong type needs no second line on its range or enum
+    # a value of the wrong type needs no second line on its range or enum, nor a misspelt
+    # key a second one on the required key it was meant to be
     mistyped = {tuple(e.absolute_path) for e in errors if e.validator == "type"}
-    errors = [e for e in errors if e.validator == "type" or tuple(e.absolute_path) not in mistyped]
-    return [line for error in errors for line in messages(error, prefix)]
+    misspelt = {tuple(e.absolute_path) for e in errors if e.validator == "additionalProperties"}
+    errors = [e for e in errors if (e.validator == "type" or tuple(e.absolute_path) not in mistyped)
+              and not (e.validator == "required" and tuple(e.absolute_path) in misspelt)]
+    lines = [line for error in errors for line in messages(error, prefix, subject)]
+    return list(dict.fromkeys(lines))  # a `required` error per missing key, each listing them all
 
 
-def check(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False) -> None:
-    """Raise ConfigError listing every problem of `instance` (see `problems`)."""
-    lines = problems(instance, schema, prefix, fill_defaults)
+def check(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False,
+          subject: str = "config key", title: str = "invalid config") -> None:
+    """Raise ConfigError listing every problem of `instance` (see `problems`), under `title`
+    when there are several."""
+    lines = problems(instance, schema, prefix, fill_defaults, subject)
     if len(lines) == 1:
         raise ConfigError(lines[0])
     if lines:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+        raise ConfigError(f"{title}:\n  " + "\n  ".join(lines))

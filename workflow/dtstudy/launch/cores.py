@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PINNED_ENV = "DTSTUDY_PINNED_CORES"  # the run's cores, rank by rank, for metrics.json
 LEASE_DIR_ENV = "DTSTUDY_CORE_LEASES"  # another folder of lock files (tests)
 
 
@@ -72,9 +71,3 @@ def lease(count: int) -> CoreLease | None:
 def pin(core: int) -> None:
     """Run this process (and its threads) on `core` only."""
     os.sched_setaffinity(0, {core})
-
-
-def pinned_cores() -> list[int] | None:
-    """The run's cores, rank by rank, when its job process pinned them (else None)."""
-    value = os.environ.get(PINNED_ENV)
-    return [int(c) for c in value.split(",")] if value else None

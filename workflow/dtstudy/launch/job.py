@@ -14,7 +14,7 @@ import time
 
 import submitit
 
-from dtstudy.launch import pool
+from dtstudy.launch.pool.client import apply_environment, request_training
 from dtstudy.runspec import RunSpec
 
 # submitit's local executor sets CUDA_VISIBLE_DEVICES in its tasks from its gpus_per_node
@@ -42,7 +42,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         self.environ = environ or {}  # launcher_environment
 
     def __call__(self) -> dict | None:
-        pool.apply_environment(self.environ)  # before anything touches CUDA
+        apply_environment(self.environ)  # before anything touches CUDA
         from dtstudy.launch.rank_process import run_submitit_task
 
         return run_submitit_task(self.spec, {**self.timings, "process_start": time.time()})
@@ -64,11 +64,11 @@ class PooledTrainingJob(submitit.helpers.Checkpointable):
         self.environ = environ or {}  # launcher_environment; the pool hands it to the ranks
 
     def __call__(self) -> dict | None:
-        pool.apply_environment(self.environ)  # also what a pool this task starts inherits
+        apply_environment(self.environ)  # also what a pool this task starts inherits
 
         env = submitit.JobEnvironment()
-        return pool.request_training(self.pool_address, self.spec, str(env.job_id), str(env.paths.stdout),
-                                     str(env.paths.folder), self.timings, self.environ)
+        return request_training(self.pool_address, self.spec, str(env.job_id), str(env.paths.stdout),
+                                str(env.paths.folder), self.timings, self.environ)
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission:
         return submitit.helpers.DelayedSubmission(PooledTrainingJob(self.spec, self.pool_address, self.timings,

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from dtstudy.launch import pool
 from dtstudy.launch.job import launcher_environment, PooledTrainingJob, TrainingJob
+from dtstudy.launch.pool.client import pool_address
 from dtstudy.launch.ports import free_port
 from dtstudy.tracking.live_run import recorded_run, RUN_ID_FILE
 from dtstudy.runspec import lost_rank_path, RunSpec
@@ -121,7 +121,7 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
 
     if spec.config["launcher"]["cluster"] == "local" and not pooled:
         # the tasks inherit it (submitit reads it); a SLURM job picks one on its first node
-        # (distributed.rendezvous_port)
+        # (launch.process_group.rendezvous_port)
         os.environ["MASTER_PORT"] = str(free_port())
     job = None
 
@@ -141,7 +141,7 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
         timings = {"submitted": submitted_at}
         environ = launcher_environment(spec.config["launcher"]["cluster"])
         if pooled:
-            callable_ = PooledTrainingJob(spec, pool.pool_address(), timings, environ)
+            callable_ = PooledTrainingJob(spec, pool_address(), timings, environ)
         else:
             callable_ = TrainingJob(spec, timings, environ)
         job = make_executor(spec, job_dir, pooled).submit(callable_)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dtstudy.atomic_files import write_json, write_text
-from dtstudy.launch.gloo_loops import lower_gloo_event_loops
+from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.launch.ports import free_port
 from dtstudy.runspec import TaskLayout
 from dtstudy.strategies.base import DistContext

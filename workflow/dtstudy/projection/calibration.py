@@ -13,10 +13,9 @@ from scipy import stats
 
 from dtstudy.projection import hardware, layer_profiles
 from dtstudy.analysis import intervals
-from dtstudy import perfmodel
 from dtstudy.errors import ConfigError
-from dtstudy.perfmodel import LayerProfile, Link, Workload
-from dtstudy.strategies.specs import PARAMETER_SERVERS
+from dtstudy.perfmodel.machine import LayerProfile, Link, Workload
+from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS, model_step
 
 
 def least_squares_line(points: list[list[float]]) -> tuple[float, float]:
@@ -269,7 +268,7 @@ def matrices_from_checkpoint(path: str | Path) -> list[list[int]]:
             if t.is_floating_point() and "running_" not in k]
 
 
-#: the request a worker sends each shard before its gradient (ps_protocol.request: 4 float64)
+#: the request a worker sends each shard before its gradient (parameter_server.protocol.request: 4 float64)
 PS_REQUEST_BYTES = 32
 
 
@@ -279,7 +278,7 @@ def parameters_from_runs(runs: list[dict]) -> int | None:
         if r["strategy"] in ("allreduce", "easgd") and r["workers"] > 1 and r["bytes_per_step"] > 0:
             return round(r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"]) / 4)
         if r["strategy"] in PARAMETER_SERVERS and r["bytes_per_step"] > 0:
-            headers = PS_REQUEST_BYTES * r.get("strategy_params", {}).get("shards", 1)
+            headers = PS_REQUEST_BYTES * {**SPECS[r["strategy"]].defaults, **r.get("strategy_params", {})}["shards"]
             return round((r["bytes_per_step"] - headers) / 4)  # the gradient, after a request per shard
     return None
 
@@ -292,7 +291,7 @@ def ps_request_samples(runs: list[dict], workload: Workload, machine, params: di
     pairs = []
     for r in runs:
         if r["workers"] == 1 and r["strategy"] in PARAMETER_SERVERS:
-            step = perfmodel.step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
+            step = model_step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
             pairs.append((r["comm_s"], step.step_s - step.compute_s))
     return pairs
 

@@ -8,14 +8,11 @@ import socket
 import time
 from pathlib import Path
 
+from dtstudy.launch.ports import free_port
+from dtstudy.strategies.specs import SPECS, GossipSpec
+
 DEFAULT_SIZES = [2**k for k in range(10, 22, 2)] + [2**21 + 2**20]  # 1 KiB .. 3 MiB
 REPEATS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median(values: list[float]) -> float:
@@ -28,7 +25,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
     import torch
     import torch.distributed as dist
 
-    from dtstudy.launch.gloo_loops import lower_gloo_event_loops
+    from dtstudy.gloo_loops import lower_gloo_event_loops
 
     torch.set_num_threads(1)  # as a training worker
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -167,9 +164,10 @@ class _OneBucket:
         return True
 
 
-#: the strategies whose exchange does work of its own beyond moving bytes: each is timed as
-#: it runs (exchange_seconds_per_byte), and the model adds that to its communication
-COMPRESSED = ("allreduce_fp16", "allreduce_bf16", "allreduce_powersgd", "allreduce_onebit")
+#: the strategies whose exchange does work of its own beyond moving bytes (their specs'
+#: compression_passes): each is timed as it runs (exchange_seconds_per_byte), and the model
+#: adds that to its communication
+COMPRESSED = tuple(name for name, spec in SPECS.items() if spec.compression_passes)
 
 
 def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
@@ -188,7 +186,6 @@ def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
 
     from dtstudy.strategies.registry import STRATEGIES
     from dtstudy.strategies.base import DistContext
-    from dtstudy.strategies.specs import SPECS
 
     knobs = dict(SPECS[name].defaults)
     ctx = DistContext(rank=0, world_size=1, workers=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
@@ -282,7 +279,7 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
         average_into(parameters, flatten(parameters), [peer])
 
     return {
-        "gossip": timed(gossip_mix, mix_numel * 4),
+        GossipSpec.name: timed(gossip_mix, mix_numel * 4),  # its spec's kernel (mixing_passes)
         "server_pass": timed(server_pass),
         "server_update": timed(sgd_update),
     }
@@ -325,7 +322,7 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     sizes = sizes or DEFAULT_SIZES
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, gloo_loop_nice, queue))
                for rank in range(processes)]
     for worker in workers:

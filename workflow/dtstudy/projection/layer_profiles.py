@@ -1,6 +1,6 @@
 """Layer profiles of architectures (layer_profiles.json): each parameter tensor in backprop order with the share of backward done when its gradient is ready, and its 1-bit column groups.
 
-The performance model's wait-free-backprop overlap (perfmodel.LayerProfile) reads them; they
+The performance model's wait-free-backprop overlap (dtstudy.perfmodel.machine.LayerProfile) reads them; they
 are computed once, by torch's own FLOP counter on meta tensors (shapes only: nothing is
 initialised, trained or downloaded), and shipped as data so that a projection needs no torch:
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from dtstudy.errors import ConfigError
-from dtstudy.perfmodel import LayerProfile
+from dtstudy.perfmodel.machine import LayerProfile
 
 DATA = Path(__file__).with_name("layer_profiles.json")
 
@@ -76,7 +76,7 @@ def measure(name: str) -> dict:
     parameter's gradient-accumulated hook notes the backward FLOPs counted so far, which
     gives both the order backprop produces the gradients in and when (in FLOPs) each is ready;
     with each tensor's groups of 1-bit's `column` quantiser (its first dimension, a vector one:
-    strategies.compressed.quantization_groups)."""
+    strategies.onebit_codec.quantization_groups)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

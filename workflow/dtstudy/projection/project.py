@@ -10,9 +10,9 @@ from pathlib import Path
 
 from dtstudy.projection import calibration, hardware
 from dtstudy.analysis import intervals
-from dtstudy import perfmodel
 from dtstudy.errors import ConfigError
-from dtstudy.perfmodel import Link, Machine, Stragglers, Workload
+from dtstudy.perfmodel.machine import NO_STRAGGLERS, Link, Machine, Stragglers, Workload
+from dtstudy.strategies.specs import SPECS, knob_defaults, model_step
 
 COLUMNS = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
            "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s", "overlap",
@@ -40,8 +40,8 @@ def parse_list(text: str, what: str, allowed: list[str] | None = None, kind=str)
 
 def check_strategies(strategies: list[str], where: str) -> None:
     for name in strategies:
-        if name not in perfmodel.MODELS:
-            raise ConfigError(f"{where}: unknown strategy {name!r}; allowed: {', '.join(sorted(perfmodel.MODELS))}")
+        if name not in SPECS:
+            raise ConfigError(f"{where}: unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}")
 
 
 def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict, throughput: float) -> Link:
@@ -52,7 +52,7 @@ def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict,
 
     def modelled(bandwidth: float) -> float:
         trial = dataclasses.replace(machine, intra=Link(0.0, bandwidth), intra_p2p=None)
-        return perfmodel.step(strategy, workload, trial, g, params).throughput
+        return model_step(strategy, workload, trial, g, params).throughput
 
     low, high = 1e6, 1e14
     if modelled(high) <= throughput:
@@ -69,7 +69,7 @@ def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict,
 
 
 def project(workload: Workload, machine: Machine, strategies: list[str], workers: list[int], params: dict,
-            profile: str, stragglers: Stragglers = perfmodel.NO_STRAGGLERS, measured: dict | None = None,
+            profile: str, stragglers: Stragglers = NO_STRAGGLERS, measured: dict | None = None,
             measured_exchange: dict | None = None, band: list[tuple[Workload, Machine]] | None = None) -> list[dict]:
     """One row per strategy and N (COLUMNS); efficiency and speedup against the same strategy's
     modelled N=1. `measured`: {(strategy, N): images/s, or an intervals.Interval over the
@@ -81,10 +81,10 @@ def project(workload: Workload, machine: Machine, strategies: list[str], workers
     measured = measured or {}
     measured_exchange = measured_exchange or {}
     for name in strategies:
-        single = perfmodel.step(name, workload, machine, 1, params[name], stragglers).throughput
-        singles = [perfmodel.step(name, w, m, 1, params[name], stragglers).throughput for w, m in band or []]
+        single = model_step(name, workload, machine, 1, params[name], stragglers).throughput
+        singles = [model_step(name, w, m, 1, params[name], stragglers).throughput for w, m in band or []]
         for n in workers:
-            s = perfmodel.step(name, workload, machine, n, params[name], stragglers)
+            s = model_step(name, workload, machine, n, params[name], stragglers)
             seen = measured.get((name, n), "")
             spread = seen if isinstance(seen, intervals.Interval) else None
             row = {
@@ -98,7 +98,7 @@ def project(workload: Workload, machine: Machine, strategies: list[str], workers
                 "measured_throughput_high": spread.high if spread and spread.kind != "none" else "",
             }
             if band:
-                throughputs = [s.throughput] + [perfmodel.step(name, w, m, n, params[name], stragglers).throughput
+                throughputs = [s.throughput] + [model_step(name, w, m, n, params[name], stragglers).throughput
                                                 for w, m in band]
                 efficiencies = [row["efficiency"]] + [t / (n * one) for t, one in zip(throughputs[1:], singles)]
                 row.update(throughput_low=min(throughputs), throughput_high=max(throughputs),
@@ -232,8 +232,8 @@ def plot(rows: list[dict], path: str | Path) -> None:
 
 def run_command(measured_path: str, hardware_path: str, strategies_text: str, workers_text: str, out: str) -> list[dict]:
     """`python -m dtstudy project`: every input checked before any work."""
-    defaults = perfmodel.knob_defaults()
-    strategies = parse_list(strategies_text, "strategies", allowed=sorted(perfmodel.MODELS))
+    defaults = knob_defaults()
+    strategies = parse_list(strategies_text, "strategies", allowed=sorted(SPECS))
     workers = parse_list(workers_text, "workers", kind=int)
     measured = calibration.load_measured(measured_path)
     profile = hardware.load_profile(hardware_path)
@@ -243,7 +243,7 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     if profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED:
         raise ConfigError(f"hardware profile {hardware_path}: key 'ps_request_us': 'measured' needs a study's N=1 "
                           f"parameter-server runs; give a number of microseconds (0: not modelled)")
-    workload = calibration.workload_from_measured(measured, params.get("allreduce_powersgd", {}).get("rank", 2))
+    workload = calibration.workload_from_measured(measured, {**defaults, **params}["allreduce_powersgd"]["rank"])
     if "allreduce_powersgd" in strategies and workload.powersgd_ratio is None:
         raise ConfigError(f"measurement file {measured_path}: key 'model.matrices' is missing; allreduce_powersgd "
                           f"needs the model's weight matrices [[rows, columns], ...] for its bytes")
@@ -325,7 +325,7 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
                       measured_exchange: dict) -> tuple[list[dict], dict]:
     """One profile of the `project` rule: its rows and where each parameter came from."""
     strategies = list(config["strategies"])
-    params = hardware.check_strategy_params(profile, strategies, perfmodel.knob_defaults())
+    params = hardware.check_strategy_params(profile, strategies, knob_defaults())
     for name in strategies:  # the study's own knobs win over the profile's
         params[name].update(config.get("strategy_params", {}).get(name, {}))
     if workload.powersgd_ratio is None and "allreduce_powersgd" in strategies:

@@ -149,7 +149,8 @@ class EASGD(LocalTraining):
     N alpha <= 1 for every N of the study (checked before any job starts). The
     default period 8 matches local_sgd's, so both exchange a model every 8 steps.
     `eval_model` is a model holding the centre. With one worker there is nothing to couple:
-    the centre is the worker's model and training is plain SGD (as STUDY.md asks).
+    the centre is the worker's model and training is plain SGD (docs/strategies.md, "Equivalences
+    the tests check").
     Bytes: ring all-reduce of the parameters on the steps that exchange.
     """
 

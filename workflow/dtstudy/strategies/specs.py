@@ -11,10 +11,14 @@ study's workers) or on several knobs at once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from dtstudy.config import schema
 from dtstudy.errors import ConfigError
+from dtstudy.perfmodel import steps
+from dtstudy.perfmodel.machine import NO_STRAGGLERS, Machine, Step, Stragglers, Workload
+from dtstudy.perfmodel.waits import natural_wait
 
 
 class StrategySpec:
@@ -23,8 +27,9 @@ class StrategySpec:
     name: ClassVar[str]
     #: the family the tables and plots group it in (FAMILIES)
     family: ClassVar[str]
-    #: the schema of its knobs, strategy_params.properties.<name> (set when SPECS is built)
-    knob_schema: ClassVar[dict[str, Any]] = {}
+    #: the schema of its knobs, strategy_params.properties.<name> (set when SPECS is built);
+    #: a strategy the schema gives no knobs takes none
+    knob_schema: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}, "additionalProperties": False}
     #: the knobs with their defaults, from `knob_schema`; others are rejected
     defaults: ClassVar[dict[str, Any]] = {}
 
@@ -49,27 +54,100 @@ class StrategySpec:
         """Processes besides the N workers that this strategy needs in the job (e.g. PS shards)."""
         return 0
 
+    # ----- its performance model -------------------------------------------------------
+
+    #: memory passes over the gradient bytes of its own work on a worker (a compression's
+    #: casts or quantisation), used when a profile gives compression_gbyte_s and the machine
+    #: has no measured seconds per byte for it; 0 = no such work. The communication benchmark
+    #: times the exchange of every strategy that has some
+    compression_passes: ClassVar[float] = 0.0
+    #: its exchange is handed gradients during backward (DDP's buckets and comm hooks) and
+    #: may hide behind it; the others exchange after it
+    overlaps_backward: ClassVar[bool] = False
+
+    @classmethod
+    def barrier(cls, workers: int, params: dict[str, Any]) -> tuple[int, int, int | None]:
+        """The barrier its workers meet, for their natural jitter: (participants, window of steps
+        between meetings, the arrival it waits for; None = the last). One participant: none."""
+        return workers, 1, None
+
+    @classmethod
+    def step_model(cls, workload: Workload, machine: Machine, workers: int, params: dict[str, Any],
+                   stragglers: Stragglers) -> Step:
+        """Its step at N=workers from dtstudy.perfmodel.steps' formulas; `params`: its knobs, defaults filled."""
+        raise NotImplementedError(f"strategy {cls.name!r} has no performance model")
+
+    @classmethod
+    def model_step(cls, workload: Workload, machine: Machine, workers: int, params: dict[str, Any] | None = None,
+                   stragglers: Stragglers = NO_STRAGGLERS) -> Step:
+        """The modelled step at N=workers on `machine`: compute scaled for the busy workers of a
+        node, `step_model`, what hid the exchange, and the barrier's natural jitter. `params`:
+        its knobs (the schema's defaults filled in here) plus `placement` for the parameter servers."""
+        params = {**cls.defaults, **(params or {})}
+        scale = machine.compute_scale.get(machine.local(workers), 1.0) if machine.compute_scale else 1.0
+        if scale != 1.0:
+            workload = dataclasses.replace(workload, compute_s=workload.compute_s * scale)
+        result = dataclasses.replace(cls.step_model(workload, machine, workers, params, stragglers),
+                                     overlap=steps.overlap_used(cls.overlaps_backward, workload, machine))
+        jitter = natural_wait(machine, workload.compute_s, *cls.barrier(workers, params))
+        if jitter <= 0:  # a strategy without a barrier has one participant: none
+            return result
+        step_s = result.step_s + jitter
+        return dataclasses.replace(result, step_s=step_s, straggler_s=result.straggler_s + jitter,
+                                   throughput=workers * workload.batch / step_s)
+
 
 # ----- synchronous all-reduce and its compressed variants ------------------------------
 
 class AllReduceSpec(StrategySpec):
     name = "allreduce"
     family = "synchronous"
+    overlaps_backward = True
+
+    @classmethod
+    def wire_bytes(cls, workload: Workload) -> float:
+        """The bytes of one worker's gradient on the wire."""
+        return workload.model_bytes
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """DDP: the gradient all-reduced every step, overlapped with backward."""
+        return steps.allreduce_step(cls.name, cls.wire_bytes(workload), cls.compression_passes, workload, machine,
+                                    workers, params, stragglers)
 
 
 class AllReduceFP16Spec(AllReduceSpec):
     name = "allreduce_fp16"
     family = "compressed"
+    # a 16-bit cast reads 4 and writes 2 bytes per value and back: ~3 passes of the fp32 bytes
+    compression_passes = 3.0
+
+    @classmethod
+    def wire_bytes(cls, workload):
+        return workload.parameters * 2.0  # half the bytes
 
 
-class AllReduceBF16Spec(AllReduceSpec):
+class AllReduceBF16Spec(AllReduceFP16Spec):
     name = "allreduce_bf16"
-    family = "compressed"
 
 
 class AllReducePowerSGDSpec(AllReduceSpec):
     name = "allreduce_powersgd"
     family = "compressed"
+    # rank r: two matrix products over the gradient and the error feedback, ~6 passes
+    compression_passes = 6.0
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """torch's hook all-reduces three times per bucket, one after the other: the tensors it
+        sends whole (vectors, matrices too small to gain), then the rank-r factors P, then Q
+        (each needs the one before); the bytes are `powersgd_ratio` of the gradient's (from the
+        model's matrices or measured)."""
+        if workload.powersgd_ratio is None:
+            raise ValueError("allreduce_powersgd needs the share of the gradient bytes PowerSGD sends "
+                             "(measured bytes_per_step, or model.matrices)")
+        return steps.allreduce_step(cls.name, workload.model_bytes * workload.powersgd_ratio, cls.compression_passes,
+                                    workload, machine, workers, params, stragglers, messages_per_bucket=3)
 
     @classmethod
     def validate(cls, params, workers):
@@ -83,6 +161,12 @@ class AllReducePowerSGDSpec(AllReduceSpec):
 class AllReduceOneBitSpec(AllReduceSpec):
     name = "allreduce_onebit"
     family = "compressed"
+    # residual add, |x| mean, sign pack, dequantise and new residual: ~6 passes
+    compression_passes = 6.0
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        return steps.onebit_step(cls.name, cls.compression_passes, workload, machine, workers, params, stragglers)
 
 
 # ----- parameter servers --------------------------------------------------------------
@@ -93,6 +177,12 @@ class ParameterServerSpec(StrategySpec):
     @classmethod
     def extra_processes(cls, params, workers):
         return params["shards"]
+
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """Push to S shards, each waits for all N, updates, answers: 2 phases + the update."""
+        return steps.ps_round_step(cls.name, workload, machine, workers, params, stragglers)
 
 
 class PsSyncSpec(ParameterServerSpec):
@@ -110,25 +200,88 @@ class PsBackupSpec(ParameterServerSpec):
         if workers > 1 and backup >= workers:
             raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
 
+    @classmethod
+    def quorum(cls, workers: int, params: dict[str, Any]) -> int:
+        """The gradients an update waits for: N-k (all N are still sent; N=1 waits for itself)."""
+        return workers - min(params["backup"], workers - 1)
+
+    @classmethod
+    def barrier(cls, workers, params):
+        return workers, 1, cls.quorum(workers, params)
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """As ps_sync, but the update waits for the (N-k)-th gradient."""
+        return steps.ps_round_step(cls.name, workload, machine, workers, params, stragglers,
+                                   quorum=cls.quorum(workers, params))
+
 
 class PsAsyncSpec(ParameterServerSpec):
     name = "ps_async"
+
+    @classmethod
+    def barrier(cls, workers, params):
+        return 1, 1, None  # no barrier
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        return steps.ps_async_step(cls.name, workload, machine, workers, params, stragglers)
 
 
 class SspSpec(ParameterServerSpec):
     name = "ssp"
 
+    @classmethod
+    def barrier(cls, workers, params):
+        staleness = params["staleness"]
+        return workers, (workers if staleness is None else staleness) + 1, None
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """As ps_sync, but a worker may run s steps ahead: it waits for the slowest only over
+        windows of s+1 steps (a fixed straggler still paces everybody). Unbounded (staleness
+        null) it is ps_async."""
+        if params["staleness"] is None:
+            return steps.ps_async_step(PsAsyncSpec.name, workload, machine, workers, params, stragglers)
+        return steps.ps_round_step(cls.name, workload, machine, workers, params, stragglers,
+                                   window=params["staleness"] + 1)
+
 
 # ----- local and decentralized ----------------------------------------------------------
 
-class LocalSGDSpec(StrategySpec):
+class PeriodicAveragingSpec(StrategySpec):
+    """Workers that average every `period` steps (all-reduce, blocking)."""
+
+    family = "local / decentralized"
+
+    @classmethod
+    def averaged_bytes(cls, workload: Workload) -> float:
+        raise NotImplementedError
+
+    @classmethod
+    def barrier(cls, workers, params):
+        return workers, params["period"], None
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        return steps.periodic_allreduce_step(cls.name, cls.averaged_bytes(workload), params["period"], workload,
+                                             machine, workers, stragglers)
+
+
+class LocalSGDSpec(PeriodicAveragingSpec):
     name = "local_sgd"
-    family = "local / decentralized"
+
+    @classmethod
+    def averaged_bytes(cls, workload):
+        return 2 * workload.model_bytes  # the parameters and the momentum buffers
 
 
-class EASGDSpec(StrategySpec):
+class EASGDSpec(PeriodicAveragingSpec):
     name = "easgd"
-    family = "local / decentralized"
+
+    @classmethod
+    def averaged_bytes(cls, workload):
+        return workload.model_bytes  # the elastic differences
 
     @classmethod
     def validate(cls, params, workers):
@@ -143,6 +296,19 @@ class EASGDSpec(StrategySpec):
 class GossipSpec(StrategySpec):
     name = "gossip"
     family = "local / decentralized"
+    # memory passes over the parameter bytes of a step's averaging with one neighbour
+    # (flatten: 2, stack of 2 copies: 4, their mean: 3, copy back: 2); with d neighbours
+    # the work grows with the 1 + d vectors averaged (perfmodel.steps.mixing_time)
+    mixing_passes = 11.0
+
+    @classmethod
+    def barrier(cls, workers, params):
+        # a worker waits for its neighbours only
+        return (steps.gossip_degree(params["topology"], workers) + 1 if workers > 1 else 1), 1, None
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        return steps.gossip_step(cls.name, cls.mixing_passes, workload, machine, workers, params, stragglers)
 
 
 # ----- the reference: no exchange at all (the machine's ceiling) ----------------------
@@ -150,6 +316,15 @@ class GossipSpec(StrategySpec):
 class NoExchangeSpec(StrategySpec):
     name = "no_exchange"
     family = "reference"
+
+    @classmethod
+    def barrier(cls, workers, params):
+        return 1, 1, None  # no barrier
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """The ceiling: every worker computes and updates alone; no exchange, no barrier."""
+        return steps.independent_step(cls.name, workload, workers, stragglers)
 
 
 SPECS: dict[str, type[StrategySpec]] = {spec.name: spec for spec in (
@@ -163,10 +338,12 @@ def _attach_knob_schemas() -> None:
     """Give every spec its knobs from the schema; a spec without a schema (or the reverse),
     or a knob without a default, fails at import rather than in some run."""
     knob_schemas = schema.knob_schemas()
-    if knob_schemas.keys() != SPECS.keys():
-        raise RuntimeError(f"strategies without both a spec and a schema under strategy_params in "
-                           f"{schema.SCHEMA_PATH}: {sorted(knob_schemas.keys() ^ SPECS.keys())}")
+    if knob_schemas.keys() - SPECS.keys():
+        raise RuntimeError(f"knobs under strategy_params in {schema.SCHEMA_PATH} for strategies without a spec: "
+                           f"{sorted(knob_schemas.keys() - SPECS.keys())}")
     for name, spec in SPECS.items():
+        if name not in knob_schemas:  # a strategy without knobs
+            continue
         knobs = knob_schemas[name].get("properties", {})
         no_default = sorted(knob for knob, subschema in knobs.items() if "default" not in subschema)
         if no_default or knob_schemas[name].get("additionalProperties") is not False:
@@ -198,3 +375,14 @@ def get_spec(name: str) -> type[StrategySpec]:
         return SPECS[name]
     except KeyError:
         raise KeyError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}") from None
+
+
+def knob_defaults() -> dict[str, dict]:
+    """{strategy name: its knobs' defaults} (the schema's)."""
+    return {name: dict(spec.defaults) for name, spec in SPECS.items()}
+
+
+def model_step(strategy: str, workload: Workload, machine: Machine, workers: int, params: dict | None = None,
+               stragglers: Stragglers = NO_STRAGGLERS) -> Step:
+    """The modelled step of `strategy` at N=workers (its spec's model_step)."""
+    return get_spec(strategy).model_step(workload, machine, workers, params, stragglers)

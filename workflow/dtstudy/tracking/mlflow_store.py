@@ -57,7 +57,7 @@ def check_server(uri: str, timeout_s: float = 10.0) -> None:
     except (urllib.error.URLError, OSError) as error:
         raise ConfigError(
             f"config key 'tracking.uri': no MLflow server answers at {uri!r} ({error}); start one "
-            "(README: 'Run on a SLURM cluster') or set tracking.uri to null for SQLite in results/"
+            "(docs/cluster.md: 'MLflow on a cluster') or set tracking.uri to null for SQLite in results/"
         ) from None
 
 

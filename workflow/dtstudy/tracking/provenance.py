@@ -12,9 +12,17 @@ from pathlib import Path
 
 import torch
 
-from dtstudy.launch.cores import pinned_cores
 
 REPO_DIR = Path(__file__).resolve().parents[3]
+
+
+PINNED_ENV = "DTSTUDY_PINNED_CORES"  # the run's cores, rank by rank, for metrics.json (the pool sets it)
+
+
+def pinned_cores() -> list[int] | None:
+    """The run's cores, rank by rank, when its job process pinned them (else None)."""
+    value = os.environ.get(PINNED_ENV)
+    return [int(c) for c in value.split(",")] if value else None
 
 
 def git_commit(repo: Path = REPO_DIR) -> dict:
@@ -80,7 +88,7 @@ def environment(device: torch.device, backend: str, processes: int) -> dict:
         "processes": processes,
         # on CPU each worker is one core; more processes than cores share them
         "oversubscribed": device.type == "cpu" and processes > cores,
-        "pinned_cores": pinned,  # rank by rank (dtstudy.launch.cores); None = left to the OS scheduler
+        "pinned_cores": pinned,  # rank by rank (set by the warm pool, dtstudy.launch.cores); None = left to the OS scheduler
         "affinity": sorted(os.sched_getaffinity(0)),  # the cores rank 0 could run on
         "python": sys.version.split()[0],
         "platform": platform.platform(),

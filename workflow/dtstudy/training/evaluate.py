@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dtstudy import data as data_module
+from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
 from dtstudy.training.models import build_model, inference_layout
 from dtstudy.atomic_files import write_json
 from dtstudy.tracking.mlflow_store import log_test_metrics
@@ -16,12 +16,12 @@ from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE
 
 
 @torch.no_grad()
-def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = data_module.EVAL_BATCH) -> dict[int, float]:
+def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = EVAL_BATCH) -> dict[int, float]:
     correct = {k: 0 for k in ks}
     seen = 0
     with inference_layout(model) as model:
-        for inputs, labels in data_module.iterate_batches(dataset, list(range(len(dataset))), batch_size,
-                                                          drop_last=False):
+        for inputs, labels in iterate_batches(dataset, list(range(len(dataset))), batch_size,
+                                              drop_last=False):
             top = model(inputs).topk(max(ks), dim=1).indices
             hits = top == labels.unsqueeze(1)
             for k in ks:
@@ -44,7 +44,7 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, out: str | Path) -> 
     run_dir, out = Path(run_dir), Path(out)
     metrics = json.loads((run_dir / METRICS_FILE).read_text())
     model = load_checkpoint(run_dir / CHECKPOINT_FILE)
-    test_set = data_module.load_split(data_dir, "test")
+    test_set = load_split(data_dir, "test")
     start = time.perf_counter()
     accuracy = topk_accuracy(model, test_set)
     result = {

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from dtstudy import data as data_module
+from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
 from dtstudy.training import checkpoint
 from dtstudy.config.study_config import per_worker_batch
 from dtstudy.training.measurements import summarize, WorkerLog
@@ -86,14 +86,14 @@ def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2,
 
 
 @torch.no_grad()
-def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = data_module.EVAL_BATCH,
+def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = EVAL_BATCH,
                      images: int | None = None) -> float:
     """Top-1 accuracy of `model` on `dataset` (its first `images` images; None = all), each
     worker scoring a 1/N share."""
     counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     shard = list(range(ctx.rank, len(dataset) if images is None else images, ctx.workers))
     with inference_layout(model) as model:
-        for inputs, labels in data_module.iterate_batches(dataset, shard, batch_size, drop_last=False):
+        for inputs, labels in iterate_batches(dataset, shard, batch_size, drop_last=False):
             predictions = model(inputs.to(ctx.device)).argmax(dim=1)
             counts[0] += (predictions == labels.to(ctx.device)).sum()
             counts[1] += len(labels)
@@ -162,8 +162,8 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     cfg, train = spec.config, spec.config["train"]
     seed_everything(spec.seed)
     choose_kernels(train["deterministic"], ctx.device)
-    train_set = data_module.load_split(spec.data_dir, "train")
-    val_set = data_module.load_split(spec.data_dir, "val")
+    train_set = load_split(spec.data_dir, "train")
+    val_set = load_split(spec.data_dir, "val")
     meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
     model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
     module = strategy.setup(model, make_optimizer_factory(train))

@@ -69,7 +69,7 @@ def run_windows(logs: list[WorkerLog], skip: int, window_steps: int) -> list[flo
 
 def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: float, lr_schedule: dict,
               strategy_summary: dict, environment: dict, timings: dict) -> dict:
-    """metrics.json's content (see README: 'What a training run records')."""
+    """metrics.json's content (see docs/running-locally.md: 'What a run records')."""
     train = spec.config["train"]
     steps = min(len(worker.step_s) for worker in logs)
     skip = min(train["steady_state_skip"], steps // 2)

@@ -9,7 +9,7 @@ workers push gradients and get parameters back (point-to-point torch.distributed
     ssp        as ps_async, but a worker's clock (gradients pushed) stays at most s ahead of
                the slowest worker's: the reply to its push waits (Ho et al. 2013)  rate of b
 
-The messages are in ps_protocol, the shard in ps_shard.
+The messages are in `protocol`, the shard in `shard` (both in this package).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtstudy.launch.gloo_loops import lower_gloo_event_loops
+from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.strategies.base import OptimizerFactory, Strategy
 from dtstudy.strategies.parameter_server.protocol import Kind, request, SETUP_FIELDS, split_by_size, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
 from dtstudy.strategies.parameter_server.shard import ShardServer, ShardStats, UpdatePolicy

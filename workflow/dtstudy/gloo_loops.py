@@ -36,8 +36,8 @@ def lower_gloo_event_loops(priority: int | str, threads: set[int] | None = None)
     all-reduces took 4 ms instead of 0.3 ms (benchmarks/exchange_latency.py). At nice 19
     the spinner yields to it within its time slice; under SCHED_IDLE at once (the kernel
     preempts an idle-policy thread for any other that wakes), which gossip's point-to-point
-    hand-shakes and PowerSGD's three all-reduces per step still needed (README "What one
-    exchange costs"). Threads of groups created later need another call; Linux only
+    hand-shakes and PowerSGD's three all-reduces per step still needed (docs/running-locally.md,
+    "Cores"). Threads of groups created later need another call; Linux only
     (elsewhere nothing is changed)."""
     if priority == 0:
         return 0

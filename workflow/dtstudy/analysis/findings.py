@@ -1,0 +1,145 @@
+"""The tables' Markdown (`scaling_markdown`, `accuracy_markdown`, the noise note) and findings.md (`findings_markdown`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pandas as pd
+
+from dtstudy.analysis import intervals
+from dtstudy.analysis.intervals import Interval
+from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
+from dtstudy.strategies.specs import REFERENCE_STRATEGY
+
+
+def _interval(table_row, prefix: str, kind: str = "bootstrap95") -> Interval:
+    """The interval that the columns prefix, prefix_low, prefix_high of a table row hold."""
+    return Interval(table_row[prefix], table_row[f"{prefix}_low"], table_row[f"{prefix}_high"], 0, kind)
+
+
+def _cell(table_row, prefix: str, fmt: str, kind: str = "bootstrap95") -> str:
+    return intervals.format_interval(_interval(table_row, prefix, kind), fmt)
+
+
+def _difference_cell(table_row) -> str:
+    """The paired difference to allreduce: a t interval or a range, as its top-1 is."""
+    return _cell(table_row, "top1_vs_allreduce", "+.4f", table_row["top1_interval"])
+
+
+def noise_note(noise: Mapping) -> str:
+    if noise.get("n1_runs", 0) < 2:
+        return "Noise: fewer than two N=1 runs, so the machine's noise is not measured in this study."
+    return (f"Noise of this machine: at N=1 every strategy runs the same plain SGD loop, and their "
+            f"{noise['n1_runs']} runs measured {noise['n1_min']:.0f} to {noise['n1_max']:.0f} images/s "
+            f"(max/min {noise['n1_ratio']:.2f}, CV {100 * noise['n1_cv']:.1f}%); inside one run the timed windows "
+            f"vary by {100 * noise['window_cv']:.1f}% (CV, median over runs). A difference between two rows smaller "
+            "than this spread is noise.")
+
+
+def scaling_markdown(table: pd.DataFrame, noise: Mapping) -> str:
+    rows = [{
+        "strategy": r["strategy"], "N": r["workers"], "seeds × windows": f"{r['seeds']} × {r['windows'] // max(1, r['seeds'])}",
+        "images/s [95% CI]": _cell(r, "throughput", ".0f"),
+        "speedup [95% CI]": _cell(r, "speedup", ".2f"),
+        "E(N) [95% CI]": _cell(r, "efficiency", ".2f"),
+        "ceiling E(N)": "n/a" if pd.isna(r["ceiling_efficiency"]) else f"{r['ceiling_efficiency']:.2f}",
+        "E / ceiling [95% CI]": _cell(r, "efficiency_vs_ceiling", ".2f"),
+        "compute s": f"{r['compute_s']:.5f}", "exchange s": f"{r['comm_s']:.5f}",
+        "bytes/step": f"{r['bytes_per_step']:.0f}",
+        "notes": ", ".join(n for n, on in (("oversubscribed", r["oversubscribed"]), ("not pinned", not r["pinned"])) if on),
+    } for _, r in table.iterrows()]
+    notes = [
+        "Throughput: median of the run's timed windows (train.timing_window_steps steps each, after the "
+        "warm-up steps), pooled over seeds, with a bootstrap 95% CI over the windows. Speedup and E(N) = S(N)/N "
+        "are against the same strategy at N=1. The ceiling is no_exchange: N workers that train alone and "
+        "exchange nothing, i.e. what this machine gives N processes; E / ceiling compares a strategy with it.",
+        noise_note(noise),
+    ] + ([OVERSUBSCRIBED_NOTE] if table["oversubscribed"].any() else [])
+    return to_markdown(pd.DataFrame(rows), "Scaling table", notes, formatted=True)
+
+
+def accuracy_markdown(table: pd.DataFrame) -> str:
+    rows = [{
+        "strategy": r["strategy"], "N": r["workers"], "seeds": r["seeds"],
+        "test top-1": _cell(r, "top1", ".4f", r["top1_interval"]),
+        "test top-5": _cell(r, "top5", ".4f", r["top1_interval"]) if r["seeds"] else "",  # same seeds
+        "top-1 − allreduce (paired)": "" if r["strategy"] == BASELINE_STRATEGY else _difference_cell(r),
+        "time to target s": "n/a" if pd.isna(r["time_to_accuracy_s"]) else f"{r['time_to_accuracy_s']:.1f}",
+        "reached": r["reached_target"],
+        "mark": f"> {GAP_POINTS} points below allreduce" if r["below_allreduce"] else "",
+    } for _, r in table.iterrows()]
+    notes = [
+        "Test top-1/top-5: the mean over seeds; [a, b] is a t 95% CI (3 or more seeds), (a–b) the range of "
+        "2 seeds, too few for a CI. The difference to allreduce is paired: the same N and seed (same data "
+        "order and initial weights), then averaged. Time to target: validation top-1 reaching target_accuracy, "
+        "in training seconds (evaluation passes left out), mean over the seeds that reached it.",
+        f"Marked: more than {GAP_POINTS} points of top-1 below allreduce at the same N (each run's metrics.json "
+        "-> strategy_metrics holds what the strategy measured: staleness, dropped gradients, consensus distance, "
+        "quantisation error; docs/strategies.md).",
+    ]
+    return to_markdown(pd.DataFrame(rows), "Accuracy table", notes, formatted=True)
+
+
+def _largest_timed_n(scaling: pd.DataFrame) -> int | None:
+    """The largest N whose runs were not oversubscribed (their throughput means something)."""
+    timed = scaling[(scaling["workers"] > 1) & ~scaling["oversubscribed"]]
+    return int(timed["workers"].max()) if not timed.empty else None
+
+
+def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapping) -> str:
+    """What the tables say, per question, written from the numbers (findings.md)."""
+    lines = ["# Findings", "", "Written by the aggregate step from the tables beside this file; every figure "
+             "carries its 95% CI (or the range of 2 seeds).", "", "## Scaling: how does throughput scale with N?", "",
+             f"- {noise_note(noise)}"]
+    ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
+    for _, r in ceiling[ceiling["workers"] > 1].iterrows():
+        lines.append(f"- Ceiling of this machine (no_exchange) at N={r['workers']}: E = {_cell(r, 'efficiency', '.2f')}"
+                     + (" (oversubscribed)" if r["oversubscribed"] else "") + ".")
+    n_timed = _largest_timed_n(scaling)
+    if n_timed is None:
+        lines.append("- No N > 1 ran without oversubscription: no scaling result on this machine.")
+    else:
+        rows = scaling[(scaling["workers"] == n_timed) & (scaling["strategy"] != REFERENCE_STRATEGY)]
+        rows = rows.sort_values("efficiency", ascending=False)
+        lines.append(f"- Efficiency at N={n_timed} (the largest N not oversubscribed), best first:")
+        base = rows[rows["strategy"] == BASELINE_STRATEGY]
+        base_ci = None if base.empty else _interval(base.iloc[0], "efficiency")
+        for _, r in rows.iterrows():
+            interval = _interval(r, "efficiency")
+            versus = ""
+            if base_ci is not None and r["strategy"] != BASELINE_STRATEGY:
+                versus = ("; within the noise of allreduce (CIs overlap)" if intervals.overlaps(interval, base_ci)
+                          else ("; above" if interval.low > base_ci.high else "; below") + " allreduce (CIs apart)")
+            ceiling_part = ("" if pd.isna(r["efficiency_vs_ceiling"])
+                            else f", {_cell(r, 'efficiency_vs_ceiling', '.2f')} of the ceiling")
+            lines.append(f"  - {r['strategy']}: E = {_cell(r, 'efficiency', '.2f')}{ceiling_part}{versus}")
+    whole_n = [n for n, rows in scaling.groupby("workers") if rows["oversubscribed"].all()]
+    if whole_n:
+        lines.append(f"- N = {', '.join(map(str, whole_n))} ran more processes than cores: their throughput says "
+                     "nothing about scaling (the accuracy still does).")
+    partly = scaling[scaling["oversubscribed"] & ~scaling["workers"].isin(whole_n)]
+    if not partly.empty:
+        lines.append("- Also oversubscribed (a strategy's extra processes, e.g. parameter-server shards, beside "
+                     "the N workers): " + ", ".join(f"{r['strategy']} N={r['workers']}" for _, r in partly.iterrows())
+                     + "; their efficiency above is not a scaling result.")
+    ceiling_above = ceiling[(ceiling["workers"] > 1) & (ceiling["efficiency_low"] > 1)]
+    for _, r in ceiling_above.iterrows():
+        lines.append(f"- The ceiling's E at N={r['workers']} is above 1 with its whole interval: the N=1 runs it is "
+                     "measured against ran slower than one worker of an N-worker run, i.e. what ran beside the N=1 "
+                     "runs (another run, an evaluation) slowed them; every speedup at this N is inflated by as much.")
+    lines += ["", "## Accuracy: what does each strategy do to the final accuracy?", ""]
+    base = accuracy[accuracy["strategy"] == BASELINE_STRATEGY]
+    for _, r in base.iterrows():
+        lines.append(f"- allreduce at N={r['workers']}: test top-1 {_cell(r, 'top1', '.4f', r['top1_interval'])} "
+                     f"({r['seeds']} seeds).")
+    others = accuracy[accuracy["strategy"] != BASELINE_STRATEGY]
+    marked = others[others["below_allreduce"]]
+    if not marked.empty:
+        lines.append(f"- More than {GAP_POINTS} points below allreduce (paired difference):")
+        for _, r in marked.iterrows():
+            lines.append(f"  - {r['strategy']} N={r['workers']}: {_difference_cell(r)}")
+    within = others[~others["below_allreduce"] & others["top1_vs_allreduce"].notna()]
+    if not within.empty:
+        lines.append(f"- Within {GAP_POINTS} points of allreduce: "
+                     + ", ".join(f"{r['strategy']} N={r['workers']}" for _, r in within.iterrows()) + ".")
+    return "\n".join(lines) + "\n"

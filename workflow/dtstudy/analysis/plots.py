@@ -1,0 +1,183 @@
+"""The study's plots: throughput, efficiency, accuracy and convergence (`make_plots`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from dtstudy.analysis.tables import BASELINE_STRATEGY, accuracy_table, scaling_table, sorted_by_strategy
+from dtstudy.atomic_files import atomic_write
+from dtstudy.strategies.specs import FAMILIES, REFERENCE_STRATEGY
+
+
+# One panel per strategy family (FAMILIES), so that no panel holds more than a handful of
+# lines; allreduce (the baseline) and no_exchange (the machine's ceiling) on every panel.
+
+def _family_panels(table: pd.DataFrame, ncols: int = 2) -> tuple[Figure, list[tuple[str, object]]]:
+    present = [f for f in FAMILIES if f != "reference" and (table["family"] == f).any()]
+    present = present or ["all"]
+    rows = math.ceil(len(present) / ncols)
+    figure = Figure(figsize=(6.0 * min(ncols, len(present)), 4.0 * rows), layout="constrained")
+    FigureCanvasAgg(figure)  # a bare Figure with an Agg canvas: no pyplot global state
+    return figure, [(family, figure.add_subplot(rows, min(ncols, len(present)), i + 1))
+                    for i, family in enumerate(present)]
+
+
+def _family_rows(table: pd.DataFrame, family: str) -> pd.DataFrame:
+    return table if family == "all" else table[table["family"] == family]
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    for ax in figure.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    atomic_write(path, lambda stream: figure.savefig(stream, format="png", dpi=110))
+    return path
+
+
+def _log2_workers_axis(ax, workers: Iterable[int]) -> None:
+    ticks = sorted(set(int(n) for n in workers))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("workers N")
+
+
+def _colors(names: Sequence[str]) -> dict:
+    colormap = matplotlib.colormaps["tab10"]
+    return {name: colormap(i % colormap.N) for i, name in enumerate(names)}
+
+
+def _yerr(rows: pd.DataFrame, column: str):
+    """Asymmetric error bars from the interval columns (none where the interval is NaN)."""
+    low = (rows[column] - rows[f"{column}_low"]).clip(lower=0).fillna(0)
+    high = (rows[f"{column}_high"] - rows[column]).clip(lower=0).fillna(0)
+    return [low.to_numpy(), high.to_numpy()]
+
+
+def _finish(ax, title: str, ylabel: str, rows: pd.DataFrame | None = None) -> None:
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if rows is not None and "oversubscribed" in rows and rows["oversubscribed"].any():
+        ax.annotate("x = oversubscribed (more processes than cores)", (1, 1), xycoords="axes fraction",
+                    xytext=(-4, -4), textcoords="offset points", fontsize="x-small", ha="right", va="top")
+
+
+def _mark_oversubscribed(ax, rows: pd.DataFrame, column: str) -> None:
+    marked = rows[rows["oversubscribed"]]
+    ax.plot(marked["workers"], marked[column], "kx", markersize=9, label=None)
+
+
+def _plot_strategies(ax, table: pd.DataFrame, family: str, column: str, colors: dict) -> pd.DataFrame:
+    """The family's strategies with error bars, and allreduce (thin grey) on the other panels."""
+    rows = _family_rows(table, family)
+    baseline = table[table["strategy"] == BASELINE_STRATEGY]
+    if family != "synchronous" and not baseline.empty:
+        ax.errorbar(baseline["workers"], baseline[column], yerr=_yerr(baseline, column), color="grey",
+                    linewidth=1, capsize=2, alpha=0.7, label="allreduce")
+    for name, own in rows.groupby("strategy", sort=False):
+        ax.errorbar(own["workers"], own[column], yerr=_yerr(own, column), color=colors[name],
+                    marker="o", capsize=3, label=name)
+        if "oversubscribed" in own:
+            _mark_oversubscribed(ax, own, column)
+    return rows
+
+
+def _plot_ceiling(ax, ceiling: pd.DataFrame, column: str) -> None:
+    if not ceiling.empty:
+        ax.errorbar(ceiling["workers"], ceiling[column], yerr=_yerr(ceiling, column), color="black",
+                    linestyle=":", capsize=2, label="ceiling (no_exchange)")
+
+
+def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
+    figure, panels = _family_panels(scaling)
+    colors = _colors(list(dict.fromkeys(scaling["strategy"])))
+    ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
+    base_one = scaling[(scaling["strategy"] == BASELINE_STRATEGY) & (scaling["workers"] == 1)]["throughput"]
+    for family, ax in panels:
+        rows = _plot_strategies(ax, scaling, family, "throughput", colors)
+        ns = sorted(scaling["workers"].unique())
+        if not base_one.empty:
+            ax.plot(ns, [base_one.iloc[0] * n for n in ns], color="grey", linestyle="--", label="ideal thr(1)·N")
+        _plot_ceiling(ax, ceiling, "throughput")
+        _log2_workers_axis(ax, scaling["workers"])
+        _finish(ax, f"{family}: throughput (95% CI)", "images/s (all workers)", rows)
+    return _save(figure, path)
+
+
+def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
+    figure, panels = _family_panels(scaling)
+    colors = _colors(list(dict.fromkeys(scaling["strategy"])))
+    ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
+    for family, ax in panels:
+        ax.axhline(1.0, color="grey", linestyle="--", label="ideal E = 1")
+        rows = _plot_strategies(ax, scaling, family, "efficiency", colors)
+        _plot_ceiling(ax, ceiling, "efficiency")
+        _log2_workers_axis(ax, scaling["workers"])
+        _finish(ax, f"{family}: efficiency E(N) = S(N)/N (95% CI)", "efficiency", rows)
+    return _save(figure, path)
+
+
+def plot_accuracy(accuracy: pd.DataFrame, path: Path) -> Path:
+    figure, panels = _family_panels(accuracy)
+    colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
+    for family, ax in panels:
+        _plot_strategies(ax, accuracy, family, "top1", colors)
+        _log2_workers_axis(ax, accuracy["workers"])
+        _finish(ax, f"{family}: test top-1 (mean over seeds, CI or range)", "test top-1")
+    return _save(figure, path)
+
+
+def _representative_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """One run per (strategy, N): seed 0, else the lowest seed present."""
+    return df.sort_values("seed").groupby(["strategy", "workers"], sort=False).head(1)
+
+
+def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Path,
+                     strategies_order: Sequence[str] | None = None) -> Path:
+    """Validation top-1 against training time, per family (the lowest seed of each run)."""
+    runs = sorted_by_strategy(_representative_runs(df[df["strategy"] != REFERENCE_STRATEGY]), strategies_order)
+    figure, panels = _family_panels(runs)
+    colors = _colors(list(dict.fromkeys(runs["strategy"])))
+    linestyles = ["-", "--", ":", "-."]
+    worker_counts = sorted(runs["workers"].unique())
+    for family, ax in panels:
+        targets = set()
+        for run in _family_rows(runs, family).itertuples():
+            metrics = run_metrics[run.run_dir]
+            targets.add(metrics.get("target_accuracy"))
+            val = metrics.get("val_grid") or metrics.get("val") or []
+            style = linestyles[worker_counts.index(run.workers) % len(linestyles)]
+            ax.plot([v.get("train_s", v["wall_s"]) for v in val], [v["top1"] for v in val], color=colors[run.strategy],
+                    linestyle=style, marker=".", markersize=3, label=f"{run.strategy} N={run.workers}")
+        for target in targets - {None}:
+            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("training time (s, evaluation left out)")
+        _finish(ax, f"{family}: validation top-1 vs time", "validation top-1")
+    return _save(figure, path)
+
+
+def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_dir: str | Path,
+               strategies_order: Sequence[str] | None = None, scaling: pd.DataFrame | None = None,
+               accuracy: pd.DataFrame | None = None) -> list[Path]:
+    """throughput.png, efficiency.png, accuracy.png, convergence.png from the per-run frame
+    (and its tables, when the caller has them already: the scaling table's bootstraps are
+    the step's largest cost)."""
+    plots_dir = Path(plots_dir)
+    metrics_by_dir = {str(Path(k)): v for k, v in run_metrics.items()}
+    scaling = scaling_table(df, strategies_order) if scaling is None else scaling
+    accuracy = accuracy_table(df, strategies_order) if accuracy is None else accuracy
+    return [
+        plot_throughput(scaling, plots_dir / "throughput.png"),
+        plot_efficiency(scaling, plots_dir / "efficiency.png"),
+        plot_accuracy(accuracy, plots_dir / "accuracy.png"),
+        plot_convergence(df, metrics_by_dir, plots_dir / "convergence.png", strategies_order),
+    ]
+

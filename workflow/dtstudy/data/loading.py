@@ -1,0 +1,119 @@
+"""Fast batch loading of a prepared split (`load_split`): in-memory tensors or decoded image files."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from dtstudy.data.prepare import SPLITS
+
+
+def load_split(data_dir: str | Path, split: str):
+    """A prepared split: len(), num_classes, channels, is_in_memory and batch(indices)."""
+    if split not in SPLITS:
+        raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
+    data_dir = Path(data_dir)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    if meta["format"] == "imagefolder":
+        index = json.loads((data_dir / "index.json").read_text())
+        return _image_folder_split_class()(meta, index[split])
+    return TensorSplit(meta, data_dir / f"{split}.pt")
+
+
+class TensorSplit:
+    """A split held as one uint8 tensor; batches are indexed, converted and normalised at once."""
+
+    is_in_memory = True
+
+    def __init__(self, meta: dict, path: Path):
+        import torch
+
+        blob = torch.load(path, weights_only=True)
+        self.images, self.labels = blob["images"], blob["labels"]
+        self.num_classes = meta["classes"]
+        self.channels = meta["channels"]
+        mean = torch.tensor(meta["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+        std = torch.tensor(meta["std"], dtype=torch.float32).view(1, -1, 1, 1)
+        # (x / 255 - mean) / std == x * scale + shift
+        self._scale = 1 / (255 * std)
+        self._shift = -mean / std
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        inputs, labels = self.batch([i])
+        return inputs[0], labels[0]
+
+    def batch(self, indices):
+        import torch
+
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        inputs = self.images[indices].to(torch.float32).mul_(self._scale).add_(self._shift)
+        return inputs, self.labels[indices]
+
+
+class _ImageFolderSplitBase:
+    """A split of image files, decoded, resized and normalised per item (see _image_folder_split_class)."""
+
+    is_in_memory = False
+
+    def __init__(self, meta: dict, samples: list[tuple[str, int]]):
+        from torchvision import transforms
+
+        self.root = Path(meta["root"])
+        self.samples = samples
+        self.num_classes = meta["classes"]
+        self.channels = 3
+        size = meta["image_size"]
+        self.transform = transforms.Compose([
+            transforms.Resize(int(size * 256 / 224)),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize(meta["mean"], meta["std"]),
+        ])
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        path, label = self.samples[i]
+        with Image.open(self.root / path) as image:
+            return self.transform(image.convert("RGB")), label
+
+    def batch(self, indices):
+        import torch
+
+        items = [self[i] for i in torch.as_tensor(indices, dtype=torch.long).tolist()]
+        inputs = torch.stack([inputs for inputs, _ in items])
+        return inputs, torch.tensor([label for _, label in items], dtype=torch.int64)
+
+
+@functools.cache
+def _image_folder_split_class():
+    """ImageFolderSplit as a torch Dataset, built on first use to keep this module's import torch-free."""
+    from torch.utils.data import Dataset
+
+    return type("ImageFolderSplit", (_ImageFolderSplitBase, Dataset), {})
+
+
+# Evaluation's batch: on one CPU thread LeNet-5 scores Fashion-MNIST's test split in 0.54 s in
+# batches of 256 against 0.85 s in batches of 1000 (whose activations spill out of the core's cache).
+EVAL_BATCH = 256
+
+
+def iterate_batches(dataset, indices, batch_size: int, drop_last: bool):
+    """Yield dataset.batch(chunk) for consecutive chunks of `indices`, in order."""
+    import torch
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size: {batch_size} must be at least 1")
+    indices = torch.as_tensor(indices, dtype=torch.long)
+    for start in range(0, len(indices), batch_size):
+        chunk = indices[start : start + batch_size]
+        if drop_last and len(chunk) < batch_size:
+            return
+        yield dataset.batch(chunk)

@@ -1,7 +1,0 @@
-"""`python -m dtstudy.launch.pool`: the warm pool's server."""
-
-import sys
-
-from dtstudy.launch.pool import main
-
-sys.exit(main())

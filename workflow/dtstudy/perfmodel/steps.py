@@ -1,0 +1,269 @@
+"""The step formulas by kind of exchange (all-reduce, all-gather, parameter server, periodic
+averaging, gossip), with no strategy in them: each strategy's spec (dtstudy.strategies.specs)
+picks its formula and gives its numbers (bytes on the wire, compression passes, windows)."""
+
+from __future__ import annotations
+
+import math
+
+from dtstudy.perfmodel.collectives import allgather_time, allreduce_time
+from dtstudy.perfmodel.machine import Machine, Step, Stragglers, Workload
+from dtstudy.perfmodel.waits import expected_order_statistic, mean_delay, synchronous_wait
+
+#: memory passes of a shard per pushed gradient (accumulate) and per update (momentum, decay, step)
+SERVER_PASSES_PER_GRADIENT = 1.0
+SERVER_PASSES_PER_UPDATE = 4.0
+
+
+def finish(strategy, workload, workers, compute, exchange, exposed, server=0.0, straggler=0.0) -> Step:
+    """A synchronous step: compute + exposed exchange + shard work + waiting; bound = the largest."""
+    step_s = compute + exposed + server + straggler
+    throughput = workers * workload.batch / step_s
+    parts = {"compute": compute, "network": exposed, "server": server, "straggler": straggler}
+    bound = max(parts, key=parts.get)
+    return Step(strategy, workers, step_s, compute, exchange, exposed, server, straggler, throughput, bound)
+
+
+def alone(strategy: str, workload: Workload, stragglers: Stragglers) -> Step:
+    """N=1 of a strategy that exchanges nothing with one worker: its compute and its own delay."""
+    return finish(strategy, workload, 1, workload.compute_s, 0.0, 0.0, straggler=synchronous_wait(stragglers, 1))
+
+
+def kernel_time(strategy: str, passes: float, nbytes: float, machine: Machine) -> float:
+    """Seconds of a strategy's own work on `nbytes` (compression, averaging): the machine's
+    measured seconds per byte for it, else `passes` memory passes at its compression rate."""
+    if strategy in machine.compression_s_per_byte:
+        return machine.compression_s_per_byte[strategy] * nbytes
+    if machine.compression_bandwidth:
+        return passes * nbytes / machine.compression_bandwidth
+    return 0.0
+
+
+def buckets(nbytes: float, bucket_cap_mb: float) -> int:
+    """DDP's gradient buckets (one all-reduce each) of bucket_cap_mb MiB."""
+    return max(1, math.ceil(nbytes / (bucket_cap_mb * 2**20)))
+
+
+def wait_free_exposed(timeline: list[tuple[float, ...]], backward_s: float) -> float:
+    """Wait-free backprop (Zhang et al. 2017, Poseidon; DDP's buckets, Li et al. 2020):
+    `timeline` = per bucket (seconds after backward starts when backprop has produced it, seconds its
+    exchange takes), in backprop order; each exchange starts when its bucket is ready and
+    the previous exchange is done. More than one duration: stages on separate links (a sum
+    inside the node, then a push through the NIC), each bucket through them in turn, each
+    link one bucket at a time. The exposed part: the last one's end past backward's end."""
+    ends: list[float] = []
+    for ready_s, *stages_s in timeline:
+        ends += [0.0] * (len(stages_s) - len(ends))
+        done = ready_s
+        for k, stage_s in enumerate(stages_s):
+            done = ends[k] = max(ends[k], done) + stage_s
+    return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
+
+
+def overlapped(workload: Workload, machine: Machine, exchange: float, bucket_cap_mb: float) -> float:
+    """The exchange's exposed part: with the workload's layer profile, its buckets' timeline
+    (each bucket's exchange the total's share of its bytes: latency and compression spread
+    with them); without, the machine's fixed share of compute hides it."""
+    layers = workload.layers
+    if layers is None:
+        return max(0.0, exchange - machine.overlap * workload.compute_s)
+    groups = layers.buckets(bucket_cap_mb * 2**20, workload.bytes_per_parameter)
+    total = sum(size for size, _ in groups)
+    backward = layers.backward_share * workload.compute_s
+    return wait_free_exposed([(ready * backward, exchange * size / total) for size, ready in groups], backward)
+
+
+def overlap_used(overlaps_backward: bool, workload: Workload, machine: Machine) -> str:
+    """What hid the exchange behind backward, for the tables."""
+    if not overlaps_backward:
+        return "none"
+    if workload.layers is not None:
+        return f"wait-free backprop ({workload.layers.name})"
+    return f"fixed {machine.overlap:g} of compute"
+
+
+# ----- all-reduce and all-gather, overlapped with backward -------------------------------
+
+def allreduce_step(strategy: str, wire_bytes: float, compression_passes: float, workload, machine, workers,
+                   params, stragglers, messages_per_bucket: int = 1) -> Step:
+    """The gradient (`wire_bytes` of it on the wire) all-reduced in DDP's buckets, overlapped
+    with backward, plus the compression's own work where it has some."""
+    compute = workload.compute_s
+    if workers == 1:  # trains unwrapped: nothing to exchange
+        return alone(strategy, workload, stragglers)
+    messages = buckets(workload.model_bytes, params["bucket_cap_mb"]) * messages_per_bucket
+    exchange = allreduce_time(wire_bytes, workers, machine, messages)
+    if compression_passes:
+        exchange += kernel_time(strategy, compression_passes, workload.model_bytes, machine)
+    return finish(strategy, workload, workers, compute, exchange,
+                  overlapped(workload, machine, exchange, params["bucket_cap_mb"]),
+                  straggler=synchronous_wait(stragglers, workers))
+
+
+def onebit_level_bytes(workload: Workload, quantizer: str | None) -> float:
+    """The reconstruction values in one worker's 1-bit message: `tensor`, one fp32 scale per
+    tensor; `column` (the default), two fp32 means per column group. 0 where not counted."""
+    if quantizer == "tensor":
+        return 4.0 * workload.tensors
+    return 8.0 * workload.column_groups
+
+
+def onebit_step(strategy: str, compression_passes: float, workload, machine, workers, params, stragglers) -> Step:
+    """Signs (1 bit per value) and fp32 levels (onebit_level_bytes). `exchange: allgather`: every
+    worker's message all-gathered; each dequantises and sums the N messages (compression time
+    grows with N). `reduce_scatter`: the message in N chunks, sent chunk j to worker j (an
+    all-to-all, timed as an all-gather of M/N) and the N averaged chunks all-gathered: two
+    all-gathers of M/N; quantise the bucket, dequantise N chunks, quantise and dequantise one
+    chunk again, dequantise the N gathered chunks."""
+    compute = workload.compute_s
+    if workers == 1:
+        return alone(strategy, workload, stragglers)
+    message = workload.parameters / 8.0 + onebit_level_bytes(workload, params["quantizer"])
+    per_byte = kernel_time(strategy, compression_passes, workload.model_bytes, machine)
+    messages = buckets(workload.model_bytes, params["bucket_cap_mb"])
+    if params["exchange"] == "reduce_scatter":
+        compression = per_byte * (1.5 + 1 / workers)  # half the passes each way, as below
+        exchange = 2 * allgather_time(message / workers, workers, machine, messages) + compression
+    else:
+        # quantise once, dequantise N messages: half the passes each way
+        compression = per_byte / 2 + per_byte / 2 * workers
+        exchange = allgather_time(message, workers, machine, messages) + compression
+    return finish(strategy, workload, workers, compute, exchange,
+                  overlapped(workload, machine, exchange, params["bucket_cap_mb"]),
+                  straggler=synchronous_wait(stragglers, workers))
+
+
+def independent_step(strategy: str, workload, workers, stragglers) -> Step:
+    """Every worker computes and updates alone: no exchange, no barrier (its mean delay)."""
+    return finish(strategy, workload, workers, workload.compute_s, 0.0, 0.0, straggler=mean_delay(stragglers, workers))
+
+
+# ----- parameter servers ---------------------------------------------------------------
+
+def ps_phase_time(workload: Workload, machine: Machine, workers: int, shards: int, placement: str) -> float:
+    """One direction of a parameter-server exchange (all pushes, or all pulls): the busiest
+    link carries its bytes. Each of the N workers sends M/S to each of the S shards.
+
+    Inside one node (N <= g): a shard's link takes the N slices (N M / S) and each worker's
+    takes M. Across nodes, `dedicated` shards have a NIC each (N M / S per shard NIC; a
+    worker node's NIC carries its g workers' M each); `colocated` shards sit on the worker
+    nodes, ceil(S / nodes) on the busiest, whose NIC carries the other nodes' slices for its
+    shards, (N - g) M s/S, and sends its workers' slices for remote shards, g M (1 - s/S);
+    links are full duplex, so the larger of the two counts."""
+    m, n = workload.model_bytes, workers
+    nodes, local = machine.nodes(n), machine.local(n)
+    if nodes == 1 and placement == "colocated":
+        link = machine.p2p_intra
+        per_shard = n * m / shards
+        return link.time(max(per_shard, m), messages=n)
+    if placement == "dedicated":
+        link = machine.p2p_intra if nodes == 1 else machine.p2p_inter
+        return link.time(max(n * m / shards, local * m if nodes > 1 else m), messages=n)
+    link = machine.p2p_inter
+    on_busiest = math.ceil(shards / nodes)
+    share = min(on_busiest / shards, 1.0)
+    nic = max((n - local) * m * share, local * m * (1 - share))  # in and out: full duplex
+    return link.time(nic, messages=n)
+
+
+def server_update_time(workload: Workload, machine: Machine, gradients: int, shards: int) -> float:
+    """A shard's work for one update: sum `gradients` slices of M/S bytes, then SGD on its slice."""
+    if not machine.server_bandwidth:
+        return 0.0
+    slice_bytes = workload.model_bytes / shards
+    passes = SERVER_PASSES_PER_GRADIENT * gradients + SERVER_PASSES_PER_UPDATE
+    return passes * slice_bytes / machine.server_bandwidth
+
+
+def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None, window=1) -> Step:
+    """Push to S shards, each waits for `quorum` of the N gradients (all by default), updates,
+    answers: 2 phases + the update; a worker may run `window - 1` steps ahead of the slowest."""
+    shards, placement = params["shards"], params.get("placement", "colocated")
+    phase = ps_phase_time(workload, machine, workers, shards, placement)
+    server = server_update_time(workload, machine, workers, shards)
+    # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
+    # round trip also pays the protocol's own cost, in parallel with the others'
+    exchange = 2 * phase + machine.ps_request_s
+    wait = synchronous_wait(stragglers, workers, window=window, waits_for=quorum)
+    return finish(strategy, workload, workers, workload.compute_s, exchange, exchange, server=server,
+                  straggler=wait)
+
+
+def ps_async_step(strategy, workload, machine, workers, params, stragglers) -> Step:
+    """No barrier: each worker cycles pull -> compute -> push at its own pace (its own delay,
+    its own unloaded round trip); the shards' links and service rate cap the sum. The step
+    is the time of one round (N gradients applied)."""
+    shards, placement = params["shards"], params.get("placement", "colocated")
+    link = machine.p2p_intra if machine.nodes(workers) == 1 else machine.p2p_inter
+    one_gradient = server_update_time(workload, machine, 1, shards)
+    round_trip = 2 * link.time(workload.model_bytes) + machine.ps_request_s  # one worker's push and reply, unloaded
+    slow = stragglers.slow(workers)
+    cycle = workload.compute_s + round_trip + one_gradient
+    rate = (workers - slow) / cycle + slow / (cycle + stragglers.delay_s)  # gradients/s, all workers
+    demand_round = workers / rate
+    link_round = ps_phase_time(workload, machine, workers, shards, placement)  # both directions overlap
+    server_round = workers * one_gradient  # each shard applies N gradients of its slice
+    round_s = max(demand_round, link_round, server_round)
+    if round_s > demand_round:
+        bound = "network" if link_round >= server_round else "server"
+    else:
+        parts = {"compute": workload.compute_s, "network": round_trip, "server": one_gradient,
+                 "straggler": demand_round - cycle}
+        bound = max(parts, key=parts.get)
+    return Step(strategy, workers, round_s, workload.compute_s, round_trip, round_trip, one_gradient,
+                max(0.0, demand_round - cycle), workers * workload.batch / round_s, bound)
+
+
+# ----- periodic averaging and gossip -----------------------------------------------------
+
+def periodic_allreduce_step(strategy, averaged_bytes: float, period: int, workload, machine, workers,
+                            stragglers) -> Step:
+    """`period` local steps, then `averaged_bytes` all-reduced (blocking): 1/period of it per
+    step (a warm-up phase is left out: steady state); the barrier waits over the window."""
+    if workers == 1:
+        return alone(strategy, workload, stragglers)
+    exchange = allreduce_time(averaged_bytes, workers, machine) / period
+    wait = synchronous_wait(stragglers, workers, window=period)
+    return finish(strategy, workload, workers, workload.compute_s, exchange, exchange, straggler=wait)
+
+
+def gossip_degree(topology: str, workers: int) -> int:
+    if workers == 1:
+        return 0
+    if topology == "random_pairs":
+        return 1
+    return 1 if workers == 2 else 2
+
+
+def mixing_time(strategy: str, passes: float, nbytes: float, degree: int, machine: Machine) -> float:
+    """Seconds a gossip worker spends averaging its `nbytes` of parameters with `degree`
+    neighbours' (the measured kernel is for one neighbour: 2 vectors; scaled by (1+d)/2)."""
+    return kernel_time(strategy, passes, nbytes, machine) * (1 + degree) / 2
+
+
+def gossip_step(strategy, mixing_passes: float, workload, machine, workers, params, stragglers) -> Step:
+    """After each step, the parameters (M) to and from each of `degree` neighbours (ring: 2,
+    1 at N=2; random pairs: 1), sent at once. Across nodes a ring crosses each node's NIC
+    twice each way; random pairs cross it with probability (N-g)/(N-1) per worker; then the
+    averaging (mixing_time). No global barrier: a worker waits for its neighbours (a
+    fixed straggler paces the connected ring)."""
+    topology = params["topology"]
+    degree = gossip_degree(topology, workers)
+    if degree == 0:
+        return alone(strategy, workload, stragglers)
+    m = workload.model_bytes
+    nodes, local = machine.nodes(workers), machine.local(workers)
+    exchange = machine.p2p_intra.time(degree * m, messages=degree) if local > 1 else 0.0
+    if nodes > 1:
+        crossing = 2 * m if topology == "ring" else local * m * (workers - local) / (workers - 1)
+        exchange = max(exchange, machine.p2p_inter.time(crossing, messages=degree))
+    exchange += mixing_time(strategy, mixing_passes, m, degree, machine)  # the averaging, after the messages
+    if stragglers.distribution == "fixed":
+        wait = synchronous_wait(stragglers, workers)
+    else:
+        neighbourhood = degree + 1
+        slow_share = stragglers.slow(workers) / workers
+        # expected max over the neighbourhood: on average slow_share of it is slow
+        k = round(slow_share * neighbourhood)
+        wait = expected_order_statistic(stragglers.distribution, stragglers.delay_s, k, k)
+    return finish(strategy, workload, workers, workload.compute_s, exchange, exchange, straggler=wait)
