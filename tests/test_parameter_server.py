@@ -371,6 +371,8 @@ def test_parameters_split_over_shards_by_size():
     assert sorted(i for shard in owned for i in shard) == list(range(len(sizes)))
     assert owned == [[4], [0, 1, 2, 3, 5, 6, 7, 8, 9]]  # the big layer alone, the rest together
     assert [sum(sizes[i] for i in shard) for shard in split_by_size(sizes, 3)] == [48000, 10080, 3626]
-    assert split_by_size(sizes, 3) == split_by_size(list(sizes), 3)  # deterministic
+    # every worker and shard computes this split on its own and must get the same one; no test
+    # of that here: it holds by construction (sorted by the total order (-size, index), ties of
+    # load to the lowest shard; no hashing, no randomness), and the exact splits above pin it
     with pytest.raises(ValueError, match="11 parameter-server shards"):
         split_by_size(sizes, 11)

@@ -1,11 +1,13 @@
 """The alpha-beta performance model (dtstudy.perfmodel, each strategy spec's model_step, and
-dtstudy.projection's calibration, hardware, project and layer_profiles): hand-computed cases of every strategy's formula and of the wait-free-backprop
-timeline, the alpha-beta fit, straggler order statistics, bad inputs, the layer profiles
-against torch's FLOP counter, the `project` command on a measurement file alone, the band,
-and the validation against published scaling (benchmarks/projection_validation.py, analytic).
-The model against this machine's measured N=2 throughput: timed by a benchmark
-(benchmarks/projection_on_machine.py, on a noisy machine); its recorded rounds
-(benchmarks/records/) are held here against the model as the code now stands."""
+dtstudy.projection's calibration, hardware, project and layer_profiles): hand-computed cases
+of every strategy's formula and of the wait-free-backprop timeline (specification tests:
+they restate the model's formulas), the alpha-beta fit, straggler order statistics, bad
+inputs, the layer profiles against torch's FLOP counter, the `project` command on a
+measurement file alone, the band, and the validation against published scaling
+(benchmarks/projection_validation.py, analytic). The model against this machine's measured
+N=2 runs: timed by a benchmark (benchmarks/projection_on_machine.py, on a noisy machine);
+its recorded rounds (benchmarks/records/) are held here against the model as the code now
+stands, on throughput and on the exchange's seconds per step."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import math
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import yaml
@@ -48,7 +52,14 @@ def step_time(name, n, machine=MACHINE, workload=W, stragglers=NO_STRAGGLERS, **
     return specs.model_step(name, workload, machine, n, knobs(name, **extra), stragglers)
 
 
-# ----- every strategy's formula, computed by hand ------------------------------------------
+# ----- specification tests: every strategy's formula, computed by hand ------------------------
+# These tests, down to test_buckets_go_in_backprop_order, restate the model's own formulas
+# (alpha-beta terms, bucket counts, the wait-free timeline) by hand: they catch a formula
+# changed by accident, not a formula that is wrong about a machine. The validation is held
+# elsewhere: against this machine's recorded N=2 runs in
+# test_the_model_predicts_the_recorded_n2_runs_of_this_machine and
+# test_the_model_predicts_the_exchange_of_the_recorded_n2_runs, and against published
+# scaling in benchmarks/projection_validation.py (test_the_validation_against_published_scaling_holds).
 # N=8 = 2 nodes of 4. Hierarchical all-reduce of 4e6 bytes: inside 2*3*1e-5 + 2*(3/4)*4e6/1e9
 # = 0.00606 s; across 2 nodes 2*1*1e-4 + 2*(1/2)*4e6/1e8 = 0.0402 s.
 ALLREDUCE_8 = 0.00606 + 0.0402
@@ -201,6 +212,7 @@ def test_registry_matches_the_strategies():
 
 
 # ----- the wait-free-backprop overlap: buckets in backprop order --------------------------
+# (specification tests too: the timeline's rule computed by hand, see the section above)
 
 
 def test_wait_free_timeline_hand_computed():
@@ -309,8 +321,9 @@ def test_command_with_a_layer_profile(tmp_path):
     assert rows[("allreduce", 64)]["overlap"] == "wait-free backprop (resnet50)"
     assert before[("allreduce", 64)]["overlap"] == "fixed 0 of compute"
     assert rows[("ps_sync", 64)]["overlap"] == "none"
-    # both fitted to the same measured N=8; at N=64 the timeline hides part of the exchange
-    assert float(rows[("allreduce", 8)]["throughput"]) == pytest.approx(378, rel=1e-3)
+    # both fit intra_node to the same measured N=8 (so both give 378 there by construction:
+    # the fit against a hand solution and an N it was not fitted to are checked in
+    # test_command_on_a_measurement_file_alone); at N=64 the timeline hides part of the exchange
     assert float(rows[("allreduce", 64)]["step_exchange_s"]) < 0.9 * before[("allreduce", 64)]["step_exchange_s"]
     assert float(rows[("ps_sync", 64)]["throughput"]) == pytest.approx(before[("ps_sync", 64)]["throughput"], rel=1e-5)
     assert "wait-free backprop on the layer profile 'resnet50'" in (tmp_path / "projection.md").read_text()
@@ -351,7 +364,27 @@ def test_order_statistics_match_simulation(distribution):
         _simulated(distribution, 1.0, 6, lambda v: v[-1], samples=8000, window=4), rel=0.03)
 
 
-def test_stragglers_in_the_step():
+def _max_of_erlang_means(k: int, window: int) -> Fraction:
+    """E[max of k iid means of `window` exponential draws of mean 1], exactly: each mean is
+    Gamma(window, 1/window), whose survival in y = window x is S(y) = e^-y sum_{i<window} y^i/i!;
+    E[max] = (1/window) integral of 1 - (1 - S)^k = (1/window) sum_j (-1)^(j+1) C(k, j) integral S^j,
+    and integral e^(-j y) y^m dy = m! / j^(m+1) term by term of the polynomial's j-th power."""
+    base = [Fraction(1, math.factorial(i)) for i in range(window)]
+    total = Fraction(0)
+    for j in range(1, k + 1):
+        power = [Fraction(1)]
+        for _ in range(j):
+            product = [Fraction(0)] * (len(power) + window - 1)
+            for a, x in enumerate(power):
+                for b, y in enumerate(base):
+                    product[a + b] += x * y
+            power = product
+        integral = sum(c * Fraction(math.factorial(m), j ** (m + 1)) for m, c in enumerate(power))
+        total += (-1) ** (j + 1) * math.comb(k, j) * integral
+    return total / window
+
+
+def test_stragglers_in_the_step(monkeypatch):
     slow = Stragglers(delay_s=0.05, distribution="exponential", fraction=0.5)  # 4 of 8 workers
     h4 = 1 + 1 / 2 + 1 / 3 + 1 / 4
     base = step_time("ps_sync", 8, shards=2).step_s
@@ -364,9 +397,24 @@ def test_stragglers_in_the_step():
     # asynchronous: 4 workers at 0.1802 s, 4 at 0.2302 s, nobody waits for anybody
     rate = 4 / 0.1802 + 4 / 0.2302
     assert step_time("ps_async", 8, stragglers=slow, shards=2).throughput == pytest.approx(10 * rate, rel=1e-9)
-    # SSP's slack: less waiting than ps_sync, more than nothing
-    ssp = step_time("ssp", 8, stragglers=slow, shards=2).straggler_s
-    assert 0 < ssp < 0.05 * h4
+    # SSP with s = 2 (the default) may run 2 steps ahead: it waits for the slowest of the 4
+    # slow workers' delays averaged over windows of s + 1 = 3 steps, 0.05 x E[max of 4 means
+    # of 3 unit exponentials] = 0.05 x 38948987/23887872 = 0.0815246 s (ps_sync, windows of
+    # 1: 0.05 x 25/12 = 0.1042 s)
+    assert knobs("ssp")["staleness"] == 2
+    assert _max_of_erlang_means(4, 1) == Fraction(25, 12) and _max_of_erlang_means(4, 3) == Fraction(38948987, 23887872)
+
+    def ssp_wait():
+        return step_time("ssp", 8, stragglers=slow, shards=2).straggler_s
+
+    expected = 0.05 * float(_max_of_erlang_means(4, 3))
+    assert ssp_wait() == pytest.approx(expected, rel=1e-6)
+    # control: windows of s steps instead of s + 1 (0.0886791 s) must fail the same check
+    monkeypatch.setattr(specs.SspSpec, "step_model", classmethod(
+        lambda cls, workload, machine, workers, params, stragglers: steps.ps_round_step(
+            cls.name, workload, machine, workers, params, stragglers, window=params["staleness"])))
+    assert ssp_wait() == pytest.approx(0.05 * float(_max_of_erlang_means(4, 2)), rel=1e-6)
+    assert ssp_wait() != pytest.approx(expected, rel=1e-6)
 
 
 # ----- calibration -----------------------------------------------------------------------
@@ -493,7 +541,32 @@ def test_command_projects_the_hardware_files_stragglers(tmp_path):
     assert "stragglers: profile: {'delay_ms': 50, 'distribution': 'exponential', 'fraction': 0.05}" in md
 
 
-def test_command_on_a_measurement_file_alone(tmp_path):
+def _fit_and_unfitted_n_misses(rows: list[dict], md: str) -> list[str]:
+    """What is off in a `project` command's output on write_inputs' files (ResNet-50, a
+    gradient of M = 4 x 25557032 = 102228128 bytes, N=1 at 52.4 and N=8 at 378 images/s; 8 GPUs a node,
+    10 Gbit/s and 50 us between nodes; no intra_node, overlap 0): the intra-node link fitted
+    to N=8 against its hand solution, and N=16 (2 nodes: not fitted) against its hand
+    prediction. At N=8 (one node, 4 buckets of 25 MiB, the fit's latency 0) the exchange is
+    the ring's 2 (8-1)/8 M / B, and it must fill the measured step 512/378 s beyond
+    t_c = 64/52.4 s: B = 1.75 M / (512/378 - 64/52.4). At N=16 the same ring inside
+    (the same seconds), then a ring over the 2 nodes: 2 x 1 x 4 x 50 us + 2 (1/2) M / 1.25e9."""
+    model_bytes = 25557032 * 4
+    t_c, step_8 = 64 / 52.4, 512 / 378
+    bandwidth = 1.75 * model_bytes / (step_8 - t_c)  # 1.344 GB/s
+    step_16 = t_c + 1.75 * model_bytes / bandwidth + 2 * 4 * 50e-6 + model_bytes / 1.25e9
+    misses = []
+    fitted = f"fitted: {bandwidth / 1e9:.4g} GB/s per GPU makes allreduce at N=8"
+    if fitted not in md:
+        found = re.search(r"fitted: [^\n]*", md)
+        misses.append(f"no {fitted!r} but {found.group(0) if found else 'no fit'!r}")
+    allreduce = {int(r["workers"]): r for r in rows if r["strategy"] == "allreduce"}
+    projected = float(allreduce[16]["throughput"])
+    if projected != pytest.approx(1024 / step_16, rel=1e-5):
+        misses.append(f"N=16: {projected} images/s, by hand {1024 / step_16:.6g}")
+    return misses
+
+
+def test_command_on_a_measurement_file_alone(tmp_path, monkeypatch):
     m, h = write_inputs(tmp_path)
     out = tmp_path / "projection.csv"
     run_command_without_torch(tmp_path, project_args(m, h, str(out), workers="1,8,16,32,64"))
@@ -505,7 +578,24 @@ def test_command_on_a_measurement_file_alone(tmp_path):
         (s, n) for s in ("allreduce", "ps_sync") for n in (1, 8, 16, 32, 64)]
     allreduce = {int(r["workers"]): r for r in rows if r["strategy"] == "allreduce"}
     assert float(allreduce[1]["throughput"]) == pytest.approx(52.4)  # the measured N=1
-    assert float(allreduce[8]["throughput"]) == pytest.approx(378, rel=1e-3)  # intra_node fitted to N=8
+    # intra_node is fitted to N=8: its throughput there is 378 by construction. Checked instead:
+    # the fitted link against its hand solution and N=16, which was not fitted, by hand
+    assert _fit_and_unfitted_n_misses(rows, (tmp_path / "projection.md").read_text()) == []
+    # control: a ring all-reduce that moves (p-1)/p of the bytes instead of 2 (p-1)/p (a
+    # reduce-scatter without its all-gather). The fit absorbs it at N=8 (still 378 there), so
+    # the old check passed; the hand solution does not (half the bandwidth), nor does N=16
+    # (half the inter-node ring's bytes, about 3% faster)
+    def reduce_scatter_only(nbytes, participants, link, messages=1):
+        p = participants
+        return 0.0 if p <= 1 else 2 * (p - 1) * messages * link.latency_s + (p - 1) / p * nbytes / link.bandwidth
+
+    monkeypatch.setattr(collectives, "ring_allreduce_time", reduce_scatter_only)
+    (tmp_path / "control").mkdir()
+    planted = project.run_command(m, h, "allreduce", "1,8,16", str(tmp_path / "control/projection.csv"))
+    assert next(r for r in planted if r["workers"] == 8)["throughput"] == pytest.approx(378, rel=1e-6)
+    planted_rows = [{**r, "workers": str(r["workers"])} for r in planted]
+    misses = _fit_and_unfitted_n_misses(planted_rows, (tmp_path / "control/projection.md").read_text())
+    assert len(misses) == 2, misses
     efficiency = [float(allreduce[n]["efficiency"]) for n in (8, 16, 32, 64)]
     assert efficiency == sorted(efficiency, reverse=True) and efficiency[-1] < efficiency[0]
     # N=16, 8 shards on 2 nodes: each NIC takes 8 remote workers' halves of the model (4 M) in
@@ -945,8 +1035,27 @@ def test_two_series_on_this_machine_are_recorded():
     assert len(ON_MACHINE_RECORDS) >= 2
 
 
+def _recorded_rounds(path, folder, monkeypatch):
+    """The on-machine benchmark's module, the record at `path`, and each of its rounds through
+    the study's `project` rule as the code now stands (projection_on_machine.predicted_vs_measured,
+    in a folder of `folder` each): [{strategy: (predicted, measured, low, high) images/s at
+    N=2}], and the rule's rows at N=2 on this machine, [{strategy: row}]. The plot is left out
+    (it is most of the rule's time and nothing here reads it); the rows are taken as the rule
+    hands them to it."""
+    on_machine = _benchmark_module("projection_on_machine")
+    plotted = []
+    monkeypatch.setattr(project, "plot", lambda rows, _path: plotted.append(rows))
+    record = read_json(path)
+    rounds, rows = [], []
+    for k, measured in enumerate(record["rounds"]):
+        (folder / f"round{k}").mkdir(parents=True)
+        rounds.append(on_machine.predicted_vs_measured(measured, record["config"], folder / f"round{k}"))
+        rows.append({r["strategy"]: r for r in plotted.pop() if r["workers"] == 2 and r["profile"] == "this_machine"})
+    return on_machine, record, rounds, rows
+
+
 @pytest.mark.parametrize("path", ON_MACHINE_RECORDS, ids=lambda path: path.stem)
-def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, path):
+def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, monkeypatch, path):
     """The issue's on-machine target, held on measurements instead of timed here (a test must
     not time this noisy machine): each benchmarks/records/projection_on_machine-*.json holds a
     series of rounds of benchmarks/projection_on_machine.py --record, each one side by side on
@@ -954,20 +1063,89 @@ def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, path)
     the N=1 runs and the benchmark again). The study's `project` rule, as the code now stands, calibrated on
     each round's N=1 runs and benchmark, predicts every strategy's N=2 throughput within 15%
     on the medians over the rounds. A change of the model or its calibration that moves a
-    strategy out fails here; new records (another machine, another torch) replace the files."""
-    on_machine = _benchmark_module("projection_on_machine")
+    strategy out fails here; new records (another machine, another torch) replace the files.
+    With LeNet-5 the exchange is 1-6 ms of an 8-13 ms step, so this check alone does not see
+    an exchange model off by a factor of 2 (the all-reduce's time doubled stays within 11%):
+    test_the_model_predicts_the_exchange_of_the_recorded_n2_runs holds the exchange itself."""
+    on_machine, record, rounds, _ = _recorded_rounds(path, tmp_path, monkeypatch)
     assert path.match(on_machine.RECORDS)  # the files the benchmark's --record is documented to write
-    record = read_json(path)
     assert record["provenance"]["cores"] == 2 and len(record["rounds"]) >= 3
     strategies = record["config"]["strategies"]
     assert sorted(strategies) == sorted(on_machine.ON_MACHINE)  # every strategy with an exchange
-    rounds = []
-    for k, measured in enumerate(record["rounds"]):
-        (tmp_path / f"round{k}").mkdir()
-        rounds.append(on_machine.predicted_vs_measured(measured, record["config"], tmp_path / f"round{k}"))
     # the measured side is the record's own N=2 runs, not something the model computed
     assert [r["allreduce"][1] for r in rounds] == [
         m["runs"]["results/runs/allreduce/n2/seed0/metrics.json"]["throughput"] for m in record["rounds"]]
     errors = on_machine.verdict(rounds, strategies)
     misses = {strategy: round(error, 3) for strategy, error in errors.items() if abs(error) > on_machine.TOLERANCE}
     assert misses == {}
+
+
+#: each strategy's predicted exchange seconds per step within this share of the measured, on
+#: the medians over a record's rounds; and the sum over the strategies within the second
+EXCHANGE_TOLERANCE = 0.40
+EXCHANGE_SUM_TOLERANCE = 0.08
+
+
+def _exchange_errors(record: dict, rows: list[dict]) -> tuple[dict, float]:
+    """Each strategy's error (predicted / measured - 1) on its exchange seconds per step at
+    N=2, on the medians over the rounds, and the error of their sum over the strategies.
+    Measured: the N=2 run's comm_s (a worker's step less its compute: the exchange and the
+    waits in it, the partner's jitter and a shard's work included); predicted: the modelled
+    step less its compute (the exposed exchange, the shard's update and the barrier's wait)."""
+    strategies = record["config"]["strategies"]
+    measured = {s: statistics.median(m["runs"][f"results/runs/{s}/n2/seed0/metrics.json"]["step_time"]["comm_s"]
+                                     for m in record["rounds"]) for s in strategies}
+    predicted = {s: statistics.median(r[s]["step_s"] - r[s]["step_compute_s"] for r in rows) for s in strategies}
+    each = {s: predicted[s] / measured[s] - 1 for s in strategies}
+    return each, sum(predicted.values()) / sum(measured.values()) - 1
+
+
+def _exchange_misses(each: dict, total: float) -> tuple[dict, float | None]:
+    """The strategies beyond EXCHANGE_TOLERANCE, and the sum's error if beyond its tolerance."""
+    return ({s: round(e, 3) for s, e in each.items() if abs(e) > EXCHANGE_TOLERANCE},
+            round(total, 3) if abs(total) > EXCHANGE_SUM_TOLERANCE else None)
+
+
+@pytest.mark.parametrize("path", ON_MACHINE_RECORDS, ids=lambda path: path.stem)
+def test_the_model_predicts_the_exchange_of_the_recorded_n2_runs(tmp_path, monkeypatch, path):
+    """The recorded N=2 runs of this machine (as in the test above), held on what the model is
+    about: the seconds per step that the exchange and its waits add, per strategy. The `project`
+    rule's prediction (step less compute) against the runs' measured comm_s, on the medians over
+    the rounds: each strategy within 40% and the sum over the 12 within 8%.
+    On the two records: each strategy within 34.3% (ps_async's, predicted short) and the sums
+    within +2.0% and +3.3%.
+    Controls, planted in the model as the rule runs it, must fail both parts: the all-reduce's
+    time doubled (all-reduce +56% and +73%, sums +14% and +15%; the throughput check above
+    still passes it), no exchange at all (every strategy -33% to -100%, sums -77% to -79%),
+    no natural jitter at the barrier (all-reduce -50%, sums -21% and -24%). Not caught: the
+    parameter servers' network phases set to 0, since the protocol's cost per round trip is
+    calibrated on the N=1 parameter-server runs and takes up what the phases lose."""
+    _, record, _, rows = _recorded_rounds(path, tmp_path, monkeypatch)
+    each, total = _exchange_errors(record, rows)
+    print(f"{path.stem}: sum {total:+.3f}; " + ", ".join(f"{s} {e:+.3f}" for s, e in each.items()))
+    assert _exchange_misses(each, total) == ({}, None)
+
+    plain_model_step = project.model_step
+
+    def no_exchange(name, workload, machine, workers, *args, **kwargs):
+        s = plain_model_step(name, workload, machine, workers, *args, **kwargs)
+        if workers == 1:
+            return s
+        step_s = s.compute_s + s.straggler_s
+        return dataclasses.replace(s, exchange_s=0.0, exposed_s=0.0, server_s=0.0, step_s=step_s,
+                                   throughput=workers * workload.batch / step_s)
+
+    plain_allreduce_time = steps.allreduce_time
+    planted = {
+        "all-reduce x2": (steps, "allreduce_time", lambda *args, **kwargs: 2 * plain_allreduce_time(*args, **kwargs)),
+        "no exchange": (project, "model_step", no_exchange),
+        "no jitter": (specs, "natural_wait", lambda *args, **kwargs: 0.0),
+    }
+    for control, (owner, name, wrong) in planted.items():
+        with monkeypatch.context() as patched:
+            patched.setattr(owner, name, wrong)
+            _, _, _, wrong_rows = _recorded_rounds(path, tmp_path / control.replace(" ", "_"), patched)
+        each, total = _exchange_errors(record, wrong_rows)
+        print(f"  control {control}: sum {total:+.3f}; " + ", ".join(f"{s} {e:+.3f}" for s, e in each.items()))
+        beyond, total_beyond = _exchange_misses(each, total)
+        assert beyond and total_beyond is not None, (control, each, total)

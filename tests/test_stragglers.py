@@ -19,15 +19,68 @@ def test_slow_ranks_given_or_drawn_by_fraction():
     assert slow_ranks(BASE, 4) == []
 
 
+#: 20000 draws of each delay distribution, mean mu = 10 ms: what each must show (variance as a
+#: share of mu^2, with its tolerance: 5 sd of a sample variance of 20000 draws; the range)
+DRAWS = 20000
+SHAPES = {
+    "fixed": {"variance": 0.0, "rel": 0.0, "range": "every draw the mean"},
+    "uniform": {"variance": 1 / 3, "rel": 0.035, "range": "inside [0, 2 mu], reaching both ends"},  # sd 0.63%
+    "exponential": {"variance": 1.0, "rel": 0.10, "range": "from 0, past 6 mu (unbounded)"},  # sd 2.0%
+}
+
+
+def _shape_misses(distribution: str, delays: list[float], mean_s: float) -> list[str]:
+    """What in `delays` does not fit `distribution` of mean `mean_s`: mean (within 5%),
+    variance (uniform on [0, 2 mu]: mu^2/3; exponential: mu^2; fixed: 0) and range. The
+    largest of 20000 exponential draws stays under 6 mu with probability (1 - e^-6)^20000 =
+    3e-22; the uniform misses 0.01 mu of an end with (1 - 0.005)^20000 = e^-100."""
+    shape, misses = SHAPES[distribution], []
+    mean, variance = statistics.mean(delays), statistics.pvariance(delays)
+    low, high = min(delays), max(delays)
+    if mean != pytest.approx(mean_s, rel=0.05):
+        misses.append(f"mean {mean:.5g}")
+    if variance != pytest.approx(shape["variance"] * mean_s ** 2, rel=shape["rel"], abs=1e-15):
+        misses.append(f"variance {variance / mean_s ** 2:.4g} mu^2")
+    if distribution == "fixed" and not low == high == mean_s:
+        misses.append(f"range [{low:.4g}, {high:.4g}]")
+    if distribution == "uniform" and not (0 <= low < 0.01 * mean_s and 1.99 * mean_s < high <= 2 * mean_s):
+        misses.append(f"range [{low / mean_s:.4g}, {high / mean_s:.4g}] mu")
+    if distribution == "exponential" and not (0 <= low < 0.01 * mean_s and high > 6 * mean_s):
+        misses.append(f"range [{low / mean_s:.4g}, {high / mean_s:.4g}] mu")
+    return misses
+
+
 @pytest.mark.parametrize("distribution", ["fixed", "uniform", "exponential"])
-def test_delays_have_the_mean_and_repeat_with_the_seed(distribution):
+def test_delays_have_the_distributions_shape_and_repeat_with_the_seed(distribution, monkeypatch):
+    """Each distribution's mean, variance and range over 20000 draws (fixed: the mean every
+    step; uniform on [0, 2 mu]: variance mu^2/3; exponential: variance mu^2, unbounded), and the
+    same draws again with the same seed. Controls that must fail the same check: a sampler
+    that returns the mean for every distribution (the uniform's and exponential's variance 0),
+    and one that draws each distribution as another (fixed as uniform, uniform as
+    exponential, exponential as uniform)."""
     settings = {**BASE, "ranks": [0], "distribution": distribution}
     one = Straggler(settings, 2, 0)
-    delays = [one.next_delay() for _ in range(4000)]
-    assert statistics.mean(delays) == pytest.approx(0.010, rel=0.1)
+    delays = [one.next_delay() for _ in range(DRAWS)]
+    assert _shape_misses(distribution, delays, 0.010) == []
     again = Straggler(settings, 2, 0)
-    assert [again.next_delay() for _ in range(4000)] == delays
+    assert [again.next_delay() for _ in range(DRAWS)] == delays
     assert not Straggler(settings, 2, 1).active
+
+    as_another = {"fixed": "uniform", "uniform": "exponential", "exponential": "uniform"}[distribution]
+    plain_next_delay = Straggler.next_delay
+
+    def drawn_as_another(self):
+        self.distribution = as_another
+        return plain_next_delay(self)
+
+    controls = {"the mean": lambda self: self.mean_s, f"drawn as {as_another}": drawn_as_another}
+    if distribution == "fixed":
+        del controls["the mean"]  # right for fixed
+    for wrong in controls.values():
+        with monkeypatch.context() as patched:
+            patched.setattr(Straggler, "next_delay", wrong)
+            planted = Straggler(settings, 2, 0)
+            assert _shape_misses(distribution, [planted.next_delay() for _ in range(DRAWS)], 0.010) != []
 
 
 def test_with_allreduce_the_fast_worker_waits_out_the_slow_ones_delay_every_step(tmp_path, tiny_data):
