@@ -1,6 +1,7 @@
 """Compressed all-reduce: 1-bit quantisation with error feedback (pure functions), its two
-exchanges (all-gather; compressed reduce-scatter + all-gather) in 2 and 4 gloo processes, and
-real N=2 training runs of fp16, bf16, PowerSGD and 1-bit against the plain all-reduce."""
+exchanges (all-gather; compressed reduce-scatter + all-gather) in 2 and 4 gloo processes, what
+fp16 and bf16 hand to the all-reduce and deliver in 2, and real N=2 training runs of fp16,
+bf16, PowerSGD and 1-bit against the plain all-reduce."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from conftest import in_workers, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
@@ -305,6 +307,121 @@ def test_onebit_exchange_knob_is_checked():
                              strategy_params={"allreduce_onebit": {"exchange": "ring"}}))
 
 
+# ----- half precision: what the hook really hands to the all-reduce, in two gloo processes --------
+_HALF = {"allreduce_fp16": (compressed.AllReduceFP16, torch.float16),
+         "allreduce_bf16": (compressed.AllReduceBF16, torch.bfloat16)}
+_OTHER = {"allreduce_fp16": "allreduce_bf16", "allreduce_bf16": "allreduce_fp16"}
+# each strategy as shipped (hook None), and the planted bugs: the plain fp32 all-reduce hook
+# (nothing compressed, half the bytes still counted), and the other 16-bit cast's hook
+_HALF_VARIANTS = {
+    "allreduce_fp16": ("allreduce_fp16", None),
+    "allreduce_bf16": ("allreduce_bf16", None),
+    "allreduce_fp16 with the plain hook": ("allreduce_fp16", default_hooks.allreduce_hook),
+    "allreduce_bf16 with the plain hook": ("allreduce_bf16", default_hooks.allreduce_hook),
+    "allreduce_fp16 with bf16's hook": ("allreduce_fp16", default_hooks.bf16_compress_hook),
+    "allreduce_bf16 with fp16's hook": ("allreduce_bf16", default_hooks.fp16_compress_hook),
+}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _check_half_precision(ctx, out):
+    """Each variant of _HALF_VARIANTS on a small MLP, each worker its own batch, two steps
+    (DDP rebuilds its buckets after the first): the gradient the exchange delivered against
+    the mean of the workers' gradients cast to 16 bits (divided by N in that dtype and summed
+    in it, as the hook does; then back to fp32), the fp32 mean and the other 16-bit cast's;
+    every tensor handed to dist.all_reduce (recorded by a wrapper: its dtype and bytes)
+    against the bytes the strategy counted. Rank 0 writes the numbers to `out`."""
+    real_all_reduce = dist.all_reduce
+    handed = []
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        handed.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    torch.manual_seed(10 + ctx.rank)
+    inputs, labels = torch.randn(16, 20), torch.randint(0, 4, (16,))
+    results = {}
+    for variant, (name, hook) in _HALF_VARIANTS.items():
+        cls = _HALF[name][0]
+        if hook is not None:
+            cls = type(f"Broken{cls.__name__}", (cls,), {"compress_hook": staticmethod(hook)})
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        parameters = list(model.parameters())
+        local = _flat(torch.autograd.grad(F.cross_entropy(model(inputs), labels), parameters))
+        gathered = [torch.empty_like(local) for _ in range(ctx.workers)]
+        dist.all_gather(gathered, local)
+        fp32_mean = torch.stack(gathered).mean(0)
+
+        def cast_mean(dtype):
+            return sum(g.to(dtype).div_(ctx.workers) for g in gathered).float()
+
+        strategy = cls(ctx, cls.check_params({}, ctx.workers))
+        module = strategy.setup(model, lambda p: torch.optim.SGD(p, lr=0.0))
+        steps = []
+        for _ in range(2):
+            handed.clear()
+            dist.all_reduce = recording_all_reduce  # in this worker process only
+            try:
+                delivered = _step(strategy, module, parameters, inputs, labels)
+            finally:
+                dist.all_reduce = real_all_reduce
+            _, counted = strategy.meter.take()
+            steps.append({
+                "vs_own_cast": _max_diff(delivered, cast_mean(_HALF[name][1])),
+                "vs_fp32": _max_diff(delivered, fp32_mean),
+                "vs_other_cast": _max_diff(delivered, cast_mean(_HALF[_OTHER[name]][1])),
+                "handed_dtypes": sorted({dtype for dtype, _ in handed}),
+                "handed_bytes": compressed.ring_allreduce_bytes(sum(b for _, b in handed), ctx.workers),
+                "counted_bytes": counted,
+                "gradient_bytes": local.numel() * 4,
+            })
+        results[variant] = steps
+    if ctx.rank == 0:
+        out.write_text(json.dumps(results))
+
+
+def _half_precision_faults(name: str, step: dict) -> list[str]:
+    """What is wrong with one step of a 16-bit strategy's exchange (empty: nothing)."""
+    dtype = str(_HALF[name][1])
+    faults = []
+    if step["vs_own_cast"] != 0:
+        faults.append(f"delivered is not the mean of the {dtype} casts (off by {step['vs_own_cast']:.3g})")
+    if not step["vs_fp32"] > 0:
+        faults.append("delivered is the fp32 mean")
+    if not step["vs_other_cast"] > 0:
+        faults.append("delivered is the other 16-bit cast's mean")
+    if step["handed_dtypes"] != [dtype]:
+        faults.append(f"handed {step['handed_dtypes']} to the all-reduce, not {dtype}")
+    if step["counted_bytes"] != step["handed_bytes"]:
+        faults.append(f"counted {step['counted_bytes']} bytes, handed {step['handed_bytes']}")
+    return faults
+
+
+def test_half_precision_sends_the_16_bit_cast_and_counts_what_it_hands_over(tmp_path):
+    """fp16 and bf16 deliver exactly the mean of the workers' gradients cast to their dtype
+    (not the fp32 mean, not the other cast's), hand the all-reduce tensors of that dtype only,
+    and count the bytes of those tensors (half the fp32 gradient's at N=2). Controls that
+    must fail the same check: each strategy with the plain fp32 all-reduce hook (nothing
+    compressed; the value and the bytes wrong) and with the other 16-bit cast's hook."""
+    out = tmp_path / "half.json"
+    in_workers(tmp_path, 2, _check_half_precision, out)
+    results = json.loads(out.read_text())
+    for variant, (name, hook) in _HALF_VARIANTS.items():
+        for step in results[variant]:
+            faults = _half_precision_faults(name, step)
+            if hook is None:
+                assert not faults, f"{variant}: {faults}"
+                assert step["counted_bytes"] == step["gradient_bytes"] / 2  # N=2: the 16-bit gradient once
+            else:
+                assert any("mean of the" in fault for fault in faults), f"{variant} passes: {step}"
+                if hook is default_hooks.allreduce_hook:
+                    assert any("counted" in fault for fault in faults), f"{variant}'s bytes pass: {step}"
+
+
 # ----- real N=2 runs on the tiny study: one full epoch each, shared by the tests below ---------
 COMPARED = ["allreduce", "allreduce_fp16", "allreduce_bf16", "allreduce_powersgd", "allreduce_onebit"]
 
@@ -337,6 +454,8 @@ def test_compressed_strategies_send_fewer_bytes(two_worker_runs):
     shapes = _lenet_shapes()
     plain = two_worker_runs["allreduce"]["bytes_per_step"]
     assert plain == pytest.approx(sum(s.numel() for s in shapes) * 4)  # ring at N=2: the gradient once
+    # the runs' records carry the 16-bit strategies' counted bytes; that these are the bytes
+    # really handed to the all-reduce is test_half_precision_sends_the_16_bit_cast_and_counts_what_it_hands_over
     assert two_worker_runs["allreduce_fp16"]["bytes_per_step"] == pytest.approx(plain / 2)
     assert two_worker_runs["allreduce_bf16"]["bytes_per_step"] == pytest.approx(plain / 2)
 
@@ -358,6 +477,10 @@ def test_compressed_strategies_send_fewer_bytes(two_worker_runs):
 
 @pytest.mark.parametrize("name", ["allreduce_fp16", "allreduce_bf16", "allreduce_powersgd"])
 def test_compressed_training_reaches_allreduce_accuracy(two_worker_runs, name):
+    """Compression costs no accuracy on one epoch of the tiny study (within 0.05). This cannot
+    tell compression from none (the plain all-reduce passes it too): what fp16 and bf16 send
+    is test_half_precision_sends_the_16_bit_cast_and_counts_what_it_hands_over, PowerSGD's
+    bytes test_compressed_strategies_send_fewer_bytes."""
     reference = two_worker_runs["allreduce"]["final_val_top1"]
     assert reference > 0.5  # one epoch of the tiny study learns
     assert two_worker_runs[name]["final_val_top1"] == pytest.approx(reference, abs=0.05)
