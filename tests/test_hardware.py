@@ -18,6 +18,7 @@ from dtstudy import checks
 from dtstudy.config.study_config import validate_schema
 from dtstudy.errors import ConfigError
 from dtstudy.projection import hardware
+from dtstudy.strategies.specs import knob_defaults
 
 HARDWARE_README = REPO / "config" / "hardware" / "README.md"
 SHIPPED = sorted(hardware.PROFILES_DIR.glob("*.yaml"))
@@ -46,7 +47,7 @@ def test_every_shipped_profile_validates(path):
     profile = hardware.load_profile(path.stem)
     machine, _ = hardware.study_machine(profile)  # `measured` stands in as a link before the benchmark
     assert machine.gpus_per_node == profile["gpus_per_node"]
-    params = hardware.check_strategy_params(profile, ["ps_sync", "allreduce"], hardware.knob_defaults())
+    params = hardware.profile_strategy_params(profile, ["ps_sync", "allreduce"], knob_defaults())
     assert params["ps_sync"]["placement"] == "colocated" and "placement" not in params["allreduce"]
 
 
@@ -206,7 +207,7 @@ def test_the_code_takes_its_defaults_from_the_schema(monkeypatch):
     assert (machine.overlap, machine.allreduce_algorithm) == (0.25, "ring")
     assert (machine.inter.latency_s, machine.inter.bandwidth) == (pytest.approx(7e-6), 0.5e9)
     assert source["overlap"].startswith("default 0.25")
-    params = hardware.check_strategy_params(profile, ["ps_sync"], hardware.knob_defaults())
+    params = hardware.profile_strategy_params(profile, ["ps_sync"], knob_defaults())
     assert params["ps_sync"]["placement"] == "dedicated"
 
 

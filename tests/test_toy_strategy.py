@@ -4,8 +4,6 @@ projected by the performance model."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,7 +82,7 @@ def _train(ctx, spec: RunSpec) -> None:
 def _run_spec(study: dict, strategy: str, tiny_data, out) -> RunSpec:
     config = run_config(study, "allreduce")
     config["strategy_params"] = {strategy: {}}
-    return RunSpec(strategy=strategy, workers=2, seed=3, config=copy.deepcopy(config), data_dir=str(tiny_data),
+    return RunSpec(strategy=strategy, workers=2, seed=3, config=config, data_dir=str(tiny_data),
                    out_dir=str(out))
 
 

@@ -15,7 +15,7 @@ from dtstudy.data.errors import DataConfigError
 from dtstudy.errors import ConfigError
 from dtstudy.projection import hardware
 from dtstudy.runspec import RunSpec
-from dtstudy.strategies.specs import SPECS as STRATEGIES
+from dtstudy.strategies.specs import SPECS
 from dtstudy.training import stragglers
 
 __all__ = ["check_config", "check_data_against_batches", "load_config"]
@@ -28,15 +28,15 @@ def check_config(config: dict, check_data: bool = True) -> None:
     look at the data set on disk (Snakemake's main process does; the jobs it starts, which
     parse the Snakefile again, need not walk the data set again)."""
     for i, name in enumerate(config["strategies"]):
-        if name not in STRATEGIES:
+        if name not in SPECS:
             raise ConfigError(
                 f"config key 'strategies[{i}]': unknown strategy {name!r}; "
-                f"allowed: {', '.join(sorted(STRATEGIES))}"
+                f"allowed: {', '.join(sorted(SPECS))}"
             )
     # strategy_params' names are the schema's (dtstudy.strategies.specs checks they match SPECS)
     for name in config["strategies"]:
         for workers in config["workers"]:
-            STRATEGIES[name].check_params(config["strategy_params"].get(name, {}), workers)
+            SPECS[name].check_params(config["strategy_params"].get(name, {}), workers)
     launcher = config["launcher"]
     signal_after_s = launcher["timeout_min"] * 60 - launcher["signal_delay_s"]
     if signal_after_s <= EARLY_SIGNAL_S:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtstudy.perfmodel.machine import Link, Machine
 
+
 def ring_allreduce_time(nbytes: float, participants: int, link: Link, messages: int = 1) -> float:
     """Ring all-reduce: 2 (p-1) steps of alpha per message, 2 (p-1)/p of the bytes per link."""
     if participants <= 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+
 @dataclass(frozen=True)
 class Link:
     """A link: `latency_s` per message (alpha), `bandwidth` bytes/s (1/beta)."""

@@ -178,7 +178,7 @@ def server_update_time(workload: Workload, machine: Machine, gradients: int, sha
 def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None, window=1) -> Step:
     """Push to S shards, each waits for `quorum` of the N gradients (all by default), updates,
     answers: 2 phases + the update; a worker may run `window - 1` steps ahead of the slowest."""
-    shards, placement = params["shards"], params.get("placement", "colocated")
+    shards, placement = params["shards"], params["placement"]
     phase = ps_phase_time(workload, machine, workers, shards, placement)
     server = server_update_time(workload, machine, workers, shards)
     # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
@@ -193,7 +193,7 @@ def ps_async_step(strategy, workload, machine, workers, params, stragglers) -> S
     """No barrier: each worker cycles pull -> compute -> push at its own pace (its own delay,
     its own unloaded round trip); the shards' links and service rate cap the sum. The step
     is the time of one round (N gradients applied)."""
-    shards, placement = params["shards"], params.get("placement", "colocated")
+    shards, placement = params["shards"], params["placement"]
     link = machine.p2p_intra if machine.nodes(workers) == 1 else machine.p2p_inter
     one_gradient = server_update_time(workload, machine, 1, shards)
     round_trip = 2 * link.time(workload.model_bytes) + machine.ps_request_s  # one worker's push and reply, unloaded

@@ -14,7 +14,7 @@ from dtstudy.config import schema
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.collectives import ALLREDUCE_ALGORITHMS
 from dtstudy.perfmodel.machine import Link, Machine
-from dtstudy.strategies.specs import SPECS, knob_defaults
+from dtstudy.strategies.specs import SPECS
 
 PROFILES_DIR = Path(__file__).resolve().parents[3] / "config" / "hardware"
 SCHEMA_NAME = "hardware.schema.yaml"  # in workflow/schemas/: every key a profile may have
@@ -105,10 +105,9 @@ def _link_source(section: dict, link: Link) -> str:
     return f"profile: {stated}{share} = {link.bandwidth / 1e9:.4g} GB/s, {link.latency_s * 1e6:g} us"
 
 
-def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[str, dict]) -> dict[str, dict]:
-    """Each strategy's knobs: its class's defaults, the profile's strategy_params (checked by
-    the schema, each knob as in a study's config), and a parameter server's placement."""
-    check_profile(profile)
+def profile_strategy_params(profile: dict, strategies: list[str], defaults: dict[str, dict]) -> dict[str, dict]:
+    """Each strategy's knobs: its spec's defaults, a loaded profile's strategy_params (checked
+    by load_profile's schema, each knob as in a study's config), and a parameter server's placement."""
     given = profile.get("strategy_params", {})
     params = {}
     for name in strategies:
@@ -119,11 +118,10 @@ def check_strategy_params(profile: dict, strategies: list[str], defaults: dict[s
     return params
 
 
-def check_stragglers(profile: dict) -> dict:
-    """The profile's optional `stragglers`: slow workers on that cluster, with the study
-    config's keys (ranks or fraction, delay_ms, distribution), checked by the schema as in a
-    study's config; {} when there are none."""
-    check_profile(profile)
+def profile_stragglers(profile: dict) -> dict:
+    """A loaded profile's optional `stragglers`: slow workers on that cluster, with the study
+    config's keys (ranks or fraction, delay_ms, distribution), checked by load_profile's schema
+    as in a study's config; {} when there are none."""
     return profile.get("stragglers", {})
 
 
@@ -207,14 +205,12 @@ def study_machine(profile: dict, commbench: dict | None = None) -> tuple[Machine
 
 def check_study_profiles(value: str | list[str], strategies: list[str]) -> None:
     """Every profile of a study's projection.hardware, checked when the study starts (the
-    project rule reads them last, after the training): the file, its links and keys
-    (study_machine), and its knobs of the study's strategies."""
+    project rule reads them last, after the training): the file and every key against the
+    schema, its knobs and stragglers included (load_profile), and its links (study_machine)."""
     names = profile_names(value)
     for i, name in enumerate(names):
         profile = load_profile(name, "projection.hardware" if isinstance(value, str) else f"projection.hardware[{i}]")
         study_machine(profile)
-        check_strategy_params(profile, strategies, knob_defaults())
-        check_stragglers(profile)
 
 
 def load_commbench(path: str | Path) -> dict:

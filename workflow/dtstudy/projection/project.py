@@ -237,8 +237,8 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     workers = parse_list(workers_text, "workers", kind=int)
     measured = calibration.load_measured(measured_path)
     profile = hardware.load_profile(hardware_path)
-    params = hardware.check_strategy_params(profile, strategies, defaults)
-    stragglers = hardware.check_stragglers(profile)
+    params = hardware.profile_strategy_params(profile, strategies, defaults)
+    stragglers = hardware.profile_stragglers(profile)
     machine, provenance, needs_fit = hardware.machine_from_profile(profile)
     if profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED:
         raise ConfigError(f"hardware profile {hardware_path}: key 'ps_request_us': 'measured' needs a study's N=1 "
@@ -253,7 +253,7 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
         if g not in measured["throughput"]:
             raise ConfigError(f"hardware profile {hardware_path}: key 'intra_node' is missing and measurement file "
                               f"{measured_path} has no throughput at N = gpus_per_node = {g}; give one of them")
-        knobs = hardware.check_strategy_params(profile, [measured_strategy], defaults)[measured_strategy]
+        knobs = hardware.profile_strategy_params(profile, [measured_strategy], defaults)[measured_strategy]
         fitted = fit_intra(workload, machine, measured_strategy, knobs, measured["throughput"][g])
         machine = dataclasses.replace(machine, intra=fitted)
         provenance["intra_node"] = (f"fitted: {fitted.bandwidth / 1e9:.4g} GB/s per GPU makes {measured_strategy} "
@@ -325,7 +325,7 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
                       measured_exchange: dict) -> tuple[list[dict], dict]:
     """One profile of the `project` rule: its rows and where each parameter came from."""
     strategies = list(config["strategies"])
-    params = hardware.check_strategy_params(profile, strategies, knob_defaults())
+    params = hardware.profile_strategy_params(profile, strategies, knob_defaults())
     for name in strategies:  # the study's own knobs win over the profile's
         params[name].update(config.get("strategy_params", {}).get(name, {}))
     if workload.powersgd_ratio is None and "allreduce_powersgd" in strategies:

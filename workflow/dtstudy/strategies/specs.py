@@ -12,6 +12,7 @@ study's workers) or on several knobs at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 from dtstudy.config import schema
@@ -178,6 +179,12 @@ class ParameterServerSpec(StrategySpec):
     def extra_processes(cls, params, workers):
         return params["shards"]
 
+    @classmethod
+    def model_step(cls, workload, machine, workers, params=None, stragglers=NO_STRAGGLERS):
+        """As every strategy's, with `placement` (where the shards sit, a hardware profile's
+        key) at the hardware schema's default where the caller gives none."""
+        params = {"placement": _default_placement(), **(params or {})}
+        return super().model_step(workload, machine, workers, params, stragglers)
 
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
@@ -375,6 +382,11 @@ def get_spec(name: str) -> type[StrategySpec]:
         return SPECS[name]
     except KeyError:
         raise KeyError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}") from None
+
+
+@functools.cache
+def _default_placement() -> str:
+    return schema.load_schema_file("hardware.schema.yaml")["$defs"]["placement"]["default"]
 
 
 def knob_defaults() -> dict[str, dict]:
