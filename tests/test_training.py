@@ -164,16 +164,14 @@ def test_ps_async_at_four_workers_learns_as_allreduce_with_the_linear_rule(tmp_p
     fail the same checks: the rate of N b with momentum 0.9 (base_lr x 4, implicit_momentum
     off), measured 0.086-0.525 in 8 runs against allreduce's 0.796.
 
-    What this does not show: that counting the implicit momentum helps. Measured on 2 idle
-    cores, 30 runs each of seed 0: with it final val top-1 0.757 +- 0.020 (0.686-0.782),
-    without it 0.723 +- 0.051 (0.501-0.772); the learning check above passes without it in 98%
-    of bootstrap draws. The gain (0.03 top-1, 0.13 of the second epoch's train loss) is
-    0.7 standard deviations of a with-without pair: a comparison of the mean second-epoch train
-    loss that passes 99.8% of the time with the feature and fails 97% without it needs about 45
-    runs of each (~5 minutes). The feature is checked here by the momentum and rate factor each
-    run applied (the control's fail that check), its arithmetic and wiring by
-    test_parameter_server.py (the compensation by hand, the shards' optimizer momentum, the
-    rate each push carries)."""
+    What this does not show: that counting the implicit momentum helps learning here. Measured
+    on 2 idle cores, 30 runs each of seed 0: with it final val top-1 0.757 +- 0.020 (0.686-0.782),
+    without it 0.723 +- 0.051 (0.501-0.772), a gain of 0.7 standard deviations of a with-without
+    pair, which would take about 45 runs of each (~5 minutes) to show. What the feature does is
+    shown with and without it side by side in test_parameter_server.py
+    (test_implicit_momentum_keeps_asynchronous_updates_stable_where_uncounted_they_diverge: the
+    shards' real update under the asynchrony model the feature rests on), and here by the
+    momentum and rate factor each run applied (the control's fail that check)."""
     allreduce = _users_run(tmp_path, small_data, "allreduce", 4)
     repeats = [_users_run(tmp_path / f"repeat{i}", small_data, "ps_async", 4) for i in range(3)]
     ps_async = max(repeats, key=lambda metrics: metrics["final_val_top1"])
