@@ -210,10 +210,45 @@ def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny
     checkpoint.save_rank(spec.out_dir, 1, two, 20, {})
     checkpoint.rank_file(spec.out_dir, 0).write_bytes(checkpoint.rank_file(spec.out_dir, 0).read_bytes()[:100])  # cut short
     state, step, why = checkpoint.read_rank(spec.out_dir, 0, two)
-    assert state is None and why.startswith("rank0.pt is unreadable")
+    assert state is None and why.startswith("rank0.pt is damaged")
     assert checkpoint.read_rank(spec.out_dir, 1, two)[1] == 20
 
     checkpoint.clear(spec.out_dir)
+    assert not checkpoint.resume_dir(spec.out_dir).exists()
+
+
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny_data):
+    """Bytes of a rank file changed on disk where torch still loads it: its checksum names it,
+    the run resumes from the previous checkpoint, and the log says so."""
+    import io
+
+    spec = make_spec(tmp_path, tiny_data, workers=1)
+    identity = checkpoint.run_identity(spec)
+    checkpoint.save_rank(spec.out_dir, 0, identity, 10, {"x": torch.full((64,), 1.5)})
+    checkpoint.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.full((64,), 2.5)})
+    path = checkpoint.rank_file(spec.out_dir, 0)
+    raw = path.read_bytes()
+    value, damaged = torch.tensor([2.5]).numpy().tobytes(), torch.tensor([7.0]).numpy().tobytes()
+    at = raw.index(value * 64)
+    path.write_bytes(raw[:at] + damaged + raw[at + 4:])
+
+    # the control: torch alone loads the damaged file, with a changed value and no complaint
+    body = path.read_bytes().partition(b"\n")[2]
+    loaded = torch.load(io.BytesIO(body), weights_only=True)["state"]["x"]
+    assert loaded[0] == 7.0 and torch.all(loaded[1:] == 2.5)
+
+    said, say = _say()
+    state = checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say)
+    assert torch.equal(state["x"], torch.full((64,), 1.5))  # step 10's, the previous checkpoint
+    assert len(said) == 1 and re.search(r"rank 0: rank0.pt is damaged \(sha256 \w+\.\.\. of its contents, "
+                                         r"\w+\.\.\. when saved\); resuming from the previous checkpoint, "
+                                         r"at step 10", said[0]), said
+    # both damaged: nothing usable, training starts from step 0 and the folder is removed
+    checkpoint.save_rank(spec.out_dir, 0, identity, 30, {"x": torch.zeros(2)})
+    for file in (path, checkpoint.previous_rank_file(spec.out_dir, 0)):
+        file.write_bytes(file.read_bytes()[:-10])
+    assert checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say) is None
+    assert "rank0.pt is damaged" in said[-1] and "training starts from step 0" in said[-1]
     assert not checkpoint.resume_dir(spec.out_dir).exists()
 
 

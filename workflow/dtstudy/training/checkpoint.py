@@ -25,7 +25,9 @@ process, a killed job, a crashed node) then resumes from its last checkpoint whe
 again: Snakemake's --rerun-incomplete, a SLURM requeue, or the same `dtstudy train` by hand.
 Each rank keeps its last two files (`rank<r>.pt`, `rank<r>.prev.pt`), each written atomically,
 and a run resumes from the newest step that every rank has: a crash while the ranks write a
-checkpoint leaves the previous one usable.
+checkpoint leaves the previous one usable. Each file starts with the sha256 of what follows
+it: a file damaged on disk (truncated, or bytes changed that torch would still load) is
+detected, the previous checkpoint is used instead, and the log says which file and why.
 
 The training loop removes the folder after metrics.json is written, so a finished run's
 rerun starts from step 0; so does a run whose folder was removed (`clear`: delete
@@ -37,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import io
 import json
 import os
 import random
@@ -54,7 +57,8 @@ from dtstudy.atomic_files import atomic_write
 from dtstudy.training.measurements import WorkerLog
 from dtstudy.runspec import RESUME_DIR
 
-FORMAT = 1  # of the rank files; a file of another format is not used
+FORMAT = 2  # of the rank files; a file of another format is not used
+HEADER = b"dtstudy-resume sha256 "  # then the hex digest of the rest of the file, and a newline
 STOP, CHECKPOINT = "stop", "checkpoint"  # what the workers agree on at a step boundary
 _CODES = {CHECKPOINT: 1, STOP: 2}  # the agreed flag is their maximum: a stop wins
 _ACTIONS = {code: action for action, code in _CODES.items()}
@@ -100,7 +104,11 @@ def save_rank(out_dir: str | Path, rank: int, identity: dict, step: int, state: 
     path = rank_file(out_dir, rank)
     if path.exists():
         os.replace(path, previous_rank_file(out_dir, rank))
-    return atomic_write(path, lambda stream: torch.save(payload, stream))
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    header = HEADER + hashlib.sha256(data).hexdigest().encode() + b"\n"
+    return atomic_write(path, lambda stream: stream.write(header + data))
 
 
 def read_rank(out_dir: str | Path, rank: int, identity: dict) -> tuple[dict | None, int, str]:
@@ -116,9 +124,17 @@ def read_rank(out_dir: str | Path, rank: int, identity: dict) -> tuple[dict | No
 
 
 def _read_file(path: Path, rank: int, identity: dict) -> tuple[dict | None, int, str]:
+    raw = path.read_bytes()
+    header, _, data = raw.partition(b"\n")
+    if not header.startswith(HEADER):
+        return None, -1, f"{path.name} is unreadable (not a resume file of format {FORMAT})"
+    saved_digest, digest = header[len(HEADER):].decode(errors="replace"), hashlib.sha256(data).hexdigest()
+    if saved_digest != digest:  # truncated, or changed on disk since it was written
+        return None, -1, (f"{path.name} is damaged (sha256 {digest[:12]}... of its contents, "
+                          f"{saved_digest[:12]}... when saved)")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file: say so, never use it
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # written whole but not by torch.save: say so, never use it
         return None, -1, f"{path.name} is unreadable ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or not {"state", "step"} <= payload.keys():
         return None, -1, f"{path.name} is not a resume file of format {FORMAT}"
@@ -150,10 +166,13 @@ def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, gr
         verdicts = [None] * workers
         dist.all_gather_object(verdicts, (step, reason, sorted(states)), group=group)
     common = set.intersection(*(set(usable) for _, _, usable in verdicts))
+    reasons = [f"rank {r}: {why}" for r, (_, why, _) in enumerate(verdicts) if why]
     if common:
+        if reasons:  # a newest file was unusable: the previous checkpoint is used, and the log says so
+            say(f"resume state in {folder}: {'; '.join(reasons)}; resuming from the previous checkpoint, "
+                f"at step {max(common)}")
         return states[max(common)]
     steps = {s for s, _, _ in verdicts}
-    reasons = [f"rank {r}: {why}" for r, (_, why, _) in enumerate(verdicts) if why]
     if not reasons and any(s >= 0 for s in steps):
         reasons = ["the ranks saved different steps: " + ", ".join(f"rank {r} step {s}" for r, (s, _, _) in enumerate(verdicts))]
     if reasons:
