@@ -11,7 +11,8 @@ from dtstudy.training.models import build_model, inference_layout
 @pytest.mark.parametrize(
     "name, channels, size, options",
     [("lenet5", 1, 28, {}), ("lenet5", 3, 32, {}), ("resnet18", 1, 28, {"small_input": True}),
-     ("resnet18", 3, 64, {"small_input": False}), ("resnet50", 3, 32, {"small_input": True})],
+     ("resnet18", 3, 64, {"small_input": False}), ("resnet50", 3, 32, {"small_input": True}),
+     ("alexnet_small", 3, 32, {}), ("alexnet_small", 1, 64, {})],
 )
 def test_forward_shape(name, channels, size, options):
     model = build_model(name, channels, 7, size, options)
@@ -66,3 +67,24 @@ def test_the_inference_pass_gives_the_eval_models_logits_and_leaves_the_model_al
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
         if name == "resnet18":  # teeth: in training mode BatchNorm uses the batch's statistics
             assert not torch.allclose(model.train()(inputs), expected, atol=1e-3)
+
+
+def test_alexnet_small_is_mostly_fully_connected_and_wants_a_side_divisible_by_8():
+    """The case hybrid is for (docs/strategies.md, "Hybrid parallelism"): at 32 pixels, 10
+    classes, 2048 x 2048 + 2048 x 2048 + 2048 x 10 weights and their biases of 9027498."""
+    model = build_model("alexnet_small", 3, 10, 32)
+    linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    assert linear == 2049 * 2048 * 2 + 2049 * 10 and sum(p.numel() for p in model.parameters()) == 9027498
+    with pytest.raises(ValueError, match="a multiple of 8 are needed, not 28"):
+        build_model("alexnet_small", 1, 10, 28)
+
+
+def test_a_model_that_cannot_take_the_data_sets_images_is_refused_before_any_work():
+    from conftest import tiny_study, validated
+    from dtstudy.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="config key 'model': 'alexnet_small' needs images whose side is a "
+                                          "multiple of 8, and dataset 'fashion_mnist' gives 28x28"):
+        validated(tiny_study(model="alexnet_small"))
+    validated(tiny_study(model="alexnet_small", dataset={"name": "synthetic", "image_size": 32, "subset": None}))
+    validated(tiny_study(model="lenet5"))  # the control: the same data for a model that takes it

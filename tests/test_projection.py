@@ -1054,6 +1054,10 @@ def _recorded_rounds(path, folder, monkeypatch):
     return on_machine, record, rounds, rows
 
 
+#: strategies newer than every record of benchmarks/records/projection_on_machine-*.json
+RECORDED_BEFORE_THEY_EXISTED = {"hybrid"}
+
+
 @pytest.mark.parametrize("path", ON_MACHINE_RECORDS, ids=lambda path: path.stem)
 def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, monkeypatch, path):
     """The issue's on-machine target, held on measurements instead of timed here (a test must
@@ -1071,7 +1075,9 @@ def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, monke
     assert path.match(on_machine.RECORDS)  # the files the benchmark's --record is documented to write
     assert record["provenance"]["cores"] == 2 and len(record["rounds"]) >= 3
     strategies = record["config"]["strategies"]
-    assert sorted(strategies) == sorted(on_machine.ON_MACHINE)  # every strategy with an exchange
+    # every strategy with an exchange, but those added after the records were made: the next
+    # `--record` run includes them (ON_MACHINE), and they leave this set then
+    assert sorted(strategies) == sorted(set(on_machine.ON_MACHINE) - RECORDED_BEFORE_THEY_EXISTED)
     # the measured side is the record's own N=2 runs, not something the model computed
     assert [r["allreduce"][1] for r in rounds] == [
         m["runs"]["results/runs/allreduce/n2/seed0/metrics.json"]["throughput"] for m in record["rounds"]]

@@ -1,5 +1,5 @@
 """Latency-bandwidth (alpha-beta) times of the collectives on a machine: ring, hierarchical and
-flat-ring all-reduce, all-gather."""
+flat-ring all-reduce, all-gather, all-to-all."""
 
 from __future__ import annotations
 
@@ -57,4 +57,19 @@ def allgather_time(nbytes_each: float, workers: int, machine: Machine, messages:
         t += (local - 1) * messages * machine.intra.latency_s + (local - 1) * nbytes_each / machine.intra.bandwidth
     if nodes > 1:
         t += (nodes - 1) * messages * machine.inter.latency_s + (workers - local) * nbytes_each / machine.inter.bandwidth
+    return t
+
+
+def alltoall_time(nbytes_each: float, workers: int, machine: Machine, messages: int = 1) -> float:
+    """All-to-all: every worker sends its own `nbytes_each` to each of the others (N-1
+    messages). Inside a node each GPU's link carries (g-1) of them; between nodes each node's
+    NIC carries its g workers' messages to the N - g others, g (N - g) of them (no message
+    is forwarded, unlike an all-gather's)."""
+    local, nodes = machine.local(workers), machine.nodes(workers)
+    t = 0.0
+    if local > 1:
+        t += (local - 1) * messages * machine.intra.latency_s + (local - 1) * nbytes_each / machine.intra.bandwidth
+    if nodes > 1:
+        remote = workers - local
+        t += remote * messages * machine.inter.latency_s + local * remote * nbytes_each / machine.inter.bandwidth
     return t

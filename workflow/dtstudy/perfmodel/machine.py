@@ -78,6 +78,16 @@ class LayerProfile:
     tensors: tuple[tuple[int, float], ...]
     backward_share: float
     column_groups: int = 0  # 1-bit's `column` groups over all tensors (first dimension, a vector one)
+    #: the fully connected layers, (inputs, outputs) in forward order (hybrid's model-parallel part)
+    linear: tuple[tuple[int, int], ...] = ()
+    #: positions in `tensors` of those layers' weights and biases
+    linear_tensors: frozenset[int] = frozenset()
+
+    def without_linear(self) -> LayerProfile:
+        """The profile of the other layers alone (the data-parallel part of hybrid), each
+        tensor still ready when it was in the whole network's backward."""
+        kept = tuple(t for i, t in enumerate(self.tensors) if i not in self.linear_tensors)
+        return LayerProfile(f"{self.name} without its fully connected layers", kept, self.backward_share)
 
     def buckets(self, cap_bytes: float, bytes_per_value: float) -> list[tuple[float, float]]:
         """(bytes, ready share) per bucket: tensors in backprop order fill a bucket until it
@@ -107,6 +117,22 @@ class Workload:
     powersgd_ratio: float | None = None  # bytes PowerSGD reduces / the gradient's bytes
     #: where the parameters sit (wait-free-backprop overlap); None = the machine's fixed overlap
     layers: LayerProfile | None = None
+    #: the fully connected layers, (inputs, outputs) in forward order, where the layer profile
+    #: does not say (e.g. a checkpoint's 2-d weights); None = the profile's
+    linear: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def fully_connected(self) -> tuple[tuple[int, int], ...]:
+        """The fully connected layers (hybrid's model-parallel part): `linear`, else the
+        layer profile's; () where neither says."""
+        if self.linear is not None:
+            return self.linear
+        return self.layers.linear if self.layers is not None else ()
+
+    @property
+    def linear_parameters(self) -> int:
+        """Weights and biases of the fully connected layers (0 where not known)."""
+        return sum((n_in + 1) * n_out for n_in, n_out in self.fully_connected)
 
     @property
     def model_bytes(self) -> float:

@@ -1,12 +1,14 @@
-"""The step formulas by kind of exchange (all-reduce, all-gather, parameter server, periodic
-averaging, gossip), with no strategy in them: each strategy's spec (dtstudy.strategies.specs)
-picks its formula and gives its numbers (bytes on the wire, compression passes, windows)."""
+"""The step formulas by kind of exchange (all-reduce, all-gather, the activations of
+model-parallel layers, parameter server, periodic averaging, gossip), with no strategy in
+them: each strategy's spec (dtstudy.strategies.specs) picks its formula and gives its numbers
+(bytes on the wire, compression passes, windows)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from dtstudy.perfmodel.collectives import allgather_time, allreduce_time
+from dtstudy.perfmodel.collectives import allgather_time, allreduce_time, alltoall_time
 from dtstudy.perfmodel.machine import Machine, Step, Stragglers, Workload
 from dtstudy.perfmodel.waits import expected_order_statistic, mean_delay, synchronous_wait
 
@@ -136,6 +138,59 @@ def onebit_step(strategy: str, compression_passes: float, workload, machine, wor
 def independent_step(strategy: str, workload, workers, stragglers) -> Step:
     """Every worker computes and updates alone: no exchange, no barrier (its mean delay)."""
     return finish(strategy, workload, workers, workload.compute_s, 0.0, 0.0, straggler=mean_delay(stragglers, workers))
+
+
+
+# ----- hybrid: data-parallel convolutions, model-parallel fully connected layers -------------
+
+def hybrid_exchanges(linear, batch: int, workers: int, bytes_per_value: float) -> list[tuple[str, float]]:
+    """The activation exchanges of one forward pass of hybrid (Krizhevsky 2014), as (kind,
+    bytes each worker contributes): the first fully connected layer's inputs all-gathered
+    (b x in), each layer but the last's outputs all-gathered along the features (its N b rows
+    by ceil(out/N) columns), the last one's outputs sent to the workers whose rows they are
+    (an all-to-all of b x ceil(out/N) to each). Backward repeats each in reverse (a
+    reduce-scatter, the reverse all-to-all) with as many bytes."""
+    n, b = workers, batch
+    exchanges = [("allgather", b * linear[0][0] * bytes_per_value)]
+    exchanges += [("allgather", n * b * math.ceil(out / n) * bytes_per_value) for _, out in linear[:-1]]
+    exchanges.append(("alltoall", b * math.ceil(linear[-1][1] / n) * bytes_per_value))
+    return exchanges
+
+
+def hybrid_bytes_per_step(linear, batch: int, workers: int, other_parameters: int, bytes_per_value: float) -> float:
+    """Bytes one worker sends per step: each exchange of hybrid_exchanges twice (forward and
+    backward), (N-1) times its bytes each way (a ring all-gather and reduce-scatter, or the
+    N-1 messages of an all-to-all), plus the ring all-reduce of the other layers' gradient,
+    2 (N-1)/N of its bytes."""
+    if workers == 1:
+        return 0.0
+    activations = sum(2 * (workers - 1) * nbytes for _, nbytes in hybrid_exchanges(linear, batch, workers,
+                                                                                   bytes_per_value))
+    return activations + 2 * (workers - 1) / workers * other_parameters * bytes_per_value
+
+
+def hybrid_step(strategy, workload, machine, workers, params, stragglers) -> Step:
+    """Hybrid parallelism: the layers before the fully connected ones data-parallel, their
+    gradient all-reduced in DDP's buckets behind their backward (as allreduce's, without the
+    fully connected layers' tensors); the activation exchanges (hybrid_exchanges) blocking, in
+    forward and again in backward. Compute as one worker's: each fully connected layer does
+    1/N of its outputs for N times the rows."""
+    if workers == 1:
+        return alone(strategy, workload, stragglers)
+    if not workload.fully_connected:
+        raise ValueError("hybrid needs the model's fully connected layers (a layer profile of the model, "
+                         "or the 2-d weights of a run's model.pt)")
+    times = {"allgather": allgather_time, "alltoall": alltoall_time}
+    activations = 2 * sum(times[kind](nbytes, workers, machine)
+                          for kind, nbytes in hybrid_exchanges(workload.fully_connected, workload.batch, workers,
+                                                               workload.bytes_per_parameter))
+    others = dataclasses.replace(workload, parameters=workload.parameters - workload.linear_parameters,
+                                 layers=workload.layers.without_linear() if workload.layers else None)
+    cap = params["bucket_cap_mb"]
+    gradient = allreduce_time(others.model_bytes, workers, machine, buckets(others.model_bytes, cap))
+    exposed = overlapped(others, machine, gradient, cap) + activations
+    return finish(strategy, workload, workers, workload.compute_s, gradient + activations, exposed,
+                  straggler=synchronous_wait(stragglers, workers))
 
 
 # ----- parameter servers ---------------------------------------------------------------

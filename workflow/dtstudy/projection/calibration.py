@@ -268,6 +268,15 @@ def matrices_from_checkpoint(path: str | Path) -> list[list[int]]:
             if t.is_floating_point() and "running_" not in k]
 
 
+def linear_from_checkpoint(path: str | Path) -> tuple[tuple[int, int], ...]:
+    """The fully connected layers of a run's model.pt, (inputs, outputs) in the checkpoint's
+    order: its 2-d weights (convolutions' are 4-d), for hybrid where no layer profile fits."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return tuple((t.shape[1], t.shape[0]) for k, t in state.items() if k.endswith("weight") and t.dim() == 2)
+
+
 #: the request a worker sends each shard before its gradient (parameter_server.protocol.request: 4 float64)
 PS_REQUEST_BYTES = 32
 

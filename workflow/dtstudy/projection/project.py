@@ -8,7 +8,7 @@ import functools
 import math
 from pathlib import Path
 
-from dtstudy.projection import calibration, hardware
+from dtstudy.projection import calibration, hardware, layer_profiles
 from dtstudy.analysis import intervals
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Link, Machine, Stragglers, Workload
@@ -247,6 +247,11 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     if "allreduce_powersgd" in strategies and workload.powersgd_ratio is None:
         raise ConfigError(f"measurement file {measured_path}: key 'model.matrices' is missing; allreduce_powersgd "
                           f"needs the model's weight matrices [[rows, columns], ...] for its bytes")
+    needing = [name for name in strategies if SPECS[name].needs_fully_connected]
+    if needing and not workload.fully_connected:
+        raise ConfigError(f"measurement file {measured_path}: key 'model.layer_profile' is missing; "
+                          f"{', '.join(needing)} need(s) the model's fully connected layers, which a layer profile "
+                          f"lists (allowed: {', '.join(layer_profiles.names())})")
     g = machine.gpus_per_node
     measured_strategy = measured.get("strategy", "allreduce")
     if needs_fit:
@@ -302,6 +307,13 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     workload, provenance = calibration.workload_from_runs(runs, parameters)
     workload, why_not = calibration.with_study_layers(workload, config["model"])
     provenance["model_parameters"] = f"{parameters} ({counted})"
+    if any(SPECS[name].needs_fully_connected for name in config["strategies"]):
+        if not workload.fully_connected:  # no layer profile fits: the 2-d weights of a run's model.pt
+            workload = dataclasses.replace(workload, linear=calibration.linear_from_checkpoint(
+                Path(metrics[0]).with_name("model.pt")))
+        source = "the layer profile" if workload.linear is None else "the 2-d weights of a run's model.pt"
+        provenance["fully_connected"] = (f"the fully connected layers, (inputs, outputs): "
+                                         f"{[list(layer) for layer in workload.fully_connected]} ({source})")
     commbench = hardware.load_commbench(commbench_path)
     by_run: dict[tuple, list[dict]] = {}
     for r in runs:
