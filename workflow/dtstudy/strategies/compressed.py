@@ -128,16 +128,26 @@ class AllReducePowerSGD(CompressedAllReduce):
 
 
 class AllReduceOneBit(CompressedAllReduce):
-    """1-bit SGD with error feedback, per DDP bucket: add each parameter's kept residual to
-    its gradient, send the signs (8 per byte) and the reconstruction values of each group
+    """1-bit SGD with error feedback, per DDP bucket. What is compressed is each worker's
+    momentum, not its gradient: the worker keeps a momentum buffer of its own gradients,
+    m_i <- beta m_i + g_i (train.momentum; train.nesterov sends g_i + beta m_i), adds its kept
+    residual, sends the signs (8 per byte) and the reconstruction values of each group
     (`quantizer`: `column`, two per column, the means of its non-negative and of its negative
-    values, Seide et al. 2014; `tensor`, one mean |value| per tensor), keep the quantisation
-    error as the new residual. Residuals are kept per parameter, as DDP reorders its buckets
-    after the first step. Replicas stay identical: every worker decodes the same messages in
-    the same order.
+    values, Seide et al. 2014; `tensor`, one mean |value| per tensor) and keeps the
+    quantisation error as the new residual; the decoded average is the update, applied by the
+    optimizer with its momentum and weight decay set to 0. Weight decay, the same on every
+    worker, is not sent: its own momentum buffer d <- beta d + wd x is added to the decoded
+    average, so that without quantisation the update is the optimizer's momentum SGD exactly.
+    This is where error-feedback sign compression puts the momentum (Karimireddy et al. 2019's
+    code, Zheng et al. 2019); compressing each batch's gradient and applying the momentum to the
+    decoded average, as this strategy once did, ends far below it at N=4 on the default study
+    (tests/test_onebit_reference.py, docs/strategies.md). Residuals and momentum buffers are
+    kept per parameter, in gradient units (not lr-scaled), as DDP reorders its buckets after
+    the first step. Replicas stay identical: every worker decodes the same messages in the same
+    order.
 
     `exchange: allgather`: every worker gathers all messages and averages the dequantised
-    gradients. It sends its message to the N-1 others: (N-1) (n/8 + 4 x values) bytes per
+    momenta. It sends its message to the N-1 others: (N-1) (n/8 + 4 x values) bytes per
     bucket, against 2 (N-1)/N x 4n for the ring all-reduce of fp32: the ratio is N/64, so
     it saves nothing from N = 64 workers on.
     `exchange: reduce_scatter` (1-bit Adam's compressed all-reduce, Tang et al. 2021): the
@@ -146,24 +156,68 @@ class AllReduceOneBit(CompressedAllReduce):
     chunk, quantises again and keeps what that lost as the new server residual; the N
     averaged chunks are then all-gathered (each chunk's message sent by its owner to the N-1
     others). Per step, with e_i worker i's residual and s the server residuals (each entry's
-    held by its owner only): sent + mean_i e_i' + s' = mean_i g_i + mean_i e_i + s, so that
-    from zero residuals sum_t sent_t + mean_i e_i + s = sum_t mean_i g_i. Bytes: 2 (N-1)/N
+    held by its owner only) and m_i worker i's momentum (its gradient at momentum 0):
+    sent + mean_i e_i' + s' = mean_i m_i + mean_i e_i + s, so that from zero residuals
+    sum_t sent_t + mean_i e_i + s = sum_t mean_i m_i. Bytes: 2 (N-1)/N
     of the compressed bucket plus the chunks' values, 1/32 of ring all-reduce's at any N.
     The server residual is kept per parameter at full size on every worker (zero outside
     its chunks): when DDP's new buckets give an entry another owner, the old owner's server
     residual for it moves into its own worker residual, times N (`_hand_over`).
 
-    `quantization_error` in the summary: the mean over exchanges of |e|/|g|, e the worker's
-    quantisation error of g = gradient + residual (the same in both exchanges);
+    `quantization_error` in the summary: the mean over exchanges of |e|/|u|, e the worker's
+    quantisation error of u = momentum + residual (the same in both exchanges);
     `server_quantization_error` (reduce_scatter): the same for the owner's second
     quantisation of its averaged chunk plus server residual.
     """
 
     name = "allreduce_onebit"
 
+    def setup(self, model, make_optimizer):
+        module = super().setup(model, make_optimizer)
+        if self.ctx.workers > 1:
+            self._take_over_momentum()
+        return module
+
+    def _take_over_momentum(self) -> None:
+        """The optimizer's momentum, Nesterov flag and weight decay move into the exchange; the
+        optimizer is left plain SGD (x <- x - lr * what the exchange delivered)."""
+        groups = self.optimizer.param_groups
+        first = groups[0]
+        self.momentum, self.nesterov, self.weight_decay = first["momentum"], first["nesterov"], first["weight_decay"]
+        for group in groups:
+            group.update(momentum=0.0, nesterov=False, weight_decay=0.0)
+        with torch.no_grad():
+            if self.momentum:
+                self.velocities = {p: torch.zeros_like(r) for p, r in self.residuals.items()}
+            if self.momentum and self.weight_decay:
+                self.decay_velocities = {p: torch.zeros_like(r) for p, r in self.residuals.items()}
+
+    def _worker_update(self, gradient: torch.Tensor, parameters) -> torch.Tensor:
+        """What the worker compresses (before its residual): its momentum of its own gradients."""
+        if not self.momentum:
+            return gradient
+        velocity = torch.cat([self.velocities[p] for p in parameters]).mul_(self.momentum).add_(gradient)
+        self.velocities.update(zip(parameters, velocity.split([p.numel() for p in parameters])))
+        return gradient.add(velocity, alpha=self.momentum) if self.nesterov else velocity
+
+    def _decay_update(self, parameters) -> torch.Tensor | None:
+        """Weight decay's share of the update, the same on every worker (nothing sent)."""
+        if not self.weight_decay:
+            return None
+        decay = torch.cat([p.detach().reshape(-1) for p in parameters]).mul_(self.weight_decay)
+        if not self.momentum:
+            return decay
+        velocity = torch.cat([self.decay_velocities[p] for p in parameters]).mul_(self.momentum).add_(decay)
+        self.decay_velocities.update(zip(parameters, velocity.split([p.numel() for p in parameters])))
+        return decay.add(velocity, alpha=self.momentum) if self.nesterov else velocity
+
+    def _deliver(self, buffer: torch.Tensor, averaged: torch.Tensor, decay: torch.Tensor | None) -> torch.Tensor:
+        return buffer.copy_(averaged if decay is None else averaged.add_(decay))
+
     def comm_hook(self):
         self.residuals = {p: torch.zeros(p.numel(), device=p.device) for p in self.model.parameters()
                           if p.requires_grad}
+        self.momentum, self.nesterov, self.weight_decay = 0.0, False, 0.0  # until setup takes the optimizer's
         self._groups: dict[tuple[int, ...], tuple[list[int], torch.Tensor | None]] = {}
         self._error_sum, self._exchanges = 0.0, 0
         if self.params["exchange"] == "reduce_scatter":
@@ -176,7 +230,7 @@ class AllReduceOneBit(CompressedAllReduce):
         if self.ctx.workers == 1:
             return {}
         # copies, in model order: the server residuals are updated in place by later steps
-        kept = {"residuals": self.residuals}
+        kept = {"residuals": self.residuals, **self._momentum_buffers()}
         if self.params["exchange"] == "reduce_scatter":
             kept["server_residuals"] = self.server_residuals
         return {key: [r.detach().to("cpu", copy=True) for r in residuals.values()] for key, residuals in kept.items()}
@@ -184,13 +238,17 @@ class AllReduceOneBit(CompressedAllReduce):
     def load_state_dict(self, saved):
         if self.ctx.workers == 1:
             return
-        kept = [(self.residuals, "residuals")]
+        kept = [(self.residuals, "residuals"), *((buffers, key) for key, buffers in self._momentum_buffers().items())]
         if self.params["exchange"] == "reduce_scatter":
             kept.append((self.server_residuals, "server_residuals"))
         with torch.no_grad():
             for residuals, key in kept:
                 for residual, value in zip(residuals.values(), saved[key], strict=True):
                     residual.copy_(value)
+
+    def _momentum_buffers(self) -> dict:
+        """The momentum buffers the exchange keeps (none without momentum)."""
+        return {key: getattr(self, key) for key in ("velocities", "decay_velocities") if hasattr(self, key)}
 
     def summary(self):
         if self.ctx.workers == 1 or not self._exchanges:
@@ -216,7 +274,8 @@ class AllReduceOneBit(CompressedAllReduce):
         buffer, parameters = bucket.buffer(), bucket.parameters()
         groups, index = self._groups_of(parameters)
         quantizer = self.params["quantizer"]
-        corrected = buffer + torch.cat([self.residuals[p] for p in parameters])
+        corrected = self._worker_update(buffer, parameters) + torch.cat([self.residuals[p] for p in parameters])
+        decay = self._decay_update(parameters)
         packed, levels = quantize(corrected, groups, quantizer, index)
         self._keep_residual(parameters, corrected, corrected - dequantize(packed, levels, groups, index))
         message = encode(packed, levels)
@@ -227,7 +286,7 @@ class AllReduceOneBit(CompressedAllReduce):
 
         def average(_):
             total = sum(dequantize(*decode(m, len(groups), per_group), groups, index) for m in gathered)
-            return buffer.copy_(total.div_(self.ctx.workers))
+            return self._deliver(buffer, total.div_(self.ctx.workers), decay)
 
         return future.then(average)
 
@@ -279,7 +338,8 @@ class AllReduceOneBit(CompressedAllReduce):
         buffer, parameters = bucket.buffer(), bucket.parameters()
         chunks = self._chunks_of(parameters)
         quantizer, workers, rank, group = self.params["quantizer"], self.ctx.workers, self.ctx.rank, self.ctx.worker_group
-        corrected = buffer + torch.cat([self.residuals[p] for p in parameters])
+        corrected = self._worker_update(buffer, parameters) + torch.cat([self.residuals[p] for p in parameters])
+        decay = self._decay_update(parameters)
         messages, decoded = zip(*(compress_chunk(values, groups, quantizer, index) for values, groups, index
                                   in zip(corrected.split(chunks.sizes), chunks.groups, chunks.index)))
         self._keep_residual(parameters, corrected, corrected - torch.cat(decoded))
@@ -309,6 +369,6 @@ class AllReduceOneBit(CompressedAllReduce):
                                    group=group, async_op=True).wait()
             averaged = [decompress_chunk(m, groups, quantizer, index) for m, groups, index
                         in zip(gathered.split(chunks.message_bytes), chunks.groups, chunks.index)]
-            return buffer.copy_(torch.cat(averaged))
+            return self._deliver(buffer, torch.cat(averaged), decay)
 
         return future.then(reduce_and_gather)
