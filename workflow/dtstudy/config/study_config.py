@@ -75,7 +75,7 @@ def run_config(config: dict, strategy: str) -> dict:
     Rules pass exactly this to the training CLI, so that a change of, say, the list of
     workers does not make Snakemake rerun every finished training run.
     """
-    keys = ("dataset", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
+    keys = ("dataset", "loader", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
     selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
     return selected

@@ -44,6 +44,16 @@ def check_dataset(cfg: dict) -> int:
     return available
 
 
+def check_loader(loader: dict, device: str) -> None:
+    """The `loader` section against the device the run trains on ("cpu", "cuda" or "auto":
+    the config's launcher.device at parse time, the device a worker got at run time)."""
+    if loader["decoder"] == "nvjpeg" and device == "cpu":
+        raise DataConfigError(
+            "loader.decoder: 'nvjpeg' decodes on a GPU, but the run trains on the CPU (launcher.device "
+            "cpu, or auto without a visible GPU); use loader.decoder torchvision or pil, or train on cuda"
+        )
+
+
 def check_val_split(n: int, cfg: dict) -> None:
     n_val = round(cfg["val_fraction"] * n)
     if n_val == 0 or n_val == n:

@@ -1,23 +1,27 @@
-"""Fast batch loading of a prepared split (`load_split`): in-memory tensors or decoded image files."""
+"""Fast batch loading of a prepared split (`load_split`): in-memory tensors, or image files through
+the input pipeline of dtstudy.data.feed."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 from dtstudy.data.prepare import SPLITS
 
 
-def load_split(data_dir: str | Path, split: str):
-    """A prepared split: len(), num_classes, channels, is_in_memory and batch(indices)."""
+def load_split(data_dir: str | Path, split: str, loader: dict | None = None, device="cpu"):
+    """A prepared split: len(), num_classes, channels, is_in_memory and batch(indices); an
+    image split also batches(index_batches) on `device`, as the config's `loader` section
+    says (None: a plain reader, dtstudy.data.feed.ImageFolderSplit). In-memory splits ignore both."""
     if split not in SPLITS:
         raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
     data_dir = Path(data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     if meta["format"] == "imagefolder":
+        from dtstudy.data.feed import ImageFolderSplit
+
         index = json.loads((data_dir / "index.json").read_text())
-        return _image_folder_split_class()(meta, index[split])
+        return ImageFolderSplit(meta, index[split], split, loader, device)
     return TensorSplit(meta, data_dir / f"{split}.pt")
 
 
@@ -52,52 +56,6 @@ class TensorSplit:
         indices = torch.as_tensor(indices, dtype=torch.long)
         inputs = self.images[indices].to(torch.float32).mul_(self._scale).add_(self._shift)
         return inputs, self.labels[indices]
-
-
-class _ImageFolderSplitBase:
-    """A split of image files, decoded, resized and normalised per item (see _image_folder_split_class)."""
-
-    is_in_memory = False
-
-    def __init__(self, meta: dict, samples: list[tuple[str, int]]):
-        from torchvision import transforms
-
-        self.root = Path(meta["root"])
-        self.samples = samples
-        self.num_classes = meta["classes"]
-        self.channels = 3
-        size = meta["image_size"]
-        self.transform = transforms.Compose([
-            transforms.Resize(int(size * 256 / 224)),
-            transforms.CenterCrop(size),
-            transforms.ToTensor(),
-            transforms.Normalize(meta["mean"], meta["std"]),
-        ])
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int):
-        from PIL import Image
-
-        path, label = self.samples[i]
-        with Image.open(self.root / path) as image:
-            return self.transform(image.convert("RGB")), label
-
-    def batch(self, indices):
-        import torch
-
-        items = [self[i] for i in torch.as_tensor(indices, dtype=torch.long).tolist()]
-        inputs = torch.stack([inputs for inputs, _ in items])
-        return inputs, torch.tensor([label for _, label in items], dtype=torch.int64)
-
-
-@functools.cache
-def _image_folder_split_class():
-    """ImageFolderSplit as a torch Dataset, built on first use to keep this module's import torch-free."""
-    from torch.utils.data import Dataset
-
-    return type("ImageFolderSplit", (_ImageFolderSplitBase, Dataset), {})
 
 
 # Evaluation's batch: on one CPU thread LeNet-5 scores Fashion-MNIST's test split in 0.54 s in

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -19,7 +17,9 @@ class AllReduce(Strategy):
     """Every worker computes its gradient; DDP averages them by all-reduce; same update everywhere.
 
     Communication/wait is the time backward() still runs after the last gradient was
-    accumulated: the part of the exchange that the overlap with backward did not hide.
+    accumulated: the part of the exchange that the overlap with backward did not hide. Both
+    ends are marks of the device's clock (a CUDA event after the last gradient's
+    accumulation, one after backward), not the host's time when that work was queued.
     With one worker there is nothing to exchange and the model trains unwrapped (DDP at
     world size 1 would only add bucket copies, ~6% of a LeNet step on a CPU).
     """
@@ -46,10 +46,14 @@ class AllReduce(Strategy):
             self.module.register_comm_hook(state=self, hook=hook)
         # the plain all-reduce moves every gradient each step; a custom hook counts its own bytes
         self._plain_bytes_per_step = self.bytes_per_step() if hook is None else 0.0
-        self._last_grad_time: float | None = None
+        self._last_grad_mark = None
+        # gradients of a backward; the mark is taken at the last (the count of the backward
+        # before: one event per step, not one per parameter; the first marks every one)
+        self._grads_seen, self._grads_expected = 0, None
         if self.ctx.workers > 1:
             for parameter in model.parameters():
-                parameter.register_post_accumulate_grad_hook(self._note_gradient)
+                if parameter.requires_grad:
+                    parameter.register_post_accumulate_grad_hook(self._note_gradient)
         self.optimizer = make_optimizer(self.module.parameters())
         return self.module
 
@@ -65,14 +69,16 @@ class AllReduce(Strategy):
         return ring_allreduce_bytes(payload, self.ctx.workers)
 
     def _note_gradient(self, _parameter) -> None:
-        self._last_grad_time = time.perf_counter()
+        self._grads_seen += 1
+        if self._grads_expected is None or self._grads_seen >= self._grads_expected:
+            self._last_grad_mark = self.meter.clock.mark()
 
     def backward(self, loss) -> None:
-        self._last_grad_time = None
+        self._last_grad_mark, self._grads_seen = None, 0
         loss.backward()
-        if self._last_grad_time is not None:
-            self.ctx.synchronize()
-            self.meter.seconds += time.perf_counter() - self._last_grad_time
+        if self._last_grad_mark is not None:
+            self._grads_expected = self._grads_seen
+            self.meter.add_span(self._last_grad_mark, self.meter.clock.mark())
             self.meter.bytes_sent += self._plain_bytes_per_step
 
     def eval_model(self) -> nn.Module:

@@ -3,10 +3,10 @@
 The training loop (dtstudy.training.loop) runs, on each of the N workers:
 
     module = strategy.setup(model, make_optimizer)      # once
-    every step:  loss = criterion(module(x), y)
-                 strategy.backward(loss)                 # gradients (+ overlapped exchange)
-                 strategy.update(lr)                     # apply the update (+ exchange)
-                 strategy.meter.take()                   # comm/wait seconds and bytes of the step
+    every step:  loss = criterion(module(x), y)          # under autocast (train.precision)
+                 strategy.backward(loss)                 # gradients (+ overlapped exchange); fp16: the scaled loss
+                 strategy.update(lr)                     # apply the update (+ exchange), via step_optimizer
+                 strategy.meter.take_pending()           # comm/wait spans (device clock) and bytes of the step
     every epoch: strategy.eval_model()                   # the parameters to evaluate
     at the end:  strategy.eval_model()                   # the parameters to checkpoint
                  strategy.finish(); strategy.summary()
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dtstudy.strategies.specs import SPECS, StrategySpec
+from dtstudy.strategies.timing import Clock, clock_for, HostClock, Mark, PendingExchange
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -54,35 +55,60 @@ class DistContext:
     def is_worker(self) -> bool:
         return self.rank < self.workers
 
-    def synchronize(self) -> None:
-        """Wait for queued device work, so that host timers measure it (no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
 
 @dataclass
 class CommMeter:
-    """Communication/wait seconds and bytes sent by this worker since the last `take`."""
+    """Communication/wait seconds and bytes sent by this worker since the last `take`.
+
+    Seconds are spans between two marks of the device's clock (dtstudy.strategies.timing):
+    a span that starts with a mark taken when the exchange is called starts when the device
+    has done the work queued before it, not when the host got there. `seconds` holds any
+    measured otherwise (added as they are)."""
 
     seconds: float = 0.0
     bytes_sent: float = 0.0
-    _clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    _clock: Clock | Callable[[], float] = field(default=time.perf_counter, repr=False)
+    spans: list = field(default_factory=list, repr=False)
 
-    def take(self) -> tuple[float, float]:
-        taken = (self.seconds, self.bytes_sent)
-        self.seconds, self.bytes_sent = 0.0, 0.0
+    def __post_init__(self):
+        if not isinstance(self._clock, Clock):  # a bare host clock (a function of no arguments)
+            self._clock = HostClock(self._clock)
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self._clock = clock
+
+    def add_span(self, start: Mark, end: Mark) -> None:
+        """Count the device's time between two marks of `clock` as exchange/wait."""
+        self.spans.append((start, end))
+
+    def take_pending(self) -> PendingExchange:
+        """What was measured since the last take, its spans still unread (the training loop
+        reads them a step later, so that the host need not wait for the device)."""
+        taken = PendingExchange(self._clock, self.spans, self.seconds, self.bytes_sent)
+        self.spans, self.seconds, self.bytes_sent = [], 0.0, 0.0
         return taken
 
+    def take(self) -> tuple[float, float]:
+        """(seconds, bytes) since the last take, read now (on a GPU: waits for the device)."""
+        taken = self.take_pending()
+        return taken.comm_seconds(), taken.bytes_sent
+
     def timed(self):
-        """Context manager adding the wall time of its block to `seconds`."""
+        """Context manager counting the device's time of its block as exchange/wait: from the
+        work queued before it to the work queued in it."""
         meter = self
 
         class _Timer:
             def __enter__(self):
-                self.start = meter._clock()
+                self.start = meter._clock.mark()
 
             def __exit__(self, *exc):
-                meter.seconds += meter._clock() - self.start
+                meter.add_span(self.start, meter._clock.mark())
 
         return _Timer()
 
@@ -111,8 +137,13 @@ class Strategy(ABC):
     def __init__(self, ctx: DistContext, params: dict[str, Any]):
         self.ctx = ctx
         self.params = params
-        self.meter = CommMeter()
+        self.meter = CommMeter(_clock=clock_for(ctx.device))
         self.optimizer: torch.optim.Optimizer | None = None
+        #: train.precision fp16: the loop's torch.amp.GradScaler (the loop scales the loss;
+        #: `step_optimizer` unscales, skips a step with inf/NaN gradients, updates the scale).
+        #: A strategy whose update does not go through `step_optimizer` says why in its spec
+        #: (StrategySpec.no_fp16_because) and the config check refuses fp16 for it
+        self.grad_scaler = None
 
     # ----- its knobs: dtstudy.strategies.specs (torch-free, checked before any job starts) ----
     @classmethod
@@ -151,8 +182,16 @@ class Strategy(ABC):
         """Apply this step's update with learning rate `lr` (default: the local optimizer)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.step_optimizer()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def step_optimizer(self) -> None:
+        """The local optimizer's step, through the GradScaler when there is one (fp16)."""
+        if self.grad_scaler is None:
+            self.optimizer.step()
+        else:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
 
     @abstractmethod
     def eval_model(self) -> nn.Module:

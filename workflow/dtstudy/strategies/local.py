@@ -69,9 +69,8 @@ class LocalTraining(Strategy):
 
     def exchange_average(self, tensors: Iterable[torch.Tensor]) -> None:
         """Average `tensors` over the workers as this step's communication (timed and counted)."""
-        with self.meter.timed():
+        with self.meter.timed():  # from the work queued before it to the average's end, on the device
             payload = average_over_workers(tensors, self.ctx.worker_group)
-            self.ctx.synchronize()
         self.meter.bytes_sent += ring_allreduce_bytes(payload, self.ctx.workers)
 
     def eval_model(self) -> nn.Module:
@@ -176,7 +175,6 @@ class EASGD(LocalTraining):
                 parameter.sub_(d)
             dist.all_reduce(elastic, group=self.ctx.worker_group)
             self.centre += elastic
-            self.ctx.synchronize()
         self.meter.bytes_sent += ring_allreduce_bytes(elastic.numel() * elastic.element_size(), self.ctx.workers)
 
     def state_dict(self) -> dict:

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
+from dtstudy.data.checks import check_loader
 from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
 from dtstudy.training import checkpoint
 from dtstudy.config.study_config import per_worker_batch
@@ -31,6 +32,8 @@ from dtstudy.tracking.live_run import LiveRun, start_live_run
 from dtstudy.runspec import RunSpec
 from dtstudy.training.lr_schedule import LRSchedule, make_schedule
 from dtstudy.strategies.base import DistContext, Strategy
+from dtstudy.strategies.timing import clock_for, StepTimer
+from dtstudy.training.compute import Compute
 from dtstudy.strategies.registry import get_strategy
 from dtstudy.training.stragglers import Straggler
 
@@ -72,17 +75,19 @@ def make_criterion(train: dict) -> nn.Module:
     return nn.CrossEntropyLoss(label_smoothing=train["label_smoothing"])
 
 
-def epoch_batches(dataset, batch_sampler: BatchSampler, loader_workers: int = 2, skip: int = 0):
+def epoch_batches(dataset, batch_sampler: BatchSampler, skip: int = 0):
     """(inputs, labels) batches: in-memory data sets are indexed directly (no per-image
-    Python work), file-backed ones go through a DataLoader with worker processes. `skip`:
-    leave out the epoch's first batches (a resumed run), without loading them."""
+    Python work; on the CPU, as before any pipeline existed), file-backed ones come from their
+    split's persistent DataLoader (`loader` config: worker processes, pinned memory), already
+    on the run's device and normalised there. `skip`: leave out the epoch's first batches (a
+    resumed run), without loading them."""
     if skip:
         batch_sampler = list(itertools.islice(batch_sampler, skip, None))
     if getattr(dataset, "is_in_memory", True):
         for indices in batch_sampler:
             yield dataset.batch(torch.as_tensor(indices))
     else:
-        yield from DataLoader(dataset, batch_sampler=batch_sampler, num_workers=loader_workers)
+        yield from dataset.batches(batch_sampler)
 
 
 @torch.no_grad()
@@ -92,8 +97,12 @@ def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: in
     worker scoring a 1/N share."""
     counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     shard = list(range(ctx.rank, len(dataset) if images is None else images, ctx.workers))
+    if getattr(dataset, "is_in_memory", True):
+        batches = iterate_batches(dataset, shard, batch_size, drop_last=False)
+    else:  # decoded by the split's loader workers, on the device
+        batches = dataset.batches(shard[start : start + batch_size] for start in range(0, len(shard), batch_size))
     with inference_layout(model) as model:
-        for inputs, labels in iterate_batches(dataset, shard, batch_size, drop_last=False):
+        for inputs, labels in batches:
             predictions = model(inputs.to(ctx.device)).argmax(dim=1)
             counts[0] += (predictions == labels.to(ctx.device)).sum()
             counts[1] += len(labels)
@@ -152,6 +161,8 @@ class WorkerRun:
     tracker: LiveRun
     grid_images: int = 0  # the grid evaluates the first this many validation images (a fixed subset)
     grid_every: int | None = None  # steps between grid evaluations; None = epoch ends only
+    compute: Compute | None = None  # precision and layout of the steps
+    timer: StepTimer | None = None  # the steps' seconds on the device's clock
 
     @property
     def steps_per_epoch(self) -> int:
@@ -162,11 +173,17 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     cfg, train = spec.config, spec.config["train"]
     seed_everything(spec.seed)
     choose_kernels(train["deterministic"], ctx.device)
-    train_set = load_split(spec.data_dir, "train")
-    val_set = load_split(spec.data_dir, "val")
+    check_loader(cfg["loader"], ctx.device.type)
+    train_set = load_split(spec.data_dir, "train", cfg["loader"], ctx.device)
+    val_set = load_split(spec.data_dir, "val", cfg["loader"], ctx.device)
     meta = json.loads((Path(spec.data_dir) / "meta.json").read_text())
     model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
-    module = strategy.setup(model, make_optimizer_factory(train))
+    compute = Compute.from_config(train, ctx.device)
+    module = strategy.setup(compute.place(model), make_optimizer_factory(train))
+    if compute.grad_scaler is not None and strategy.spec().no_fp16_because:  # the config check refuses it first
+        raise ValueError(f"train.precision: 'fp16' is not allowed with strategy {strategy.name!r}: "
+                         f"{strategy.spec().no_fp16_because}; allowed: fp32, bf16")
+    strategy.grad_scaler = compute.grad_scaler
     batch_size = per_worker_batch(train, spec.workers)
     strategy.use_batch_norm_data(train_set, batch_size)  # for averaged models' BatchNorm statistics
     sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
@@ -175,13 +192,15 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
                              len(batch_sampler), strategy.update_batch_rule, strategy.step_limit(strategy.params))
     progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
+    if not train_set.is_in_memory:  # the loader config's resolved values (workers: null = CPUs - 1)
+        progress.say(f"input pipeline: train {train_set.describe()}, val {val_set.describe()}")
     grid_every = None
     if train["evals_per_epoch"] > 1:
         grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
     grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
     return WorkerRun(spec, ctx, strategy, model, module, make_criterion(train), train_set, val_set, meta,
                      sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),
-                     progress, preemption, tracker, grid_images, grid_every)
+                     progress, preemption, tracker, grid_images, grid_every, compute, StepTimer(clock_for(ctx.device)))
 
 
 def resume_or_start(run: WorkerRun) -> LoopState:
@@ -200,6 +219,8 @@ def resume_or_start(run: WorkerRun) -> LoopState:
         batches.close()
         throwaway_step(run, inputs.to(ctx.device), labels.to(ctx.device))
     state = checkpoint.restore(saved, run.model, strategy, run.straggler, ctx.device)
+    if run.compute.grad_scaler is not None:  # fp16: the loss scale goes on where it was
+        run.compute.grad_scaler.load_state_dict(saved["grad_scaler"])
     run.progress.say(f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
                      f"with the state in {checkpoint.resume_dir(spec.out_dir)}")
     return state
@@ -210,7 +231,9 @@ def throwaway_step(run: WorkerRun, inputs, labels) -> None:
     the set-up a strategy does on its first step (DDP rebuilds its gradient buckets in the
     order gradients became ready) is then the interrupted run's, so the resumed steps reduce
     the same buckets in the same order (PowerSGD's memory is per bucket)."""
-    run.strategy.backward(run.criterion(run.module(inputs), labels))
+    with run.compute.autocast():
+        loss = run.criterion(run.module(inputs), labels)
+    run.strategy.backward(run.compute.scaled(loss))
     for parameter in run.module.parameters():
         parameter.grad = None
     run.strategy.meter.take()
@@ -218,7 +241,7 @@ def throwaway_step(run: WorkerRun, inputs, labels) -> None:
 
 def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) -> None:
     """The epoch's steps from where `state` stands; `state` advances step by step."""
-    ctx, strategy, log = run.ctx, run.strategy, state.log
+    log = state.log
     run.sampler.set_epoch(epoch)
     first = state.step_in_epoch if epoch == state.epoch else 0
     batches = epoch_batches(run.train_set, run.batch_sampler, skip=first)
@@ -231,26 +254,34 @@ def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) 
             if action == checkpoint.STOP:
                 stop_for_preemption(run, state, time.perf_counter() - start)
             save_checkpoint(run, state, time.perf_counter() - start)
-        t_data = time.perf_counter()
-        inputs, labels = next(batches)
-        inputs, labels = inputs.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
-        t_step = time.perf_counter()
         lr = run.schedule(state.step)
-        run.straggler.delay()  # a slow worker's extra compute time
-        loss = run.criterion(run.module(inputs), labels)
-        strategy.backward(loss)
-        strategy.update(lr)
-        ctx.synchronize()
-        t_end = time.perf_counter()
-        comm_s, sent = strategy.meter.take()
+        loss, images = timed_step(run, batches, lr, log.record)
         state.losses.append(loss.detach())
-        log.record(t_step - t_data, t_end - t_step, comm_s, sent, len(labels))
-        if run.progress.step(epoch, step_in_epoch, len(labels), loss, lr):
+        if run.progress.step(epoch, step_in_epoch, images, loss, lr):
             run.tracker.log_metric("train_loss", loss.item(), state.step)  # rank 0, as printed
         state.step += 1
         if grid_point_due(run, step_in_epoch):  # outside the timed step
             evaluate_point(run, state, epoch, start, "grid")
     batches.close()
+    run.timer.flush()
+
+
+def timed_step(run: WorkerRun, batches, lr: float, record) -> tuple[torch.Tensor, int]:
+    """One training step, timed on the device's clock (run.timer; no host sync: a GPU's marks
+    are read a step later): the wait for the batch and its copy to the device, then forward
+    (autocast), backward (of the loss the GradScaler scaled, under fp16) and update, the
+    strategy's exchange inside them. `record` gets the step's seconds; returns (loss, images)."""
+    run.timer.data_start()
+    inputs, labels = next(batches)
+    inputs, labels = run.compute.inputs(inputs, run.ctx.device), labels.to(run.ctx.device, non_blocking=True)
+    run.timer.step_start()
+    run.straggler.delay()  # a slow worker's extra compute time
+    with run.compute.autocast():
+        loss = run.criterion(run.module(inputs), labels)
+    run.strategy.backward(run.compute.scaled(loss))
+    run.strategy.update(lr)
+    run.timer.step_end(run.strategy.meter, len(labels), record)
+    return loss, len(labels)
 
 
 def training_seconds(log: WorkerLog) -> float:
@@ -266,6 +297,7 @@ def evaluate_point(run: WorkerRun, state: LoopState, epoch: int, start: float, k
     """One validation entry, in the history and in MLflow: "epoch" (the whole validation
     split, at an epoch's end) or "grid" (its first train.eval_images images,
     train.evals_per_epoch times an epoch)."""
+    run.timer.flush()  # the steps so far, in the training time below
     images = len(run.val_set) if kind == "epoch" else run.grid_images
     top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx, images=images)
     run.strategy.meter.take()  # evaluation's exchanges are not a training step's
@@ -311,7 +343,10 @@ def save_state(run: WorkerRun, state: LoopState, elapsed_s: float) -> Path:
     """Every worker saves what a resumed run needs (dtstudy.training.checkpoint), then waits until every
     worker's file is written; returns this worker's file."""
     spec, ctx = run.spec, run.ctx
+    run.timer.flush()  # every step so far in the saved log
     saved = checkpoint.resumable_state(state, run.model, run.strategy, run.straggler, ctx.device, elapsed_s)
+    if run.compute.grad_scaler is not None:
+        saved["grad_scaler"] = run.compute.grad_scaler.state_dict()  # numbers only
     path = checkpoint.save_rank(spec.out_dir, ctx.rank, checkpoint.run_identity(spec), state.step, saved)
     if spec.workers > 1:
         dist.barrier(group=ctx.worker_group)
@@ -398,7 +433,8 @@ def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
     write_checkpoint(spec, final_model, run.meta)
     timings["checkpoint_written"] = time.time()
     metrics = summarize(spec, logs, state.val_history, wall_time, run.schedule.describe(), strategy.summary(),
-                        environment(ctx.device, ctx.backend, ctx.world_size), timings)
+                        environment(ctx.device, ctx.backend, ctx.world_size), timings,
+                        compute=run.compute.describe(run.timer.clock.kind))
     timings["summarized"] = time.time()
     metrics["mlflow"] = tracker.finish(metrics)  # final metrics logged; the run stays RUNNING
     timings["mlflow_logged"] = time.time()

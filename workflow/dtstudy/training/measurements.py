@@ -19,6 +19,7 @@ class WorkerLog:
     rank: int
     loss: list[float] = field(default_factory=list)
     data_s: list[float] = field(default_factory=list)
+    # seconds on the device's clock (dtstudy.strategies.timing): CUDA events on a GPU
     step_s: list[float] = field(default_factory=list)  # forward + backward + update, exchange included
     comm_s: list[float] = field(default_factory=list)  # the exchange/wait part of step_s
     bytes_sent: list[float] = field(default_factory=list)
@@ -68,8 +69,9 @@ def run_windows(logs: list[WorkerLog], skip: int, window_steps: int) -> list[flo
 
 
 def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: float, lr_schedule: dict,
-              strategy_summary: dict, environment: dict, timings: dict) -> dict:
-    """metrics.json's content (see docs/running-locally.md: 'What a run records')."""
+              strategy_summary: dict, environment: dict, timings: dict, compute: dict | None = None) -> dict:
+    """metrics.json's content (see docs/running-locally.md: 'What a run records'). `compute`:
+    what the steps ran with (dtstudy.training.compute.Compute.describe)."""
     train = spec.config["train"]
     steps = min(len(worker.step_s) for worker in logs)
     skip = min(train["steady_state_skip"], steps // 2)
@@ -126,6 +128,9 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
             "injected_delay_s": [worker.injected_delay_s for worker in logs],
         },
         "strategy_metrics": strategy_summary,
+        # precision, layout, the clock the step times were read on (the GPU's kernel choices:
+        # environment.kernels)
+        "compute": compute,
         "config": spec.config,
         "environment": environment,
     }

@@ -180,6 +180,8 @@ class ParameterServer(Strategy):
             self.batch = len(args[0])
 
     def update(self, lr: float) -> None:
+        # on a GPU the span starts at an event after backward: the host's wait for backward
+        # in the gradients' device-to-host copy counts as compute, the copy as exchange
         with self.meter.timed():
             self.meter.bytes_sent += self.client.push(lr)
 

@@ -1,0 +1,91 @@
+"""The image transforms of an imagefolder split on uint8 tensors (torchvision transforms v2's
+functions): training's `loader.train_augment` (`TRAIN_AUGMENTS`) and evaluation's Resize +
+CenterCrop, as torchvision's references/classification use them.
+
+Each transform is split in two: `plan` draws the random parameters from the image's size
+alone and `apply` does the pixel work, so that a decoder may draw the crop from a JPEG's
+header in a loader worker and crop on the GPU after nvJPEG has decoded it (data.decoding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2 import functional as F
+
+# torchvision's RandomResizedCrop defaults (Szegedy et al. 2015's "Inception" crop)
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10
+EVAL_RESIZE = 256 / 224  # resize the shorter side to 256 for a 224 crop
+
+
+class RandomResizedCropFlip:
+    """RandomResizedCrop(size) (area 8-100%, aspect 3/4-4/3, bilinear, antialiased) and a
+    horizontal flip with probability 1/2: torchvision's reference training transform."""
+
+    name = "random_resized_crop_flip"
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def plan(self, height: int, width: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(top, left, crop height, crop width, flip), drawn as RandomResizedCrop.get_params draws them."""
+        area = height * width
+        log_ratio = (math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]))
+        box = None
+        for _ in range(CROP_TRIES):
+            target = area * torch.empty(1).uniform_(*CROP_SCALE, generator=generator).item()
+            ratio = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator).item())
+            w = round(math.sqrt(target * ratio))
+            h = round(math.sqrt(target / ratio))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, (1,), generator=generator))
+                left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
+                box = (top, left, h, w)
+                break
+        if box is None:  # the central crop of the allowed aspect nearest the image's
+            in_ratio = width / height
+            if in_ratio < CROP_RATIO[0]:
+                w, h = width, round(width / CROP_RATIO[0])
+            elif in_ratio > CROP_RATIO[1]:
+                h, w = height, round(height * CROP_RATIO[1])
+            else:
+                w, h = width, height
+            box = ((height - h) // 2, (width - w) // 2, h, w)
+        flip = int(torch.rand(1, generator=generator).item() < 0.5)
+        return torch.tensor([*box, flip], dtype=torch.int64)
+
+    def apply(self, image: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        top, left, h, w, flip = plan.tolist()
+        out = F.resized_crop(image, top, left, h, w, [self.size, self.size],
+                             interpolation=InterpolationMode.BILINEAR, antialias=True)
+        return F.horizontal_flip(out) if flip else out
+
+
+class ResizeCenterCrop:
+    """Resize the shorter side to size * 256/224, then the central size x size crop: evaluation's
+    transform (and training's with `loader.train_augment: center_crop`); no randomness."""
+
+    name = "center_crop"
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def plan(self, height: int, width: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64)
+
+    def apply(self, image: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        image = F.resize(image, [int(self.size * EVAL_RESIZE)], interpolation=InterpolationMode.BILINEAR,
+                         antialias=True)
+        return F.center_crop(image, [self.size, self.size])
+
+
+TRAIN_AUGMENTS = {cls.name: cls for cls in (RandomResizedCropFlip, ResizeCenterCrop)}
+
+
+def split_transform(split: str, train_augment: str, size: int):
+    """The transform of `split`: the training split's augmentation, the others' Resize + CenterCrop."""
+    return TRAIN_AUGMENTS[train_augment](size) if split == "train" else ResizeCenterCrop(size)

@@ -1,0 +1,161 @@
+"""The input pipeline of an imagefolder split (`ImageFolderSplit`), built to keep a GPU busy as
+torchvision's references/classification, DALI and FFCV do: one persistent DataLoader per split
+(`loader.workers` processes, each `loader.prefetch` batches ahead, pinned memory on a GPU),
+uint8 batches to the device, and the float conversion and normalisation there (`Feed`).
+
+The `loader` config section picks the decoder (data.decoding), the training split's
+augmentation (data.augment; the other splits get Resize + CenterCrop) and the worker count.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dtstudy.data.augment import ResizeCenterCrop, split_transform
+from dtstudy.data.decoding import DECODERS, CpuDecoder, decode_torchvision
+
+
+def loader_workers(setting: int | None) -> int:
+    """`loader.workers`, with null resolved to the CPUs this process may use minus one (the
+    training process's own): 7 loader processes per GPU in a SLURM task of 8 CPUs, 0 (load in
+    the training process) in a local run's rank pinned to one core."""
+    if setting is not None:
+        return setting
+    return max(len(os.sched_getaffinity(0)) - 1, 0)
+
+
+class ImageFolderSplit(Dataset):
+    """A split of image files: item i is (the transformed image as the decoder hands it to the
+    batch, label); `batches` feeds a device, `batch` gives evaluation's view on the CPU.
+
+    `loader`: the config's `loader` section, or None for a plain reader (the evaluation
+    transform on every split, torchvision's decoder, no worker process)."""
+
+    is_in_memory = False
+
+    def __init__(self, meta: dict, samples: list, split: str, loader: dict | None = None,
+                 device: torch.device | str = "cpu"):
+        self.root = Path(meta["root"])
+        self.samples = [(path, int(label)) for path, label in samples]
+        self.num_classes = meta["classes"]
+        self.channels = 3
+        self.size = meta["image_size"]
+        self.mean, self.std = meta["mean"], meta["std"]
+        self.device = torch.device(device)
+        self.loader = loader
+        if loader is None:
+            self.transform, self.decoder, self.workers, self.prefetch = ResizeCenterCrop(self.size), None, 0, 2
+        else:
+            self.transform = split_transform(split, loader["train_augment"], self.size)
+            self.decoder = DECODERS[loader["decoder"]]()
+            self.workers, self.prefetch = loader_workers(loader["workers"]), loader["prefetch"]
+        if self.decoder is None:
+            self.decoder = DECODERS["torchvision"]()
+        self._feed = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        return _Items(self)[i]
+
+    def batch(self, indices):
+        """(float inputs normalised [B, 3, S, S], int64 labels) on the CPU, decoded in this process
+        with the evaluation transform: the same pixels on every worker (BatchNorm's statistics)."""
+        evaluation = ResizeCenterCrop(self.size)
+        paths_labels = [self.samples[i] for i in torch.as_tensor(indices, dtype=torch.long).tolist()]
+        pixels = torch.stack([evaluation.apply(decode_torchvision(self.root / path), evaluation.plan(0, 0))
+                              for path, _ in paths_labels])
+        normalise = Normalise(self.mean, self.std, torch.device("cpu"))
+        return normalise(pixels), torch.tensor([label for _, label in paths_labels], dtype=torch.int64)
+
+    def batches(self, index_batches):
+        """(inputs, labels) on this split's device for each list of indices, in order: inputs
+        float32, normalised. One DataLoader serves every call (its workers persist)."""
+        if self._feed is None:
+            self._feed = Feed(self)
+        return self._feed(index_batches)
+
+    def describe(self) -> dict:
+        """What this split's pipeline does, for the run's log."""
+        return {"transform": self.transform.name, "decoder": type(self.decoder).__name__,
+                "workers": self.workers, "prefetch": self.prefetch if self.workers else 0,
+                "pin_memory": self.device.type == "cuda"}
+
+
+class Normalise:
+    """uint8 pixels -> float32 (x / 255 - mean) / std, as one multiply-add on the batch's device."""
+
+    def __init__(self, mean, std, device: torch.device):
+        std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.scale = 1 / (255 * std_t)
+        self.shift = -torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1) / std_t
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.to(torch.float32).mul_(self.scale).add_(self.shift)
+
+
+class _Items(Dataset):
+    """What the loader workers read: the files, decoder and transform of a split, without the
+    split itself, so that no reference cycle keeps a dropped split's workers alive until a
+    garbage collection, possibly inside a forked child."""
+
+    def __init__(self, split: ImageFolderSplit):
+        self.root, self.samples = split.root, split.samples
+        self.decoder, self.transform = split.decoder, split.transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        return self.decoder.load(self.root / path, self.transform), label
+
+
+class _SwappableBatches:
+    """The persistent DataLoader's batch sampler: each pass iterates whatever `source` is then
+    (an epoch's batches, a resumed epoch's remainder, an evaluation's shard)."""
+
+    def __init__(self):
+        self.source = []
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+class _Collate:
+    """Worker-side: the decoder's batch of the items, and their labels."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def __call__(self, items):
+        return self.decoder.collate([item for item, _ in items]), torch.tensor([label for _, label in items])
+
+
+class Feed:
+    """One split's DataLoader and its device-side finish (decode on the GPU where the decoder
+    does, then normalise)."""
+
+    def __init__(self, split: ImageFolderSplit):
+        self.device, self.decoder, self.transform = split.device, split.decoder, split.transform
+        self.batch_sampler = _SwappableBatches()
+        workers = split.workers
+        options = {"persistent_workers": True, "prefetch_factor": split.prefetch} if workers else {}
+        self.loader = DataLoader(_Items(split), batch_sampler=self.batch_sampler, num_workers=workers,
+                                 collate_fn=_Collate(split.decoder), pin_memory=split.device.type == "cuda",
+                                 **options)
+        self.normalise = Normalise(split.mean, split.std, split.device)
+
+    def __call__(self, index_batches):
+        self.batch_sampler.source = [list(map(int, indices)) for indices in index_batches]
+        for batch, labels in self.loader:
+            pixels = self.decoder.finish(batch, self.transform, self.device)
+            yield self.normalise(pixels), labels.to(self.device, non_blocking=True)
