@@ -18,6 +18,11 @@ include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/project.smk"
 
 
+# A SLURM study prints what it is predicted to cost before its first job (common.smk).
+onstart:
+    print_cost_summary()
+
+
 # The study's warm pool (local runs) is not needed once Snakemake is done.
 onsuccess:
     stop_warm_pool()

@@ -107,3 +107,35 @@ def test_a_local_run_sees_the_gpus_its_launcher_sees(tmp_path, tiny_data, monkey
     metrics, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=4,
                               launcher={"local_processes": processes})
     assert metrics["environment"]["cuda_visible_devices"] == visible
+
+
+def sbatch_lines(spec, tmp_path, time_limit_min=None) -> set[str]:
+    """The #SBATCH lines of the script submitit would submit for the run (nothing is submitted)."""
+    from dtstudy.launch.launcher import make_executor
+
+    executor = make_executor(spec, tmp_path, time_limit_min=time_limit_min)
+    script = executor._executor._make_submission_file_text("python -c pass", "uid")
+    return {line for line in script.splitlines() if line.startswith("#SBATCH")}
+
+
+def test_an_n1_job_asks_for_one_gpu_and_an_n8_job_for_the_gpus_of_its_two_nodes(tmp_path):
+    """Issue 30: every run asked for the whole node's GPUs; each node now asks for the GPUs
+    its workers use (the shards of a parameter server take none)."""
+    pytest.importorskip("submitit")
+    one = sbatch_lines(spec_for(1, {"cluster": "slurm", "gpus_per_node": 4}), tmp_path)
+    assert {"#SBATCH --gpus-per-node=1", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"} <= one
+    eight = sbatch_lines(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}), tmp_path)
+    assert {"#SBATCH --gpus-per-node=4", "#SBATCH --nodes=2"} <= eight  # the control: a full node's
+    shards = sbatch_lines(spec_for(2, {"cluster": "slurm", "gpus_per_node": 4}, strategy="ps_sync",
+                                   strategy_params={"shards": 2}), tmp_path)
+    assert {"#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=4"} <= shards  # 2 workers + 2 CPU shards
+
+
+def test_a_gres_site_gets_gres_and_a_predicted_time_limit_replaces_timeout_min(tmp_path):
+    pytest.importorskip("submitit")
+    lines = sbatch_lines(spec_for(1, {"cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres",
+                                      "timeout_min": 720}), tmp_path, time_limit_min=386)
+    assert {"#SBATCH --gres=gpu:1", "#SBATCH --time=386"} <= lines
+    assert not any(line.startswith("#SBATCH --gpus-per-node") for line in lines)
+    default = sbatch_lines(spec_for(1, {"cluster": "slurm", "gpus_per_node": 4, "timeout_min": 720}), tmp_path)
+    assert "#SBATCH --time=720" in default  # the control: no prediction, timeout_min

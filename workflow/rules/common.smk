@@ -16,7 +16,7 @@ from dtstudy.runspec import RunSpec
 # disk): fail before any job starts. The data set is walked once, in the main Snakemake
 # process, not again in every job.
 study_config.validate_schema(config)
-check_config(config, check_data=workflow.is_main_process)
+TRAIN_IMAGES = check_config(config, check_data=workflow.is_main_process)  # None in a job's parse
 
 DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"
@@ -74,6 +74,18 @@ def all_runs(filename):
         workers=config["workers"],
         seed=config["seeds"],
     )
+
+
+def print_cost_summary():
+    """A SLURM study's predicted cost per run, per strategy and in total on the profiles its config
+    names (`python -m dtstudy budget`'s table), when it starts; check_config has already held it
+    to launcher.gpu_hour_budget."""
+    if config["launcher"]["cluster"] != "slurm" or TRAIN_IMAGES is None:
+        return
+    from dtstudy.projection import budget
+
+    images = budget.study_images(config, TRAIN_IMAGES)
+    print(budget.render(budget.report(config, images), config["launcher"]["gpu_hour_budget"]), flush=True)
 
 
 def stop_warm_pool():

@@ -35,15 +35,17 @@ def uses_pool(spec: RunSpec) -> bool:
     return launcher["cluster"] == "local" and launcher["local_processes"] == "pool"
 
 
-def job_parameters(spec: RunSpec, pooled: bool = False) -> dict:
+def job_parameters(spec: RunSpec, pooled: bool = False, time_limit_min: int | None = None) -> dict:
     """submitit parameters of a run's job: the N workers (one per GPU on a GPU cluster) plus
     the strategy's extra processes as further tasks, over the fewest nodes that hold them;
-    `pooled`: one task, the pool forks the processes."""
+    each node asks for the GPUs its workers use, no more. `pooled`: one task, the pool forks
+    the processes. `time_limit_min`: the job's time limit (dtstudy.projection.budget's
+    prediction); None = launcher.timeout_min."""
     launcher = spec.config["launcher"]
     layout = spec.layout()
     parameters = {
         "name": spec.run_name,
-        "timeout_min": launcher["timeout_min"],
+        "timeout_min": launcher["timeout_min"] if time_limit_min is None else time_limit_min,
         "nodes": 1 if pooled else layout.nodes,
         "tasks_per_node": 1 if pooled else layout.tasks_per_node,
     }
@@ -58,7 +60,13 @@ def job_parameters(spec: RunSpec, pooled: bool = False) -> dict:
     parameters["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
     parameters["cpus_per_task"] = launcher["cpus_per_task"]
     if launcher["gpus_per_node"]:
-        parameters["gpus_per_node"] = launcher["gpus_per_node"]
+        # one GPU per worker on its node: N=1 holds one GPU, not the node's; the shards
+        # (extra tasks) compute on CPUs and take none
+        gpus = layout.workers_per_node
+        if launcher["gpu_request"] == "gres":
+            parameters["slurm_gres"] = f"gpu:{gpus}"
+        else:
+            parameters["gpus_per_node"] = gpus
     if launcher["mem_gb"] is not None:
         parameters["mem_gb"] = launcher["mem_gb"]
     for key in ("partition", "account", "qos", "constraint"):
@@ -69,14 +77,14 @@ def job_parameters(spec: RunSpec, pooled: bool = False) -> dict:
     return parameters
 
 
-def make_executor(spec: RunSpec, job_dir: Path, pooled: bool = False):
+def make_executor(spec: RunSpec, job_dir: Path, pooled: bool = False, time_limit_min: int | None = None):
     import submitit
 
     launcher = spec.config["launcher"]
     # a requeue after a time-out counts against max_requeues; preemptions do not (submitit)
     executor = submitit.AutoExecutor(folder=job_dir, cluster=launcher["cluster"],
                                      slurm_max_num_timeout=launcher["max_requeues"])
-    parameters = job_parameters(spec, pooled)
+    parameters = job_parameters(spec, pooled, time_limit_min)
     if launcher["cluster"] == "local":
         # AutoExecutor would rename signal_delay_s to slurm_signal_delay_s (and it rejects
         # local_signal_delay_s), leaving the local controller at its default
@@ -104,9 +112,9 @@ class _LogFollower:
             sys.stdout.flush()
 
 
-def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -> dict:
+def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, time_limit_min: int | None = None) -> dict:
     """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
-    the run's MLflow run marked FAILED)."""
+    the run's MLflow run marked FAILED). `time_limit_min`: job_parameters'."""
     import submitit
 
     submitted_at = time.time()
@@ -144,7 +152,7 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05) -
             callable_ = PooledTrainingJob(spec, pool_address(), timings, environ)
         else:
             callable_ = TrainingJob(spec, timings, environ)
-        job = make_executor(spec, job_dir, pooled).submit(callable_)
+        job = make_executor(spec, job_dir, pooled, time_limit_min).submit(callable_)
         what = f"1 task (the warm pool forks its {spec.processes()} processes)" if pooled else f"{spec.processes()} tasks"
         print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
         follower = _LogFollower(Path(job.paths.stdout))
