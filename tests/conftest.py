@@ -128,3 +128,45 @@ def in_workers(tmp_path, workers: int, check, *args) -> None:
 
     mp.start_processes(_in_worker, args=(workers, str(tmp_path / "rendezvous"), check, args), nprocs=workers,
                        start_method="fork")
+
+
+class MlflowServer:
+    """A real `mlflow server` (SQLite behind it, as on a login node) that a test can stop and
+    start again on the same port and store: a tracking server that goes away mid-study."""
+
+    def __init__(self, folder: Path, port: int | None = None):
+        from dtstudy.launch.ports import free_port
+
+        self.folder, self.port = Path(folder), port or free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120) -> "MlflowServer":
+        import os
+        import sys
+        import time
+        import urllib.request
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
+             "--artifacts-destination", str(self.folder / "artifacts"), "--workers", "1"],
+            cwd=self.folder, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2).read()
+                return self
+            except OSError:
+                assert self.process.poll() is None and time.monotonic() < deadline, (self.folder / "server.log").read_text()
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        self.process = None

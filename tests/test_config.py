@@ -19,7 +19,7 @@ def test_schema_fills_every_default():
     }
     assert config["strategies"] == ["allreduce"] and config["workers"] == [1, 2, 4]
     assert config["train"]["lr_scaling"] == "linear" and config["train"]["batch_size"] == 64
-    assert config["tracking"] == {"uri": None, "experiment": "distributed-training-study"}
+    assert config["tracking"] == {"uri": None, "experiment": "distributed-training-study", "wait_for_server_s": 300}
 
 
 @pytest.mark.parametrize("path", ["config/config.yaml", "config/allreduce.yaml"])

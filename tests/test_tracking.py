@@ -81,3 +81,98 @@ def test_log_study_run_marks_parent_failed_on_unknown_child(uri, tmp_path):
     study_runs = client.search_runs(
         [client.get_experiment_by_name("exp").experiment_id])
     assert [run.info.status for run in study_runs] == ["FAILED"]
+
+
+# ----- a tracking server that goes away mid-run ---------------------------------------------
+
+def _final_metrics(points: int) -> dict:
+    """A finished run's metrics.json, as log_training_results reads it."""
+    return {"environment": {"backend": "gloo"}, "global_batch": 64, "per_worker_batch": 32,
+            "lr_schedule": {"rule": "linear"}, "train_loss": [1.0 / (i + 1) for i in range(points)],
+            "throughput": 100.0, "step_time": {"compute_s": 0.01, "comm_s": 0.002, "data_s": 0.001},
+            "bytes_per_step": 1e5, "wall_time_s": 3.0, "time_to_accuracy_s": None, "final_val_top1": 0.5}
+
+
+def _logged(uri: str, run_id: str, key: str = "train_loss") -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def test_a_live_run_keeps_its_metrics_while_the_server_is_away_and_sends_them_when_it_is_back(tmp_path):
+    """The server stops mid-run and starts again on the same store: training is never held up
+    by it (log_metric returns at once), the run says so, and every point reaches MLflow."""
+    import time
+
+    from conftest import MlflowServer
+    from dtstudy.tracking.live_run import LiveRun
+
+    server = MlflowServer(tmp_path).start()
+    said = []
+    try:
+        live = LiveRun(server.uri, "outage", "allreduce-n2-seed0", {"strategy": "allreduce"}, {"seed": 0},
+                       str(tmp_path), wait_for_server_s=120, say=said.append)
+        for step in range(5):
+            live.log_metric("train_loss", 1.0 / (step + 1), step)
+        deadline = time.monotonic() + 60
+        while live.record is None or len(_logged(server.uri, live.record["run_id"])) < 5:
+            assert time.monotonic() < deadline, said
+            time.sleep(0.2)
+        server.stop()
+        start = time.monotonic()
+        for step in range(5, 10):
+            live.log_metric("train_loss", 1.0 / (step + 1), step)
+        assert time.monotonic() - start < 1.0  # the training loop does not wait for the server
+        while not any("unreachable" in line for line in said):
+            assert time.monotonic() < deadline + 60, said
+            time.sleep(0.2)
+        server.start()
+        record = live.finish(_final_metrics(10))
+        live.close("FINISHED")
+        assert "pending" not in record and any("reachable again" in line for line in said), said
+        assert _logged(server.uri, record["run_id"]) == [(step, pytest.approx(1.0 / (step + 1))) for step in range(10)]
+        run = MlflowClient(server.uri).get_run(record["run_id"])
+        assert run.info.status == "FINISHED" and run.data.metrics["final_val_top1"] == 0.5
+        assert not (tmp_path / "mlflow_pending.json").exists()
+    finally:
+        server.stop()
+
+
+def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggregate_step(tmp_path):
+    """Past tracking.wait_for_server_s the run ends anyway: what MLflow lacks (here the whole run:
+    the server was away from the start) goes to mlflow_pending.json, and deliver_pending sends it
+    once the server is back, the evaluation's test metrics with it. The control: while the server
+    is still away, delivering fails and keeps the file."""
+    import json
+
+    from conftest import MlflowServer
+    from dtstudy.tracking.live_run import PENDING_FILE, RUN_ID_FILE, LiveRun, deliver_pending
+
+    server = MlflowServer(tmp_path)  # not started: away from the run's first step
+    said = []
+    live = LiveRun(server.uri, "outage", "ps_sync-n2-seed0", {"strategy": "ps_sync"}, {"seed": 0}, str(tmp_path),
+                   wait_for_server_s=2, say=said.append)
+    for step in range(7):
+        live.log_metric("train_loss", float(step), step)
+    record = live.finish(_final_metrics(7))
+    live.close("FINISHED")
+    assert record == {"pending": PENDING_FILE, "tracking_uri": server.uri}
+    assert any("still unreachable after 2 s" in line and "tracking.wait_for_server_s" in line for line in said), said
+    kept = json.loads((tmp_path / PENDING_FILE).read_text())
+    assert len(kept["points"]) == 7 and kept["final"]["final_val_top1"] == 0.5 and kept["status"] == ["FINISHED", None]
+    (tmp_path / "eval.json").write_text(json.dumps({"top1": 0.61, "top5": 0.97, "mlflow_run_id": None}))
+
+    with pytest.raises(Exception):
+        deliver_pending(tmp_path)  # the control: still away
+    assert (tmp_path / PENDING_FILE).exists()
+
+    server.start()
+    try:
+        delivered = deliver_pending(tmp_path)
+        assert not (tmp_path / PENDING_FILE).exists()
+        assert json.loads((tmp_path / RUN_ID_FILE).read_text()) == delivered
+        assert _logged(server.uri, delivered["run_id"]) == [(step, float(step)) for step in range(7)]
+        run = MlflowClient(server.uri).get_run(delivered["run_id"])
+        assert run.info.status == "FINISHED" and run.info.run_name == "ps_sync-n2-seed0"
+        assert run.data.metrics["final_val_top1"] == 0.5 and run.data.metrics["test_top1"] == 0.61
+        assert deliver_pending(tmp_path) is None  # delivered once
+    finally:
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -11,20 +12,46 @@ from dtstudy.analysis.runs import load_run_metrics, load_runs
 from dtstudy.analysis.tables import accuracy_table, noise_summary, scaling_table, write_table
 from dtstudy.atomic_files import write_text
 from dtstudy.tracking import mlflow_store
+from dtstudy.tracking.live_run import PENDING_FILE, deliver_pending
 
 
 def log(message: str) -> None:
     print(f"[aggregate] {message}", flush=True)
 
 
+def deliver_kept_results(run_dirs: Iterable[Path], wait_for_server_s: float = 300.0, retry_s: float = 5.0) -> None:
+    """Runs that ended while the MLflow server was away kept their results (PENDING_FILE, or
+    test metrics in eval.json): deliver them now, before the study run adopts its runs,
+    trying again every `retry_s` for `wait_for_server_s` (tracking.wait_for_server_s) while
+    the server is still away."""
+    deadline = time.monotonic() + wait_for_server_s
+    for run_dir in run_dirs:
+        while True:
+            try:
+                record = deliver_pending(run_dir)
+                break
+            except Exception as error:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"{run_dir}: the results this run kept while MLflow was away ({PENDING_FILE}, eval.json) "
+                        f"could not be delivered in {wait_for_server_s:.0f} s (tracking.wait_for_server_s; "
+                        f"{type(error).__name__}: {str(error).splitlines()[0][:300]}); start the tracking server "
+                        "and run the study again") from error
+                log(f"{run_dir}: MLflow still away ({type(error).__name__}); trying again in {retry_s:.0f} s")
+                time.sleep(retry_s)
+        if record is not None:
+            log(f"{run_dir}: results kept while MLflow was away delivered to run {record['run_id']}")
+
+
 def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plots_dir: str | Path,
         tracking_uri: str | None, experiment: str,
         strategies_order: Sequence[str] | None = None,
-        study_params: Mapping | None = None) -> dict:
+        study_params: Mapping | None = None, wait_for_server_s: float = 300.0) -> dict:
     """Tables + plots from the run folders, then the MLflow study run that adopts them."""
     run_dirs = [Path(d) for d in run_dirs]
     tables_dir, plots_dir = Path(tables_dir), Path(plots_dir)
 
+    deliver_kept_results(run_dirs, wait_for_server_s)
     df = load_runs(run_dirs)
     run_metrics = load_run_metrics(run_dirs)
     log(f"loaded {len(df)} runs ({df['strategy'].nunique()} strategies)")

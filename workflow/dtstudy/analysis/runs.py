@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from dtstudy.strategies.specs import SPECS
+from dtstudy.tracking.live_run import recorded_run
 
 FAMILY_OF = {name: spec.family for name, spec in SPECS.items()}
 
@@ -77,7 +78,9 @@ def _run_row(run_dir: Path) -> dict:
     metrics_path, eval_path = run_dir / "metrics.json", run_dir / "eval.json"
     metrics, evaluation = read_json(metrics_path), read_json(eval_path)
     step_time = _field(metrics, "step_time", metrics_path, convert=dict)
-    run_id = (metrics.get("mlflow") or {}).get("run_id") or evaluation.get("mlflow_run_id")
+    # a run whose MLflow record was delivered late (tracking.live_run.deliver_pending) has it in RUN_ID_FILE
+    run_id = ((metrics.get("mlflow") or {}).get("run_id") or evaluation.get("mlflow_run_id")
+              or (recorded_run(run_dir) or {}).get("run_id"))
     time_to_accuracy = metrics.get("time_to_accuracy_s")
     throughput = _field(metrics, "throughput_median" if "throughput_median" in metrics else "throughput", metrics_path)
     return {
