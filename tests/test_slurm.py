@@ -36,7 +36,7 @@ def tiny_cluster_study(**overrides) -> dict:
         model_options={"small_input": True},
         train={"warmup_epochs": 0, "max_steps": None, "steady_state_skip": 5, "log_every": 20},
         launcher={"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1,
-                  "partition": None, "timeout_min": 10, "signal_delay_s": 60},
+                  "partition": None, "timeout_min": 10, "signal_delay_s": 60, "hardware": None},
         tracking={"uri": None},
     )
     overlay["dataset"].update(name="fashion_mnist", root=None)
@@ -87,29 +87,13 @@ def slurm_cluster():
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` (SQLite behind it, as on a login node); yields its URI."""
-    from dtstudy.launch.launcher import free_port
+    """A real `mlflow server` (SQLite behind it, as on a login node) that a test may stop and
+    start again (conftest.MlflowServer)."""
+    from conftest import MlflowServer
 
-    folder = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", str(folder / "artifacts"),
-         "--workers", "1"],
-        cwd=folder, stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log").read_text()
-            time.sleep(0.5)
-    yield uri
-    os.killpg(server.pid, signal.SIGTERM)
-    server.wait(timeout=30)
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+    yield server
+    server.stop()
 
 
 def make_image_folder(root: Path, per_class: int) -> Path:
@@ -151,15 +135,29 @@ def test_full_study_without_a_dataset_root_says_what_to_edit(tmp_path):
 
 
 def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_server):
+    """The study on SLURM, with its MLflow server stopped while the runs train and started again
+    on the same store: the study completes and every metric the runs measured is in MLflow."""
     import mlflow
 
-    study = tiny_cluster_study(tracking={"uri": mlflow_server, "experiment": "slurm-study"})
+    study = tiny_cluster_study(tracking={"uri": mlflow_server.uri, "experiment": "slurm-study"})
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     process = slurm_snakemake(tmp_path, study)
+    names = run_names(study)
+    runs_dirs = {name: tmp_path / "results/runs/{}/{}/seed0".format(*name.split("-")[:2]) for name in names}
+    deadline = time.monotonic() + 600
+    while not all((run / "mlflow_run.json").exists() for run in runs_dirs.values()):  # both train and log
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
+        time.sleep(0.5)
+    mlflow_server.stop()
+    while not any("unreachable" in log.read_text() for log in tmp_path.glob("results/logs/train/*/*/*.log")):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
+        time.sleep(0.5)
+    away_until_training_ended = not any((run / "metrics.json").exists() for run in runs_dirs.values())
+    mlflow_server.start()
     output = process.communicate(timeout=900)[0]
     assert process.returncode == 0, output[-6000:]
+    assert away_until_training_ended  # the outage met a run that was still training
 
-    names = run_names(study)
     states = sacct_states(names, since)
     assert states == {name: ["COMPLETED"] for name in names}, states
     # the CPU rules ran as SLURM jobs of Snakemake's executor, training as submitit's
@@ -168,19 +166,27 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
     assert not any("/rule_train/" in line for line in submitted)
     for name in names:
         strategy, workers, _ = name.split("-")
-        run = tmp_path / f"results/runs/{strategy}/{workers}/seed0"
+        run = runs_dirs[name]
         metrics, evaluation = read_json(run / "metrics.json"), read_json(run / "eval.json")
         assert metrics["environment"]["processes"] == int(workers[1:]) + (strategy == "ps_sync")
         assert metrics["images"] == metrics["steps"] * 32 * int(workers[1:])
         assert 0 < evaluation["top1"] <= 1
+        # every point measured reached MLflow, those of the outage too
+        client = mlflow.MlflowClient(mlflow_server.uri)
+        run_id = read_json(run / "mlflow_run.json")["run_id"]
+        logged = [m.step for m in client.get_metric_history(run_id, "train_loss")]
+        every = study["train"]["log_every"]
+        assert study["train"]["epochs"] == 1  # rank 0 logs the loss of every `every`-th step of the epoch
+        assert sorted(logged) == [step for step in range(metrics["steps"]) if (step + 1) % every == 0] != []
+        assert len(client.get_metric_history(run_id, "train_loss_mean")) == metrics["steps"]
     scaling = (tmp_path / "results/tables/scaling.csv").read_text().splitlines()
     assert len(scaling) == 1 + len(names)
 
-    mlflow.set_tracking_uri(mlflow_server)
+    mlflow.set_tracking_uri(mlflow_server.uri)
     runs = mlflow.search_runs(experiment_names=["slurm-study"])
     assert sorted(runs["tags.dtstudy.kind"]) == ["study"] + ["training"] * len(names)
     trained = runs[runs["tags.dtstudy.kind"] == "training"]
-    assert trained["metrics.test_top1"].notna().all()
+    assert trained["metrics.test_top1"].notna().all() and (trained["status"] == "FINISHED").all()
     assert (trained["tags.mlflow.parentRunId"] == runs[runs["tags.dtstudy.kind"] == "study"].run_id.iloc[0]).all()
 
 

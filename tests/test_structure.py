@@ -114,7 +114,8 @@ def test_every_module_says_what_it_owns_in_its_first_line():
 
 @pytest.mark.parametrize("module", ["dtstudy.checks", "dtstudy.config.study_config", "dtstudy.data.checks",
                                     "dtstudy.launch.launcher", "dtstudy.launch.job", "dtstudy.launch.pool.client",
-                                    "dtstudy.runspec", "dtstudy.strategies.specs", "dtstudy.__main__"])
+                                    "dtstudy.runspec", "dtstudy.strategies.specs", "dtstudy.projection.budget",
+                                    "dtstudy.__main__"])
 def test_light_modules_do_not_import_torch_or_mlflow(module):
     code = (f"import sys, json; import {module}; "
             "print(json.dumps(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules)))")

@@ -34,6 +34,32 @@ def cmd_check_config(args) -> None:
     print(f"config OK: {runs} training runs ({cfg['strategies']} x N={cfg['workers']} x seeds {cfg['seeds']})")
 
 
+def cmd_budget(args) -> None:
+    """The study's predicted cost (dtstudy.projection.budget) on every profile its config names,
+    before anything runs; a study over launcher.gpu_hour_budget is refused after the table."""
+    from dtstudy.checks import check_config, count_training_images
+    from dtstudy.config.study_config import deep_merge, read_yaml, validate_schema
+    from dtstudy.projection import budget
+
+    config = read_yaml(args.base)
+    for path in args.configfile:  # on top of each other, as Snakemake merges --configfile
+        config = deep_merge(config, read_yaml(path))
+    config = deep_merge(config, budget.overrides(args.set))
+    validate_schema(config)
+    check_config(config, check_data=False)
+    try:
+        counted, why_not = count_training_images(config), ""
+    except ConfigError as err:  # not on disk here: launcher.budget_train_images stands in
+        counted, why_not = None, str(err)
+    images = budget.study_images(config, counted, why_not)
+    result = budget.report(config, images)
+    print(budget.render(result, config["launcher"]["gpu_hour_budget"]))
+    if args.record:
+        budget.write_record(args.record, args.record_as, [args.base, *args.configfile], args.set, result)
+        print(f"written to {args.record} as {args.record_as!r}")
+    budget.check_study(config, images)
+
+
 def cmd_prepare_data(args) -> None:
     from dtstudy.data.prepare import prepare
 
@@ -55,6 +81,7 @@ def cmd_init_tracking(args) -> None:
 
 def cmd_train(args) -> None:
     from dtstudy.launch.launcher import run_training_job, TrainingJobFailed
+    from dtstudy.projection import budget
     from dtstudy.runspec import RunSpec
 
     cfg = _config(args)
@@ -70,8 +97,10 @@ def cmd_train(args) -> None:
         tracking_uri=None if args.no_tracking else study_config.tracking_uri(cfg["tracking"]["uri"]),
     )
     job_dir = args.job_dir or str(Path(args.out) / "submitit")
+    # on SLURM with launcher.hardware: the job asks its predicted time, not timeout_min
+    time_limit_min = budget.job_time_limit_min(cfg, args.strategy, args.workers, args.data)
     try:
-        metrics = run_training_job(spec, job_dir)
+        metrics = run_training_job(spec, job_dir, time_limit_min=time_limit_min)
     except TrainingJobFailed as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -118,6 +147,7 @@ def cmd_aggregate(args) -> None:
         experiment=cfg["tracking"]["experiment"],
         strategies_order=cfg["strategies"],
         study_params=cfg,
+        wait_for_server_s=cfg["tracking"]["wait_for_server_s"],
     )
     if args.study_run:  # where the study run is, for the steps after this one (the projection)
         from dtstudy.atomic_files import write_json
@@ -184,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("check-config", help="validate a study config and count its runs")
     _add_config_args(p)
     p.set_defaults(func=cmd_check_config)
+
+    p = commands.add_parser("budget", help="the study's predicted wall time and GPU-hours per run, before submitting")
+    p.add_argument("--configfile", nargs="*", default=[], help="config files on top of --base, as Snakemake's")
+    p.add_argument("--base", default="config/config.yaml", help="the Snakefile's own config (always the base)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="a config key by its dotted name, its value in YAML (train.precision=fp32), last")
+    p.add_argument("--record", help="also write the prediction into this JSON file (docs/records/budget.json)")
+    p.add_argument("--record-as", default="cluster", help="with --record: the entry's name in the file")
+    p.set_defaults(func=cmd_budget)
 
     p = commands.add_parser("prepare-data", help="prepare the data set once for every worker")
     _add_config_args(p)

@@ -1,8 +1,9 @@
 """The study config's checks that a schema cannot do, across every layer: strategy names and
 knobs for every N (strategy specs), the job layout over nodes, stragglers, the projection's
-hardware profiles, and the data set on disk against the batch sizes. They run when the
-Snakefile is parsed, before any job starts (torch-free); every error names the config key,
-the bad value and what is allowed. `load_config` reads, validates and checks a config file.
+hardware profiles, the data set on disk against the batch sizes, and a SLURM study's
+predicted cost (dtstudy.projection.budget: time limits against requeues, the GPU-hour
+budget). They run when the Snakefile is parsed, before any job starts (torch-free); every
+error names the config key, the bad value and what is allowed. `load_config` reads, validates and checks a config file.
 """
 
 from __future__ import annotations
@@ -10,23 +11,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtstudy.config.study_config import deep_merge, global_batch_size, read_yaml, run_config, validate_schema
-from dtstudy.data.checks import check_dataset
+from dtstudy.data.checks import check_dataset, check_loader
 from dtstudy.data.errors import DataConfigError
 from dtstudy.errors import ConfigError
-from dtstudy.projection import hardware
+from dtstudy.projection import budget, hardware
 from dtstudy.runspec import RunSpec
 from dtstudy.strategies.specs import SPECS
 from dtstudy.training import stragglers
 
-__all__ = ["check_config", "check_data_against_batches", "load_config"]
+__all__ = ["check_config", "check_data_against_batches", "count_training_images", "load_config"]
 
 EARLY_SIGNAL_S = 60  # how early SLURM may send a job's --signal (its time-limit checks are 30 s apart)
+#: the image side of the data sets of a fixed size; the others' is dataset.image_size
+DATASET_SIDES = {"fashion_mnist": 28, "cifar10": 32}
+#: models whose image side must be a multiple of this (alexnet_small: three 2x2 max-pools)
+MODEL_SIDE_MULTIPLE = {"alexnet_small": 8}
 
 
-def check_config(config: dict, check_data: bool = True) -> None:
+def check_config(config: dict, check_data: bool = True) -> int | None:
     """The checks a schema cannot do; raises ConfigError naming the key. `check_data`: also
     look at the data set on disk (Snakemake's main process does; the jobs it starts, which
-    parse the Snakefile again, need not walk the data set again)."""
+    parse the Snakefile again, need not walk the data set again) and return its training
+    images (count_training_images; None without `check_data`)."""
     for i, name in enumerate(config["strategies"]):
         if name not in SPECS:
             raise ConfigError(
@@ -58,21 +64,54 @@ def check_config(config: dict, check_data: bool = True) -> None:
             "config key 'train.nesterov': true needs momentum, but train.momentum is 0 "
             "(Nesterov's look-ahead is along the momentum); set train.momentum > 0 or nesterov: false"
         )
+    if train["precision"] == "fp16":  # a GradScaler the strategy's update must step through
+        for name in config["strategies"]:
+            if SPECS[name].no_fp16_because:
+                raise ConfigError(
+                    f"config key 'train.precision': 'fp16' is not allowed with strategy {name!r} in strategies: "
+                    f"{SPECS[name].no_fp16_because}; allowed with it: fp32, bf16"
+                )
+    check_model_input(config)
     try:
         stragglers.check(config["stragglers"], config["workers"])
     except ValueError as err:
         raise ConfigError(str(err)) from None
     hardware.check_study_profiles(config["projection"]["hardware"], config["strategies"])
+    check_loader(config["loader"], config["launcher"]["device"])
     if check_data:
-        check_data_against_batches(config)
+        counted = check_data_against_batches(config)
+        # before any job: each run's time limit fits its requeues, the study its GPU-hour budget
+        budget.check_study(config, budget.study_images(config, counted))
+        return counted
+    return None
 
 
-def check_data_against_batches(config: dict) -> None:
-    """The data set exists and holds enough training images for every N's global batch."""
+def check_model_input(config: dict) -> None:
+    """The model takes the data set's images (before data are prepared and a run fails on them)."""
+    multiple = MODEL_SIDE_MULTIPLE.get(config["model"])
+    dataset = config["dataset"]
+    side = DATASET_SIDES.get(dataset["name"], dataset["image_size"])
+    if multiple and side % multiple:
+        raise ConfigError(
+            f"config key 'model': {config['model']!r} needs images whose side is a multiple of {multiple}, and "
+            f"dataset {dataset['name']!r} gives {side}x{side}; allowed: another model, or a dataset.image_size "
+            f"that is a multiple of {multiple} (imagefolder, synthetic)"
+        )
+
+
+def count_training_images(config: dict) -> int:
+    """The data set's training images on disk (before dataset.subset and the validation split);
+    ConfigError naming the dataset key when it is not there."""
     try:
-        train_images = check_dataset(config["dataset"])
+        return check_dataset(config["dataset"])
     except DataConfigError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_data_against_batches(config: dict) -> int:
+    """The data set exists and holds enough training images for every N's global batch;
+    returns its training images (count_training_images)."""
+    train_images = count_training_images(config)
     train = config["train"]
     usable = train_images if config["dataset"]["subset"] is None else config["dataset"]["subset"]
     usable = int(usable * (1 - config["dataset"]["val_fraction"]))
@@ -89,6 +128,7 @@ def check_data_against_batches(config: dict) -> None:
                 f"({workers} workers) is larger than the {usable} training images; "
                 "lower the batch size or raise dataset.subset"
             )
+    return train_images
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:

@@ -8,6 +8,7 @@ from dtstudy.strategies.allreduce import AllReduce
 from dtstudy.strategies.base import CommMeter, DistContext, Strategy
 from dtstudy.strategies.compressed import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReducePowerSGD
 from dtstudy.strategies.gossip import Gossip
+from dtstudy.strategies.hybrid import Hybrid
 from dtstudy.strategies.local import EASGD, LocalSGD
 from dtstudy.strategies.parameter_server.strategy import PsAsync, PsBackup, PsSync, Ssp
 from dtstudy.strategies.reference import NoExchange
@@ -25,6 +26,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     AllReduceBF16.name: AllReduceBF16,
     AllReducePowerSGD.name: AllReducePowerSGD,
     AllReduceOneBit.name: AllReduceOneBit,
+    Hybrid.name: Hybrid,
     NoExchange.name: NoExchange,
 }
 

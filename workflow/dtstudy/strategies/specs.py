@@ -33,6 +33,11 @@ class StrategySpec:
     knob_schema: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}, "additionalProperties": False}
     #: the knobs with their defaults, from `knob_schema`; others are rejected
     defaults: ClassVar[dict[str, Any]] = {}
+    #: why train.precision fp16 is refused for it (None: allowed). fp16 scales the loss by a
+    #: GradScaler that must unscale every gradient before the update and skip a step with
+    #: inf/NaN ones (Strategy.step_optimizer); a strategy says None only once it does so
+    no_fp16_because: ClassVar[str | None] = ("its spec does not say that its update steps through the "
+                                             "GradScaler (Strategy.step_optimizer)")
 
     @classmethod
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -65,6 +70,9 @@ class StrategySpec:
     #: its exchange is handed gradients during backward (DDP's buckets and comm hooks) and
     #: may hide behind it; the others exchange after it
     overlaps_backward: ClassVar[bool] = False
+    #: its model needs the fully connected layers' shapes (Workload.fully_connected: a layer
+    #: profile's, or a run's model.pt); the projection finds them first
+    needs_fully_connected: ClassVar[bool] = False
 
     @classmethod
     def barrier(cls, workers: int, params: dict[str, Any]) -> tuple[int, int, int | None]:
@@ -104,6 +112,9 @@ class AllReduceSpec(StrategySpec):
     name = "allreduce"
     family = "synchronous"
     overlaps_backward = True
+    # the scaled gradients are averaged (linear), then the GradScaler steps the optimizer;
+    # a 16-bit wire (allreduce_fp16) that overflows gives inf, and the step is skipped
+    no_fp16_because = None
 
     @classmethod
     def wire_bytes(cls, workload: Workload) -> float:
@@ -135,6 +146,8 @@ class AllReduceBF16Spec(AllReduceFP16Spec):
 class AllReducePowerSGDSpec(AllReduceSpec):
     name = "allreduce_powersgd"
     family = "compressed"
+    no_fp16_because = ("its error feedback keeps residuals of the loss-scaled gradients: a change of the "
+                       "scale leaves them off by that factor and an overflowing step's inf stays in them")
     # rank r: two matrix products over the gradient and the error feedback, ~6 passes
     compression_passes = 6.0
 
@@ -162,6 +175,7 @@ class AllReducePowerSGDSpec(AllReduceSpec):
 class AllReduceOneBitSpec(AllReduceSpec):
     name = "allreduce_onebit"
     family = "compressed"
+    no_fp16_because = AllReducePowerSGDSpec.no_fp16_because
     # residual add, |x| mean, sign pack, dequantise and new residual: ~6 passes
     compression_passes = 6.0
 
@@ -170,10 +184,27 @@ class AllReduceOneBitSpec(AllReduceSpec):
         return steps.onebit_step(cls.name, cls.compression_passes, workload, machine, workers, params, stragglers)
 
 
+# ----- hybrid: data-parallel convolutions, model-parallel fully connected layers --------
+
+class HybridSpec(StrategySpec):
+    name = "hybrid"
+    family = "synchronous"  # synchronous SGD, allreduce's update
+    overlaps_backward = True  # the data-parallel layers' gradient in DDP's buckets
+    needs_fully_connected = True  # its model-parallel layers
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """Krizhevsky 2014: the other layers' gradient all-reduced behind backward, the
+        activations of the fully connected layers exchanged, blocking, forward and backward."""
+        return steps.hybrid_step(cls.name, workload, machine, workers, params, stragglers)
+
+
 # ----- parameter servers --------------------------------------------------------------
 
 class ParameterServerSpec(StrategySpec):
     family = "parameter server"
+    no_fp16_because = ("the shards apply the pushed gradients: a worker's GradScaler can neither unscale "
+                       "them there nor skip a step with inf/NaN gradients")
 
     @classmethod
     def extra_processes(cls, params, workers):
@@ -260,6 +291,10 @@ class PeriodicAveragingSpec(StrategySpec):
     """Workers that average every `period` steps (all-reduce, blocking)."""
 
     family = "local / decentralized"
+    # each worker's own optimizer steps through its GradScaler; the averages are of parameters
+    # and momentum (unscaled), and local_sgd's warm-up averages gradients of equal scales (the
+    # workers' scalers see the same averaged gradients, so they skip and rescale together)
+    no_fp16_because = None
 
     @classmethod
     def averaged_bytes(cls, workload: Workload) -> float:
@@ -303,6 +338,7 @@ class EASGDSpec(PeriodicAveragingSpec):
 class GossipSpec(StrategySpec):
     name = "gossip"
     family = "local / decentralized"
+    no_fp16_because = None  # its exchange averages parameters; each worker's update is its own
     # memory passes over the parameter bytes of a step's averaging with one neighbour
     # (flatten: 2, stack of 2 copies: 4, their mean: 3, copy back: 2); with d neighbours
     # the work grows with the 1 + d vectors averaged (perfmodel.steps.mixing_time)
@@ -323,6 +359,7 @@ class GossipSpec(StrategySpec):
 class NoExchangeSpec(StrategySpec):
     name = "no_exchange"
     family = "reference"
+    no_fp16_because = None
 
     @classmethod
     def barrier(cls, workers, params):
@@ -336,7 +373,7 @@ class NoExchangeSpec(StrategySpec):
 
 SPECS: dict[str, type[StrategySpec]] = {spec.name: spec for spec in (
     AllReduceSpec, PsSyncSpec, PsBackupSpec, PsAsyncSpec, SspSpec, LocalSGDSpec, EASGDSpec, GossipSpec,
-    AllReduceFP16Spec, AllReduceBF16Spec, AllReducePowerSGDSpec, AllReduceOneBitSpec,
+    AllReduceFP16Spec, AllReduceBF16Spec, AllReducePowerSGDSpec, AllReduceOneBitSpec, HybridSpec,
     NoExchangeSpec,
 )}
 
