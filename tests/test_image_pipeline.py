@@ -232,7 +232,7 @@ def test_in_memory_data_ignore_the_loader_section(tiny_data):
 # ----- end to end -----------------------------------------------------------------------------
 
 
-def test_a_tiny_study_on_a_messy_tree_trains_and_evaluates_every_image(messy_tree, tmp_path):
+def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path):
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
@@ -243,7 +243,7 @@ def test_a_tiny_study_on_a_messy_tree_trains_and_evaluates_every_image(messy_tre
                  "test_fraction": 0.25, "image_size": SIZE},
         loader={"workers": 1},
         workers=[2],
-        train={"batch_size": 4, "epochs": 2, "log_every": 2, "steady_state_skip": 1},
+        train={"batch_size": 4, "epochs": 2, "log_every": 2, "steady_state_skip": 1, "precision": "bf16"},
     ))
     data = tmp_path / "data"
     meta = prepare(study["dataset"], data)
@@ -253,6 +253,7 @@ def test_a_tiny_study_on_a_messy_tree_trains_and_evaluates_every_image(messy_tre
     assert metrics["config"]["loader"] == {"workers": 1, "decoder": "torchvision",
                                            "train_augment": "random_resized_crop_flip", "prefetch": 2}
     assert metrics["steps"] == 2 * (meta["sizes"]["train"] // (2 * 4))
+    assert metrics["compute"]["precision"] == "bf16" and metrics["compute"]["autocast_dtype"] == "bfloat16"
     assert [entry["images"] for entry in metrics["val"]] == [meta["sizes"]["val"]] * 2  # every val image
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "submitit").rglob("*_log.out"))
     assert "input pipeline: train {'transform': 'random_resized_crop_flip'" in logs and "'workers': 1" in logs
