@@ -176,3 +176,37 @@ def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggrega
         assert deliver_pending(tmp_path) is None  # delivered once
     finally:
         server.stop()
+
+
+def test_final_results_sent_again_after_a_lost_connection_log_no_part_twice(monkeypatch):
+    """A retry of log_training_results after the connection dropped mid-way (here: at the
+    artifact, after the metrics went through) sends only what is missing. The control: a retry
+    that does not keep `done` logs the loss series twice (what the SLURM test first caught)."""
+    class FlakyClient:
+        def __init__(self):
+            self.metric_batches, self.artifacts, self.fail_artifact = [], 0, True
+
+        def log_batch(self, run_id, metrics=(), params=(), tags=()):
+            if metrics:
+                self.metric_batches.append(len(metrics))
+
+        def log_artifact(self, run_id, path):
+            if self.fail_artifact:
+                self.fail_artifact = False
+                raise ConnectionError("the server went away")
+            self.artifacts += 1
+
+    def attempt_twice(done):
+        client = FlakyClient()
+        monkeypatch.setattr(mlflow_store, "client_for", lambda uri: client)
+        with pytest.raises(ConnectionError):
+            mlflow_store.log_training_results("http://x", {"run_id": "r"}, _final_metrics(1500), done)
+        mlflow_store.log_training_results("http://x", {"run_id": "r"}, _final_metrics(1500),
+                                          done if done is not None else None)
+        return client
+
+    every_metric = len(mlflow_store._final_metrics(_final_metrics(1500)))  # the loss series and the finals
+    kept = attempt_twice(set())
+    assert sum(kept.metric_batches) == every_metric > 1500 and kept.artifacts == 1
+    control = attempt_twice(None)
+    assert sum(control.metric_batches) == 2 * every_metric

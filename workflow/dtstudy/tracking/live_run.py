@@ -48,6 +48,7 @@ class LiveRun:
         self._lock = threading.Lock()
         self._points: list[tuple[str, float, int, int]] = []
         self._final: dict | None = None
+        self._final_done: set[str] = set()  # the parts of the final results MLflow has
         self._status: tuple[str, str | None] | None = None
         self._spilled = False
         if self.enabled:
@@ -121,7 +122,8 @@ class LiveRun:
             first, self._spilled = not self._spilled, True
             pending = {"tracking_uri": self.uri, "experiment": self.experiment, "run_name": self.run_name,
                        "tags": self.tags, "params": self.params, "record": self.record,
-                       "points": self._points, "final": self._final, "status": self._status}
+                       "points": self._points, "final": self._final, "final_done": sorted(self._final_done),
+                       "status": self._status}
         where = Path(self.out_dir or ".") / PENDING_FILE
         if where.exists():  # a close after finish spilled: add to what is there
             pending = {**json.loads(where.read_text()), **{k: v for k, v in pending.items() if v}}
@@ -169,11 +171,12 @@ class LiveRun:
                                                                   self.tags, self.params)
                     if self.out_dir is not None:
                         write_json(Path(self.out_dir) / RUN_ID_FILE, self.record)
-                if self._points:
-                    mlflow_store.log_metric_points(self.uri, self.record["run_id"], self._points)
-                    self._points = []
+                while self._points:  # one request a batch: a failed one is the only one sent again
+                    batch = self._points[:mlflow_store.METRICS_PER_REQUEST]
+                    mlflow_store.log_metric_points(self.uri, self.record["run_id"], batch)
+                    del self._points[:len(batch)]
                 if self._final is not None:
-                    mlflow_store.log_training_results(self.uri, self.record, self._final)
+                    mlflow_store.log_training_results(self.uri, self.record, self._final, self._final_done)
                     self._final = None
                 if self._status is not None:
                     mlflow_store.end_run(self.uri, self.record["run_id"], *self._status, mlflow_store.RANK0_FAILURE_TAG)
@@ -253,11 +256,18 @@ def deliver_pending(run_dir: str | Path) -> dict | None:
             record = mlflow_store.start_training_run(pending["tracking_uri"], pending["experiment"], pending["run_name"],
                                                      pending["tags"], pending["params"])
             write_json(path, {**pending, "record": record})  # a failure below must not create it twice
-        uri = pending["tracking_uri"]
-        if pending.get("points"):
-            mlflow_store.log_metric_points(uri, record["run_id"], [tuple(point) for point in pending["points"]])
-        if pending.get("final"):
-            mlflow_store.log_training_results(uri, record, pending["final"])
+        uri, points, done = pending["tracking_uri"], [tuple(point) for point in pending.get("points") or []], set(
+            pending.get("final_done") or [])
+        try:  # one request at a time; what was sent is struck from the file if a later one fails
+            while points:
+                batch = points[:mlflow_store.METRICS_PER_REQUEST]
+                mlflow_store.log_metric_points(uri, record["run_id"], batch)
+                del points[:len(batch)]
+            if pending.get("final"):
+                mlflow_store.log_training_results(uri, record, pending["final"], done)
+        except Exception:
+            write_json(path, {**pending, "record": record, "points": points, "final_done": sorted(done)})
+            raise
     if test_kept:
         mlflow_store.log_test_metrics(record["tracking_uri"], record["run_id"], evaluation)
         write_json(evaluation_path, {**evaluation, "mlflow_run_id": record["run_id"], "mlflow_logged": True})

@@ -27,6 +27,7 @@ PARENT_RUN_TAG = "mlflow.parentRunId"
 _SQLITE_PREFIX = "sqlite:///"
 _MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 _MAX_METRICS_PER_BATCH = 1000
+METRICS_PER_REQUEST = _MAX_METRICS_PER_BATCH  # log_metric_points sends this many or fewer in one request
 
 
 def _sqlite_artifact_root(uri: str) -> str | None:
@@ -242,22 +243,34 @@ def _final_metrics(metrics: Mapping) -> list[Metric]:
     return series + [Metric(key, float(value), now, 0) for key, value in finals.items() if value is not None]
 
 
-def log_training_results(uri: str, record: Mapping, metrics: Mapping) -> None:
-    """A training run's final figures (the same facts as its metrics.json, which is attached)."""
+def log_training_results(uri: str, record: Mapping, metrics: Mapping, done: set | None = None) -> None:
+    """A training run's final figures (the same facts as its metrics.json, which is attached).
+
+    In parts, each one request: `done` (kept by the caller across attempts) names the parts
+    already logged, so that a retry after a lost connection logs no part twice."""
     import tempfile
 
     client, run_id = client_for(uri), record["run_id"]
+    done = set() if done is None else done
     tags = {f"env.{key}": str(value) for key, value in flatten_params(metrics["environment"]).items()}
-    client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
     derived = {"global_batch": metrics["global_batch"], "per_worker_batch": metrics["per_worker_batch"],
                "lr_schedule": metrics["lr_schedule"]}
-    _log_params_and_metrics(client, run_id, derived, {})
-    for chunk in _chunks(_final_metrics(metrics), _MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=chunk)
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "metrics.json"
-        path.write_text(json.dumps({**metrics, "mlflow": dict(record)}, indent=1))
-        client.log_artifact(run_id, str(path))
+
+    def log_artifact():
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "metrics.json"
+            path.write_text(json.dumps({**metrics, "mlflow": dict(record)}, indent=1))
+            client.log_artifact(run_id, str(path))
+
+    parts = [("tags", lambda: client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])),
+             ("params", lambda: _log_params_and_metrics(client, run_id, derived, {}))]
+    parts += [(f"metrics{index}", lambda chunk=chunk: client.log_batch(run_id, metrics=chunk))
+              for index, chunk in enumerate(_chunks(_final_metrics(metrics), _MAX_METRICS_PER_BATCH))]
+    parts.append(("artifact", log_artifact))
+    for name, log in parts:
+        if name not in done:
+            log()
+            done.add(name)
 
 
 FAILURE_TAG = "dtstudy.failure"  # why the run failed, as the launcher saw it (which rank died)
