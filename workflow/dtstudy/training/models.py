@@ -9,6 +9,16 @@ import torch
 from torch import nn
 
 
+def fully_connected(in_features: int, hidden: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    """Flatten, then Linear + ReLU per hidden width, then the Linear to the classes: the
+    fully connected chain `hybrid` splits across its workers."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    for width in hidden:
+        layers += [nn.Linear(in_features, width), nn.ReLU(inplace=True)]
+        in_features = width
+    return nn.Sequential(*layers, nn.Linear(in_features, num_classes))
+
+
 class LeNet5(nn.Module):
     """LeCun's LeNet-5 layout (two conv + pool stages, three fully connected layers) with
     ReLU and max-pooling, for small images (28x28 or 32x32, any channel count)."""
@@ -24,14 +34,7 @@ class LeNet5(nn.Module):
             nn.MaxPool2d(2),
         )
         side = ((image_size // 2) - 4) // 2
-        self.classifier = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(16 * side * side, 120),
-            nn.ReLU(inplace=True),
-            nn.Linear(120, 84),
-            nn.ReLU(inplace=True),
-            nn.Linear(84, num_classes),
-        )
+        self.classifier = fully_connected(16 * side * side, (120, 84), num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -66,14 +69,7 @@ class AlexNetSmall(nn.Module):
             nn.MaxPool2d(2),
         )
         side = image_size // 8
-        self.classifier = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(128 * side * side, 2048),
-            nn.ReLU(inplace=True),
-            nn.Linear(2048, 2048),
-            nn.ReLU(inplace=True),
-            nn.Linear(2048, num_classes),
-        )
+        self.classifier = fully_connected(128 * side * side, (2048, 2048), num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
