@@ -7,13 +7,8 @@
 set -u
 OUT=${OUT:-/tmp/compute_check_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # packages the machine lacks, carried as wheels (no network there)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH
-else
-    export PYTHONPATH=$PWD/workflow
-fi
+source tests/device/carried_packages.sh
+use_carried_packages "$OUT" || exit 1
 if [ "${1:-}" != "--dry-run" ]; then
     nvidia-smi -L 2>&1
 fi

@@ -9,13 +9,8 @@
 set -u
 OUT=${OUT:-/tmp/nccl_check_out}; LOGS=/tmp/nccl_check_logs; mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # packages the machine lacks, carried as wheels (no network there)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        > "$LOGS/install.log" 2>&1 || { tail -20 "$LOGS/install.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH
-else
-    export PYTHONPATH=$PWD/workflow
-fi
+source tests/device/carried_packages.sh
+use_carried_packages "$LOGS" || exit 1
 CONFIG=${CONFIG:-tests/device/gpu-study.yaml}
 step() {  # step NAME TIMEOUT_S COMMAND...: run, time, keep its output, go on
     local name=$1 limit=$2; shift 2
