@@ -210,3 +210,24 @@ def test_final_results_sent_again_after_a_lost_connection_log_no_part_twice(monk
     assert sum(kept.metric_batches) == every_metric > 1500 and kept.artifacts == 1
     control = attempt_twice(None)
     assert sum(control.metric_batches) == 2 * every_metric
+
+
+def test_metric_points_sent_before_a_lost_connection_are_not_sent_again(monkeypatch):
+    """log_metric_points strikes each batch MLflow has from the list: after a failure the list
+    holds only what is still to send, and a retry sends every step once."""
+    sent, calls = [], []
+
+    class FlakyClient:
+        def log_batch(self, run_id, metrics=()):
+            calls.append(len(metrics))
+            if len(calls) == 2:
+                raise ConnectionError("the server went away")
+            sent.extend(metric.step for metric in metrics)
+
+    monkeypatch.setattr(mlflow_store, "client_for", lambda uri: FlakyClient())
+    points = [("train_loss", 0.5, step, 0) for step in range(2500)]
+    with pytest.raises(ConnectionError):
+        mlflow_store.log_metric_points("http://x", "r", points)
+    assert len(points) == 1500 and points[0][2] == 1000  # the first batch went through
+    mlflow_store.log_metric_points("http://x", "r", points)
+    assert points == [] and sent == list(range(2500))  # every step once

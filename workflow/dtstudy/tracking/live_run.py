@@ -171,10 +171,7 @@ class LiveRun:
                                                                   self.tags, self.params)
                     if self.out_dir is not None:
                         write_json(Path(self.out_dir) / RUN_ID_FILE, self.record)
-                while self._points:  # one request a batch: a failed one is the only one sent again
-                    batch = self._points[:mlflow_store.METRICS_PER_REQUEST]
-                    mlflow_store.log_metric_points(self.uri, self.record["run_id"], batch)
-                    del self._points[:len(batch)]
+                mlflow_store.log_metric_points(self.uri, self.record["run_id"], self._points)  # empties it
                 if self._final is not None:
                     mlflow_store.log_training_results(self.uri, self.record, self._final, self._final_done)
                     self._final = None
@@ -256,13 +253,10 @@ def deliver_pending(run_dir: str | Path) -> dict | None:
             record = mlflow_store.start_training_run(pending["tracking_uri"], pending["experiment"], pending["run_name"],
                                                      pending["tags"], pending["params"])
             write_json(path, {**pending, "record": record})  # a failure below must not create it twice
-        uri, points, done = pending["tracking_uri"], [tuple(point) for point in pending.get("points") or []], set(
-            pending.get("final_done") or [])
-        try:  # one request at a time; what was sent is struck from the file if a later one fails
-            while points:
-                batch = points[:mlflow_store.METRICS_PER_REQUEST]
-                mlflow_store.log_metric_points(uri, record["run_id"], batch)
-                del points[:len(batch)]
+        uri, done = pending["tracking_uri"], set(pending.get("final_done") or [])
+        points = [tuple(point) for point in pending.get("points") or []]
+        try:  # what was sent is struck from the file if a later request fails
+            mlflow_store.log_metric_points(uri, record["run_id"], points)
             if pending.get("final"):
                 mlflow_store.log_training_results(uri, record, pending["final"], done)
         except Exception:

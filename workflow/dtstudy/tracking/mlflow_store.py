@@ -27,7 +27,6 @@ PARENT_RUN_TAG = "mlflow.parentRunId"
 _SQLITE_PREFIX = "sqlite:///"
 _MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 _MAX_METRICS_PER_BATCH = 1000
-METRICS_PER_REQUEST = _MAX_METRICS_PER_BATCH  # log_metric_points sends this many or fewer in one request
 
 
 def _sqlite_artifact_root(uri: str) -> str | None:
@@ -218,11 +217,15 @@ def start_training_run(uri: str, experiment: str, run_name: str, tags: Mapping, 
     return {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri}
 
 
-def log_metric_points(uri: str, run_id: str, points: Iterable[tuple[str, float, int, int]]) -> None:
-    """(key, value, step, timestamp ms) points, in batches."""
-    metrics = [Metric(key, value, timestamp, step) for key, value, step, timestamp in points]
-    for chunk in _chunks(metrics, _MAX_METRICS_PER_BATCH):
-        client_for(uri).log_batch(run_id, metrics=chunk)
+def log_metric_points(uri: str, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
+    """(key, value, step, timestamp ms) points, one request a batch; each batch is removed
+    from `points` once MLflow has it, so that after a failure `points` holds what is still
+    to send (and a retry sends nothing twice)."""
+    while points:
+        batch = points[:_MAX_METRICS_PER_BATCH]
+        client_for(uri).log_batch(run_id, metrics=[Metric(key, value, timestamp, step)
+                                                   for key, value, step, timestamp in batch])
+        del points[:len(batch)]
 
 
 def _final_metrics(metrics: Mapping) -> list[Metric]:
