@@ -36,7 +36,7 @@ from dtstudy.config.study_config import per_worker_batch
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import Machine, Stragglers, Workload
 from dtstudy.projection import calibration, hardware, layer_profiles
-from dtstudy.strategies.specs import REFERENCE_STRATEGY, SPECS, model_step
+from dtstudy.strategies.specs import SPECS, model_step
 
 #: seconds each attempt of a job spends before its first step (assumed: Python and torch
 #: imports, CUDA and NCCL set-up, the model, the data set's index; not measured on a cluster)
@@ -182,21 +182,23 @@ def run_params(config: dict, strategy: str, workers: int, profile: dict) -> dict
     return params
 
 
+def steps_per_epoch(config: dict, images: Images, workers: int) -> int:
+    """One worker's batches of an epoch, as its DistributedSampler and BatchSampler count them."""
+    return math.ceil(images.train / workers) // per_worker_batch(config["train"], workers)
+
+
 def steps(config: dict, strategy: str, workers: int, images: Images, params: dict) -> int:
     """The steps of one worker of the run, as the training loop counts them."""
     train = config["train"]
-    per_epoch = math.ceil(images.train / workers) // per_worker_batch(train, workers)
-    total = per_epoch * train["epochs"]
-    limits = [train["max_steps"]]
-    if strategy == REFERENCE_STRATEGY:  # the machine's ceiling stops after its own `steps` (its step_limit)
-        limits.append(params.get("steps"))
+    total = steps_per_epoch(config, images, workers) * train["epochs"]
+    limits = [train["max_steps"], SPECS[strategy].step_limit(params)]
     return min([total] + [limit for limit in limits if limit is not None])
 
 
 def eval_images(config: dict, images: Images, steps_done: int, workers: int) -> float:
     """Validation images one worker scores during the run: its 1/N share of each evaluation."""
     train = config["train"]
-    per_epoch = math.ceil(images.train / workers) // per_worker_batch(train, workers)
+    per_epoch = steps_per_epoch(config, images, workers)
     epochs = min(train["epochs"], math.ceil(steps_done / per_epoch)) if per_epoch else 0
     if train["evals_per_epoch"] > 1:  # the grid's points, then the whole split once at the end
         grid = images.val if train["eval_images"] is None else min(train["eval_images"], images.val)

@@ -168,7 +168,7 @@ class Strategy(ABC):
     @classmethod
     def step_limit(cls, params: dict[str, Any]) -> int | None:
         """The steps its runs stop after, besides train.max_steps (None: no limit of its own)."""
-        return None
+        return cls.spec().step_limit(params)
 
     # ----- the training loop's calls ----------------------------------------------------
     @abstractmethod

@@ -24,11 +24,6 @@ class NoExchange(Strategy):
     def update_batch(cls, params, workers, per_worker_batch):
         return per_worker_batch
 
-    @classmethod
-    def step_limit(cls, params):
-        # only its timed windows are used: a short run measures the ceiling as well as a long one
-        return params["steps"]
-
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         self.model = model.to(self.ctx.device)
         self.optimizer = make_optimizer(self.model.parameters())

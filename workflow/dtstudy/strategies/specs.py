@@ -60,6 +60,11 @@ class StrategySpec:
         """Processes besides the N workers that this strategy needs in the job (e.g. PS shards)."""
         return 0
 
+    @classmethod
+    def step_limit(cls, params: dict[str, Any]) -> int | None:
+        """The steps its runs stop after, besides train.max_steps (None: no limit of its own)."""
+        return None
+
     # ----- its performance model -------------------------------------------------------
 
     #: memory passes over the gradient bytes of its own work on a worker (a compression's
@@ -364,6 +369,11 @@ class NoExchangeSpec(StrategySpec):
     @classmethod
     def barrier(cls, workers, params):
         return 1, 1, None  # no barrier
+
+    @classmethod
+    def step_limit(cls, params):
+        # only its timed windows are used: a short run measures the ceiling as well as a long one
+        return params["steps"]
 
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
