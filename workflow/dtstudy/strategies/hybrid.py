@@ -96,16 +96,22 @@ class _GatherRows(torch.autograd.Function):
         return out, None
 
 
-def _pick(padded: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def _slices_to_features(out: torch.Tensor, workers: int, width: int, keep: torch.Tensor | None) -> torch.Tensor:
+    """The N workers' (padded) width-wide slices, stacked by worker (N b' x width), side by side
+    along the features (b' x N width), the padding dropped (`keep`: the real columns)."""
+    rows = out.shape[0] // workers
+    padded = out.view(workers, rows, width).permute(1, 0, 2).reshape(rows, workers * width)
     return padded if keep is None else padded.index_select(1, keep)
 
 
-def _unpick(grad: torch.Tensor, keep: torch.Tensor | None, width: int) -> torch.Tensor:
-    if keep is None:
-        return grad
-    padded = grad.new_zeros((grad.shape[0], width))
-    padded[:, keep] = grad
-    return padded
+def _features_to_slices(grad: torch.Tensor, workers: int, width: int, keep: torch.Tensor | None) -> torch.Tensor:
+    """The reverse of `_slices_to_features` (zeros where the padding was): N b' x width."""
+    rows = grad.shape[0]
+    if keep is not None:
+        padded = grad.new_zeros((rows, workers * width))
+        padded[:, keep] = grad
+        grad = padded
+    return grad.view(rows, workers, width).permute(1, 0, 2).reshape(workers * rows, width)
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -121,16 +127,16 @@ class _GatherColumns(torch.autograd.Function):
         with exchange.meter.timed():
             dist.all_gather_single(out, y, group=exchange.group)
         exchange.sent(y, n - 1)
-        return _pick(out.view(n, rows, width).permute(1, 0, 2).reshape(rows, n * width), keep)
+        return _slices_to_features(out, n, width, keep)
 
     @staticmethod
     def backward(ctx, grad):
         exchange, n = ctx.exchange, ctx.exchange.workers
         rows = grad.shape[0]
-        slices = _unpick(grad, ctx.keep, n * ctx.width).view(rows, n, ctx.width).permute(1, 0, 2).contiguous()
+        slices = _features_to_slices(grad, n, ctx.width, ctx.keep)
         out = grad.new_empty((rows, ctx.width))
         with exchange.meter.timed():
-            dist.reduce_scatter_single(out, slices.view(n * rows, ctx.width), group=exchange.group)
+            dist.reduce_scatter_single(out, slices, group=exchange.group)
         exchange.sent(out, n - 1)
         return out, None, None, None
 
@@ -148,19 +154,18 @@ class _ToOwnRows(torch.autograd.Function):
         with exchange.meter.timed():
             dist.all_to_all_single(out, y, group=exchange.group)
         exchange.sent(y[:rows], n - 1)
-        return _pick(out.view(n, rows, width).permute(1, 0, 2).reshape(rows, n * width), keep)
+        return _slices_to_features(out, n, width, keep)
 
     @staticmethod
     def backward(ctx, grad):
         exchange, n = ctx.exchange, ctx.exchange.workers
         rows = grad.shape[0]
-        back = _unpick(grad, ctx.keep, n * ctx.width).view(rows, n, ctx.width).permute(1, 0, 2).contiguous()
+        back = _features_to_slices(grad, n, ctx.width, ctx.keep)
         out = torch.empty_like(back)
         with exchange.meter.timed():
-            dist.all_to_all_single(out.view(n * rows, ctx.width), back.view(n * rows, ctx.width),
-                                   group=exchange.group)
-        exchange.sent(back[0], n - 1)
-        return out.view(n * rows, ctx.width), None, None, None
+            dist.all_to_all_single(out, back, group=exchange.group)
+        exchange.sent(back[:rows], n - 1)
+        return out, None, None, None
 
 
 def shard_sizes(features: int, workers: int) -> list[int]:
