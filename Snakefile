@@ -32,8 +32,9 @@ onerror:
     stop_warm_pool()
 
 
+# An emulated study has no projection (common.smk, PROJECTS_THE_STUDY).
 rule all:
     input:
         rules.aggregate.output,
-        rules.project.output,
+        rules.project.output if PROJECTS_THE_STUDY else [],
     default_target: True

@@ -38,10 +38,12 @@ TIME_TO_ACCURACY = {("ps_sync", 4): (30.0, None), ("ps_sync", 2): (None, None)}
 SEEDS = (0, 1)
 
 
-def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=None, top1=None):
-    run_dir = root / "runs" / strategy / f"n{workers}" / f"seed{seed}"
+def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=None, top1=None, kind=None):
+    """An accuracy run's folder (metrics.json, eval.json); kind="scaling": a scaling run's
+    (results/runs/scaling/..., metrics.json only, its kind in it)."""
+    run_dir = root / "runs" / ("scaling" if kind == "scaling" else "") / strategy / f"n{workers}" / f"seed{seed}"
     run_dir.mkdir(parents=True)
-    run_id = f"{strategy}-{workers}-{seed}"
+    run_id = f"{strategy}-{workers}-{seed}" + (f"-{kind}" if kind else "")
     reach = TIME_TO_ACCURACY.get((strategy, workers), (10.0 * workers, 12.0 * workers, 14.0 * workers))[seed]
     metrics = {
         "strategy": strategy, "workers": workers, "seed": seed,
@@ -59,6 +61,11 @@ def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=No
                         "device_type": "cpu", "backend": "gloo"},
         "mlflow": {"run_id": run_id, "experiment_id": "1", "tracking_uri": "sqlite:///x.db"},
     }
+    if kind is not None:
+        metrics["kind"] = kind
+    if kind == "scaling":  # not tested: no eval.json
+        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        return run_dir
     evaluation = {"top1": TOP1.get((strategy, workers), (0.5, 0.5))[seed] if top1 is None else top1, "top5": 0.99, "test_images": 10000,
                   "mlflow_run_id": run_id}
     (run_dir / "metrics.json").write_text(json.dumps(metrics))
@@ -327,13 +334,75 @@ def test_findings_state_the_noise_the_ranking_and_the_gaps(runs):
     assert "Within 3 points of allreduce: ps_sync N=1, ps_sync N=2." in findings
 
 
+# --- two kinds of run -------------------------------------------------------------------
+
+def two_kinds(root):
+    """Accuracy runs of allreduce at N = 1 and 4 (seeds 0 and 1, THROUGHPUT's windows), and
+    scaling runs at N = 1, 2 and 4 (seed 2, ten times the accuracy runs' throughput)."""
+    accuracy = [write_run(root, "allreduce", n, seed) for n in (1, 4) for seed in SEEDS]
+    scaling = [write_run(root, "allreduce", n, 2, kind="scaling", windows=[10 * THROUGHPUT["allreduce", n][0]] * 5)
+               for n in (1, 2, 4)]
+    return accuracy, scaling
+
+
+def test_each_table_takes_its_figures_from_its_kind_of_run_and_says_which(tmp_path):
+    accuracy_dirs, scaling_dirs = two_kinds(tmp_path)
+    df = load_runs(accuracy_dirs + scaling_dirs)  # a scaling run needs no eval.json
+    assert sorted(df["kind"]) == ["accuracy"] * 4 + ["scaling"] * 3
+    scaling = scaling_table(df, ["allreduce"])
+    assert set(scaling["from_runs"]) == {"scaling"} and list(scaling["workers"]) == [1, 2, 4]
+    assert list(scaling["seeds"]) == [1, 1, 1]
+    for n in (1, 2, 4):  # the scaling runs' windows, not the accuracy runs'
+        assert row(scaling, "allreduce", n)["throughput"] == pytest.approx(10 * THROUGHPUT["allreduce", n][0])
+    accuracy = accuracy_table(df, ["allreduce"])
+    assert set(accuracy["from_runs"]) == {"accuracy"} and list(accuracy["workers"]) == [1, 4]
+    assert row(accuracy, "allreduce", 4)["top1"] == pytest.approx(np.mean(TOP1["allreduce", 4]))
+    assert row(accuracy, "allreduce", 4)["time_to_accuracy_s"] == pytest.approx(np.mean([40.0, 48.0]))
+    assert noise_summary(df)["n1_runs"] == 1  # the machine's noise from the timed runs only
+    assert "From the scaling runs" in scaling_markdown(scaling, noise_summary(df))
+    assert "From the accuracy runs: full trainings" in accuracy_markdown(accuracy)
+    findings = findings_markdown(scaling, accuracy, noise_summary(df))
+    assert "From the scaling runs" in findings and "From the accuracy runs: full trainings" in findings
+    # the control: without scaling runs the scaling table times the accuracy runs, and says so
+    alone = scaling_table(load_runs(accuracy_dirs), ["allreduce"])
+    assert set(alone["from_runs"]) == {"accuracy"}
+    assert row(alone, "allreduce", 4)["throughput"] == pytest.approx(np.mean(THROUGHPUT["allreduce", 4]))
+    assert "this study has no scaling runs" in scaling_markdown(alone, noise_summary(load_runs(accuracy_dirs)))
+
+
+def test_the_same_run_of_two_kinds_is_no_duplicate(tmp_path):
+    runs = load_runs([write_run(tmp_path, "allreduce", 1, 0), write_run(tmp_path, "allreduce", 1, 0, kind="scaling")])
+    assert sorted(runs["kind"]) == ["accuracy", "scaling"]
+
+
+def test_plots_of_two_kinds_say_which_runs_each_comes_from(tmp_path, monkeypatch):
+    from dtstudy.analysis import plots
+
+    accuracy_dirs, scaling_dirs = two_kinds(tmp_path)
+    df = load_runs(accuracy_dirs + scaling_dirs)
+    titles, convergence_runs = [], []
+    real_finish, real_panels = plots._finish, plots._family_panels
+    monkeypatch.setattr(plots, "_finish", lambda ax, title, *rest: titles.append(title) or real_finish(ax, title, *rest))
+    paths = make_plots(df, load_run_metrics(accuracy_dirs + scaling_dirs), tmp_path / "plots", ["allreduce"])
+    assert len(paths) == 5
+    assert any("throughput" in t and "scaling runs" in t for t in titles)
+    assert any("time to target" in t and "accuracy runs" in t for t in titles)
+    assert any("efficiency" in t and "scaling runs" in t for t in titles)
+    assert any("test top-1" in t and "accuracy runs" in t for t in titles)
+    # the convergence plot draws the accuracy runs only (one line per N, the lowest seed)
+    monkeypatch.setattr(plots, "_family_panels", lambda table, *a: convergence_runs.append(table) or real_panels(table, *a))
+    plots.plot_convergence(df, {str(k): v for k, v in load_run_metrics(accuracy_dirs + scaling_dirs).items()},
+                           tmp_path / "convergence.png")
+    assert set(convergence_runs[-1]["kind"]) == {"accuracy"} and sorted(convergence_runs[-1]["workers"]) == [1, 4]
+
+
 # --- plots ----------------------------------------------------------------------------
 
-def test_make_plots_writes_four_nontrivial_pngs(runs, run_dirs, tmp_path):
+def test_make_plots_writes_five_nontrivial_pngs(runs, run_dirs, tmp_path):
     run_metrics = load_run_metrics(run_dirs)
     paths = make_plots(runs, run_metrics, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
-        "accuracy.png", "convergence.png", "efficiency.png", "throughput.png"]
+        "accuracy.png", "convergence.png", "efficiency.png", "throughput.png", "time_to_accuracy.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 5_000, path
@@ -359,6 +428,13 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
         run_dirs.append(run_dir)
 
+    scaling_dir = write_run(tmp_path, "allreduce", 2, 0, kind="scaling")
+    child_id = client.create_run(experiment_id).info.run_id
+    metrics = json.loads((scaling_dir / "metrics.json").read_text())
+    metrics["mlflow"]["run_id"] = child_id
+    (scaling_dir / "metrics.json").write_text(json.dumps(metrics))
+    run_dirs.append(scaling_dir)
+
     summary = aggregate_study(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
                               "study-test", strategies_order=["allreduce"],
                               study_params={"model": "lenet5", "train": {"epochs": 3}})
@@ -367,9 +443,10 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         "accuracy.csv", "accuracy.md", "findings.md", "scaling.csv", "scaling.md"]
     parent = client.get_run(summary["parent_run_id"])
     assert parent.data.params == {"model": "lenet5", "train.epochs": "3"}
+    assert parent.data.metrics == {"accuracy_runs": 2.0, "scaling_runs": 1.0}  # it logs both kinds
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"plots", "tables"}
     assert len(client.list_artifacts(parent.info.run_id, "tables")) == 5
-    assert len(client.list_artifacts(parent.info.run_id, "plots")) == 4
+    assert len(client.list_artifacts(parent.info.run_id, "plots")) == 5
     for run_dir in run_dirs:
         child_id = json.loads((run_dir / "metrics.json").read_text())["mlflow"]["run_id"]
         assert client.get_run(child_id).data.tags["mlflow.parentRunId"] == parent.info.run_id

@@ -62,6 +62,37 @@ def test_max_steps_and_no_exchanges_own_steps_cut_a_run():
     assert budget.steps(config, "allreduce", 8, seen, {}) == 100
 
 
+def test_each_kind_of_run_is_costed_at_its_own_steps_n_and_seeds():
+    """A scaling run counts its warm-up + timed steps, an accuracy run its epochs; each at its
+    kind's N, each times its kind's seeds; the total is the sum over both kinds."""
+    config = cluster_config()
+    where = budget.load_costing("h100_ib400", config, "launcher.hardware")
+    seen = images(config)
+    costs = budget.study_costs(config, seen, where)
+    scaling = [c for c in costs if c.kind == "scaling"]
+    accuracy = [c for c in costs if c.kind == "accuracy"]
+    assert len(scaling) == 12 * 7 and len(accuracy) == 12 * 3 and len(costs) == len(scaling) + len(accuracy)
+    warm_and_timed = config["scaling"]["warmup_steps"] + config["scaling"]["steps"]
+    assert {c.steps for c in scaling} == {warm_and_timed} and {c.seeds for c in scaling} == {2}
+    assert {c.workers for c in accuracy} == {1, 8, 64} and {c.seeds for c in accuracy} == {3}
+    for cost in accuracy:
+        assert cost.steps == 30 * (math.ceil(seen.train / cost.workers) // 32)
+    assert budget.total_gpu_hours(costs) == pytest.approx(
+        2 * sum(c.gpu_hours for c in scaling) + 3 * sum(c.gpu_hours for c in accuracy), rel=1e-12)
+    # the control: a scaling run counted at its epochs would cost as much as an accuracy run
+    one_scaling = next(c for c in scaling if (c.strategy, c.workers) == ("allreduce", 1))
+    one_accuracy = next(c for c in accuracy if (c.strategy, c.workers) == ("allreduce", 1))
+    assert one_scaling.gpu_hours < one_accuracy.gpu_hours / 50
+    # a study without scaling runs costs full trainings at every N and seed, as before kinds
+    config["scaling"].update(steps=None, seeds=None)
+    config["accuracy"]["workers"] = None
+    plain = budget.study_costs(config, seen, where)
+    assert {c.kind for c in plain} == {"accuracy"} and len(plain) == 12 * 7
+    assert budget.total_gpu_hours(plain) == pytest.approx(
+        3 * sum(budget.run_cost(config, s, n, seen, where).gpu_hours for s in config["strategies"]
+                for n in config["workers"]), rel=1e-12)
+
+
 # ----- one run, by hand ----------------------------------------------------------------------
 
 
@@ -122,7 +153,7 @@ def test_the_layer_profiles_matrices_are_resnet50s_weights_as_powersgd_sees_them
 def test_a_study_over_its_gpu_hour_budget_is_refused_naming_the_key():
     config = cluster_config()
     where = budget.cluster_costing(config)
-    total = budget.total_gpu_hours(config, budget.study_costs(config, images(config), where))
+    total = budget.total_gpu_hours(budget.study_costs(config, images(config), where))
     budget.check_study(cluster_config(gpu_hour_budget=total * 1.001), images(config))  # the control: within
     with pytest.raises(ConfigError, match=r"'launcher.gpu_hour_budget'.* predicted to cost \d+ GPU-hours on h100_ib400"):
         budget.check_study(cluster_config(gpu_hour_budget=total * 0.999), images(config))
@@ -146,7 +177,7 @@ def test_a_run_that_cannot_finish_within_its_requeues_is_refused():
     config["launcher"]["max_requeues"] = attempts - 1
     budget.check_study(config, images(config))
     config["launcher"]["max_requeues"] = attempts - 2
-    with pytest.raises(ConfigError, match=rf"'launcher.max_requeues': {attempts - 2} requeues cannot finish allreduce at N=1"):
+    with pytest.raises(ConfigError, match=rf"'launcher.max_requeues': {attempts - 2} requeues cannot finish the accuracy run of allreduce at N=1"):
         budget.check_study(config, images(config))
 
 
@@ -208,8 +239,14 @@ def run_budget(*args: str) -> subprocess.CompletedProcess:
 def test_the_budget_command_prints_every_run_and_the_total_and_refuses_over_budget():
     done = run_budget("--configfile", "config/cluster.yaml")
     assert done.returncode == 0, done.stderr
-    rows = [line for line in done.stdout.splitlines() if line.startswith(("allreduce ", "ps_sync "))]
-    assert len(rows) == 2 * 7  # allreduce and ps_sync at 7 N, on h100_ib400 (the one profile with a bf16 rate)
+    rows = [line.split()[:3] for line in done.stdout.splitlines() if line.split()[1:2] in (["allreduce"], ["ps_sync"])]
+    # allreduce and ps_sync on h100_ib400 (the one profile with a bf16 rate): scaling runs at 7 N,
+    # accuracy runs at 3
+    assert [row for row in rows if row[0] == "scaling"] == [["scaling", s, str(n)] for s in ("allreduce", "ps_sync")
+                                                             for n in (1, 2, 4, 8, 16, 32, 64)]
+    assert [row for row in rows if row[0] == "accuracy"] == [["accuracy", s, str(n)] for s in ("allreduce", "ps_sync")
+                                                              for n in (1, 8, 64)]
+    assert "GPU-hours per kind of run: scaling runs " in done.stdout
     assert "total: " in done.stdout and "GPU-hours on h100_ib400" in done.stdout
     assert "minotauro_k80: not costed, no train_images_per_s.resnet50.bf16" in done.stdout
     over = run_budget("--configfile", "config/cluster.yaml", "--set", "launcher.gpu_hour_budget=100")
@@ -259,10 +296,13 @@ def test_the_train_command_submits_with_its_runs_predicted_time_limit(tmp_path, 
     monkeypatch.setattr(launcher, "run_training_job", lambda spec, job_dir, time_limit_min=None: seen.append(
         time_limit_min) or {"throughput": 1.0, "final_val_top1": 0.5, "wall_time_s": 1.0})
     (tmp_path / "meta.json").write_text(json.dumps({"sizes": {"train": 1255544, "val": 25623, "test": 50000}}))
-    for config in (cluster_config(), cluster_config(hardware=None)):
-        args = ["train", "--config-json", to_json(run_config(config, "allreduce")), "--strategy", "allreduce",
+    for config, kind in ((cluster_config(), "accuracy"), (cluster_config(hardware=None), "accuracy"),
+                         (cluster_config(), "scaling")):
+        args = ["train", "--config-json", to_json(run_config(config, "allreduce", kind)), "--strategy", "allreduce",
                 "--workers", "1", "--seed", "0", "--data", str(tmp_path), "--out", str(tmp_path / "run"),
                 "--no-tracking"]
         assert cli.main(args) == 0
     expected = budget.job_time_limit_min(cluster_config(), "allreduce", 1, tmp_path)
-    assert seen == [expected, None] and expected < cluster_config()["launcher"]["timeout_min"]
+    # a scaling run asks for its few hundred steps: the floor, not the accuracy run's hours
+    assert seen == [expected, None, budget.TIME_LIMIT_FLOOR_MIN] and budget.TIME_LIMIT_FLOOR_MIN < expected
+    assert expected < cluster_config()["launcher"]["timeout_min"]

@@ -41,6 +41,7 @@ def test_shipped_configs_are_valid(path):
         ({"tracking": {"experiment": ""}}, ["tracking.experiment"]),
         ({"launcher": {"gloo_loop_nice": 20}}, ["launcher.gloo_loop_nice", "20", "maximum of 19"]),
         ({"launcher": {"gloo_loop_nice": "fast"}}, ["launcher.gloo_loop_nice", "'fast'", "an integer in [0, 19] or 'idle'"]),
+        ({"launcher": {"max_resubmits": -1}}, ["launcher.max_resubmits", "-1", "minimum of 0"]),
     ],
 )
 def test_schema_errors_name_key_value_and_allowed(override, words):

@@ -139,3 +139,39 @@ def test_a_gres_site_gets_gres_and_a_predicted_time_limit_replaces_timeout_min(t
     assert not any(line.startswith("#SBATCH --gpus-per-node") for line in lines)
     default = sbatch_lines(spec_for(1, {"cluster": "slurm", "gpus_per_node": 4, "timeout_min": 720}), tmp_path)
     assert "#SBATCH --time=720" in default  # the control: no prediction, timeout_min
+
+
+class EndedJob:
+    """What the launcher reads of a submitit job that has ended: its folder, id and state."""
+
+    def __init__(self, folder, state: str):
+        self.paths, self.job_id, self.state = type("Paths", (), {"folder": folder})(), "7", state
+
+
+def test_only_a_job_that_lost_a_process_or_its_node_and_has_a_checkpoint_is_resubmitted(tmp_path):
+    """launcher.max_resubmits: a lost rank (PeerWatch's record) or NODE_FAIL is a loss, another
+    failure is not; a resubmission needs one left and a checkpoint file of every worker; a
+    local run is never resubmitted. (The whole path: tests/test_slurm.py, a task killed.)"""
+    import json
+    from dataclasses import replace
+
+    from dtstudy.launch.launcher import lost_process, resubmission_refused
+    from dtstudy.runspec import lost_rank_path
+
+    assert lost_process(EndedJob(tmp_path, "FAILED")) is None  # e.g. an error in the training code
+    assert lost_process(EndedJob(tmp_path, "NODE_FAIL")) == "its node failed (SLURM state NODE_FAIL)"
+    lost_rank_path(tmp_path, "7").write_text(json.dumps({"rank": 1, "why": "its process 9 on vm is gone",
+                                                         "log": "7_1_log.err"}))
+    assert lost_process(EndedJob(tmp_path, "FAILED")) == "rank 1 was lost (its process 9 on vm is gone); its log: 7_1_log.err"
+
+    spec = replace(spec_for(2, {"cluster": "slurm", "max_resubmits": 2}), out_dir=str(tmp_path / "run"))
+    assert "rank0.pt, rank1.pt missing" in resubmission_refused(spec, 0, 2)
+    spec.resume_dir.mkdir(parents=True)
+    (spec.resume_dir / "rank0.pt").touch()
+    assert "rank1.pt missing" in resubmission_refused(spec, 0, 2)
+    (spec.resume_dir / "rank1.prev.pt").touch()  # a rank caught writing its next one still has this
+    assert resubmission_refused(spec, 0, 2) is None and resubmission_refused(spec, 1, 2) is None
+    assert "launcher.max_resubmits is 2 and it was resubmitted 2 times" in resubmission_refused(spec, 2, 2)
+    assert "launcher.max_resubmits is 0" in resubmission_refused(spec, 0, 0)
+    assert resubmission_refused(replace(spec, config={**spec.config, "launcher": {
+        **spec.config["launcher"], "cluster": "local"}}), 0, 2) == ""

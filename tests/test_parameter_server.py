@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 
+import io
 import itertools
 import math
 import random
@@ -166,8 +167,8 @@ class ScriptedShard(ShardServer):
         self.start(torch.zeros(numel))
         self.replies: list[tuple[int, int, torch.Tensor]] = []  # worker, version, parameters
 
-    def _reply(self, worker):
-        self.replies.append((worker, self.version, self.parameters.detach().clone()))
+    def _reply(self, workers):
+        self.replies += [(worker, self.version, self.parameters.detach().clone()) for worker in workers]
 
 
 def gradient_of(worker: int, parameters: torch.Tensor) -> torch.Tensor:
@@ -277,6 +278,85 @@ def test_ps_backup_closes_a_short_version_when_every_worker_is_idle_or_waiting()
     assert shard.stats.updates == 2 and sum(shard.stats.staleness.values()) == 4  # 3 + 1 gradients applied
 
 
+def test_a_restored_shard_goes_on_as_if_it_had_never_stopped():
+    """A shard's state_dict at a step boundary (parameters, momentum, version, clocks, record),
+    loaded into a fresh shard: the same pushes then give the same replies, parameters and
+    record as the shard that went on. The control: without the optimizer's state (momentum)
+    the parameters part."""
+    def shard(bound):
+        made = ScriptedShard(2, UpdatePolicy.asynchronous(bound, staleness_lr=True))
+        made.start(torch.zeros(3), momentum=0.9)
+        return made
+
+    def push(target, order):
+        for worker in order:
+            target.take(worker, max(target.version - worker, 0), 0.1, gradient_of(worker, target.parameters.detach()))
+
+    first = shard(2)
+    push(first, [0, 1, 0, 0, 1, 1])
+    assert not first.waiting
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)  # as in its rank file: the optimizer's state holds live tensors
+    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    restored, forgetful = shard(2), shard(2)
+    restored.load_state_dict(saved)
+    forgetful.load_state_dict({**saved, "optimizer": shard(2).optimizer.state_dict()})
+    later = [0, 0, 1, 0, 1, 1, 0]
+    for target in (first, restored, forgetful):
+        target.replies.clear()
+        push(target, later)
+    assert [(w, v) for w, v, _ in restored.replies] == [(w, v) for w, v, _ in first.replies]
+    assert torch.equal(restored.parameters, first.parameters)
+    assert restored.clocks == first.clocks == [7, 6] and restored.version == first.version == 13
+    counts = lambda target: {k: v for k, v in target.stats.state_dict().items() if not k.endswith("_s")}  # noqa: E731
+    assert counts(restored) == counts(first) and counts(first)["updates"] == 13  # not the clock's seconds
+    assert not torch.allclose(forgetful.parameters, first.parameters, atol=1e-4)
+
+
+def test_a_shard_refuses_to_save_between_step_boundaries():
+    shard = ScriptedShard(2, UpdatePolicy.synchronous(2))
+    shard.take(0, 0, 0.1, gradient_of(0, torch.zeros(3)))  # waits for worker 1's gradient of version 0
+    with pytest.raises(RuntimeError, match="1 pushes unanswered"):
+        shard.state_dict()
+
+
+def test_the_first_shard_agrees_a_boundary_no_worker_has_passed():
+    """A wish in a push: the first shard (only) answers it with the step after the furthest
+    clock, until the checkpoint is saved; a second wish meanwhile changes nothing."""
+    from dtstudy.strategies.parameter_server.protocol import BoundaryAction
+
+    coordinator = ScriptedShard(2, UpdatePolicy.asynchronous())
+    coordinator.coordinator = True
+    other = ScriptedShard(2, UpdatePolicy.asynchronous())
+    for target in (coordinator, other):
+        for worker in (0, 0, 0, 1):
+            target.take(worker, 0, 0.1, torch.zeros(3))
+        target.take(1, 0, 0.1, torch.zeros(3), wish=BoundaryAction.CHECKPOINT)  # worker 1's clock 2, worker 0's 3
+        target.take(0, 0, 0.1, torch.zeros(3), wish=BoundaryAction.STOP)
+    assert coordinator.boundary == (4, BoundaryAction.CHECKPOINT)  # max clock 3 when asked, + 1
+    assert other.boundary is None
+
+
+def test_a_worker_acts_at_the_agreed_boundary_and_keeps_a_stronger_wish():
+    """The worker's side of the agreement (ShardClient.agree): it acts at the boundary's step
+    only, keeps asking for a stop while only a checkpoint was agreed, and a boundary it has
+    passed is a protocol error."""
+    from dtstudy.strategies.parameter_server.protocol import BoundaryAction
+    from dtstudy.strategies.parameter_server.strategy import ShardClient
+
+    client = ShardClient([], None)
+    assert client.agree(3, BoundaryAction.STOP) == BoundaryAction.NONE and client.wish == BoundaryAction.STOP
+    client.boundary = (5, BoundaryAction.CHECKPOINT)
+    assert client.agree(4, BoundaryAction.NONE) == BoundaryAction.NONE
+    assert client.agree(5, BoundaryAction.NONE) == BoundaryAction.CHECKPOINT
+    assert client.boundary is None and client.wish == BoundaryAction.STOP  # the stop is still wanted
+    client.boundary = (7, BoundaryAction.STOP)
+    assert client.agree(7, BoundaryAction.NONE) == BoundaryAction.STOP and client.wish == BoundaryAction.NONE
+    client.boundary = (6, BoundaryAction.CHECKPOINT)
+    with pytest.raises(RuntimeError, match="step 6, has passed"):
+        client.agree(7, BoundaryAction.NONE)
+
+
 def test_implicit_momentum_compensation_hand_computed():
     from dtstudy.strategies.parameter_server.strategy import implicit_momentum_compensation as compensation
 
@@ -380,12 +460,51 @@ def test_implicit_momentum_keeps_asynchronous_updates_stable_where_uncounted_the
 
 
 def test_registry_and_knob_defaults():
-    asynchronous = {"shards": 1, "staleness_lr": True, "momentum": None, "implicit_momentum": True}
-    defaults = {"ps_sync": {"shards": 1}, "ps_backup": {"shards": 1, "backup": 1},
+    asynchronous = {"shards": None, "staleness_lr": True, "momentum": None, "implicit_momentum": True}
+    defaults = {"ps_sync": {"shards": None}, "ps_backup": {"shards": None, "backup": 1},
                 "ps_async": asynchronous, "ssp": {**asynchronous, "staleness": 2}}
     for name, knobs in defaults.items():
         assert STRATEGIES[name].check_params({}, workers=2) == knobs
         assert STRATEGIES[name].extra_processes({**knobs, "shards": 3}, workers=2) == 3
+        with pytest.raises(ValueError, match="one per node"):  # null: the run's nodes decide
+            STRATEGIES[name].extra_processes(knobs, workers=2)
+
+
+@pytest.mark.parametrize("launcher, workers, knob, shards", [
+    ({"cluster": "local"}, 4, None, 1),  # one machine: one shard
+    ({"cluster": "slurm", "gpus_per_node": 4}, 8, None, 2),  # 2 nodes of 4 GPUs: one shard on each
+    ({"cluster": "slurm", "gpus_per_node": 4}, 2, None, 1),
+    ({"cluster": "slurm", "gpus_per_node": 0}, 4, None, 1),  # CPU workers, all on one node
+    ({"cluster": "slurm", "workers_per_node": 2, "gpus_per_node": 0}, 6, None, 3),  # CPU workers
+    ({"cluster": "slurm", "gpus_per_node": 4}, 8, 3, 3),  # the knob, when set, wins
+])
+def test_shards_default_to_one_per_node_of_the_run(launcher, workers, knob, shards):
+    """`shards: null` (the default) is one shard per node of the run's job: the run's knobs,
+    its processes and its task layout (shards spread one per node) all say so, and the
+    performance model's default is the same count for the same nodes."""
+    from dtstudy.config.study_config import run_config
+    from dtstudy.perfmodel import steps
+    from dtstudy.runspec import RunSpec
+
+    knobs = {} if knob is None else {"shards": knob}
+    study = validated(tiny_study(strategies=["ps_async"], workers=[workers], launcher=launcher,
+                                 strategy_params={"ps_async": knobs}, train={"batch_size": 8}))
+    spec = RunSpec("ps_async", workers, 0, run_config(study, "ps_async"), "data", "out")
+    assert spec.strategy_params()["shards"] == shards
+    assert spec.processes() == workers + shards
+    layout = spec.layout()
+    assert layout.extras == shards and layout.nodes == spec.nodes()
+    if knob is None:
+        assert layout.extras_per_node == 1  # one on every node
+        per_node = launcher.get("gpus_per_node") or launcher.get("workers_per_node") or workers
+        assert steps.shard_count({"shards": None}, machine_of(per_node), workers) == shards
+    assert steps.shard_count({"shards": 5}, machine_of(4), 8) == 5
+
+
+def machine_of(gpus_per_node: int):
+    from dtstudy.perfmodel.machine import Link, Machine
+
+    return Machine(gpus_per_node=gpus_per_node, intra=Link(1e10, 1e-6), inter=Link(1e9, 1e-6))
 
 
 @pytest.mark.parametrize(

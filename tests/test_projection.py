@@ -206,7 +206,8 @@ def test_registry_matches_the_strategies():
     from dtstudy.strategies.parameter_server.strategy import ParameterServer
     from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS
 
-    assert PARAMETER_SERVERS == {n for n, spec in SPECS.items() if spec.extra_processes(dict(spec.defaults), 1)}
+    assert PARAMETER_SERVERS == {n for n, spec in SPECS.items()
+                                 if spec.extra_processes(spec.placed_params(dict(spec.defaults), nodes=1), 1)}
     assert PARAMETER_SERVERS == {n for n, cls in STRATEGIES.items() if issubclass(cls, ParameterServer)}
     assert PARAMETER_SERVERS == {"ps_sync", "ps_backup", "ps_async", "ssp"}
 
@@ -251,6 +252,12 @@ def test_wait_free_overlap_in_the_step_hand_computed():
     assert half.exposed_s == pytest.approx(half.exchange_s * 0.25, rel=1e-9)
     assert step_time("ps_sync", 8, workload=workload, shards=2).overlap == "none"
     assert step_time("allreduce", 8).overlap == "fixed 0 of compute"
+    # an exchange in two stages (a sum inside, then a push), each bucket its share of both:
+    # backward 0.06 s; sums of 0.02, 0.01, 0.01 s and pushes of 0.04, 0.02, 0.02 s from 0.015,
+    # 0.03, 0.06 s: pushes end at 0.075 and 0.095; the 3rd's sum ends at 0.07, its push waits
+    # for the 2nd's: 0.095 + 0.02 = 0.115 s
+    assert steps.overlapped(workload, MACHINE, (0.04, 0.08), 0.5) == pytest.approx(0.115 - 0.06, rel=1e-12)
+    assert steps.overlapped(W, MACHINE, (0.04, 0.08), 0.5) == pytest.approx(0.12, rel=1e-12)  # no profile: all
 
 
 def test_buckets_go_in_backprop_order():
@@ -310,6 +317,9 @@ def run_command_without_torch(tmp_path, args):
 def test_command_with_a_layer_profile(tmp_path):
     m, h = write_inputs(tmp_path)
     fixed = project.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
+    # without the key the fixed overlap holds, and the table says how to take the timeline
+    assert ("model.layer_profile not given; 'resnet50' has a shipped profile: model.layer_profile: resnet50"
+            in (tmp_path / "fixed.md").read_text())
     measured = yaml.safe_load((tmp_path / "M.yaml").read_text())
     measured["model"]["layer_profile"] = "resnet50"
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
@@ -760,9 +770,9 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     update = (1 + 4) * m * 5e-11  # the shard's passes (1 gradient summed, 4 of SGD) at the server kernel
     modelled = 2 * one_way + update
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + 32, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + 32, {"shards": 1}),
-               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + 32, {"shards": 1})]
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + calibration.PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + calibration.PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + calibration.PS_REQUEST_BYTES, {"shards": 1})]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
@@ -938,8 +948,8 @@ def test_band_of_the_parameter_servers_round_trip(tmp_path):
     update = (1 + 4) * m * 5e-11
     modelled = 2 * one_way + update
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + 32, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + 32, {"shards": 1})]
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + calibration.PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + calibration.PS_REQUEST_BYTES, {"shards": 1})]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
@@ -1002,20 +1012,97 @@ def test_project_rule_adds_its_table_and_plot_to_the_mlflow_study_run(tmp_path):
 
 
 def test_the_validation_against_published_scaling_holds():
-    """benchmarks/projection_validation.py (analytic, no timing): every published case, the
-    Horovod ones with the flat ring they ran, is projected within 10% of its published
-    efficiency by the wait-free timeline; at the Horovod servers' full line rate, without
-    RoCE's and NCCL's share of it, VGG-16 is not (the share is what that verdict rests on)."""
+    """benchmarks/projection_validation.py (analytic, no timing): every published case is
+    projected within 10% of its published efficiency under the model's default (the
+    wait-free timeline on each architecture's layer profile), the Horovod ones with the
+    hierarchical all-reduce and with the flat ring they ran; at the Horovod servers' full
+    line rate, without RoCE's and NCCL's share of it, VGG-16 is not (the share is what that
+    verdict rests on)."""
     validation = _benchmark_module("projection_validation")
     assert validation.roce_payload_share(1024) == pytest.approx(1024 / 1106 * 0.96 * 4122 / 4096)
-    rows = validation.horovod_cases(wait_free=True, algorithm="ring") + validation.tf_ec2_cases(wait_free=True)
-    assert len(rows) == 15
-    misses = {row["case"]: round(row["projected"] / row["published"] - 1, 3) for row in rows
-              if abs(row["projected"] / row["published"] - 1) > 0.10}
+    rows = validation.horovod_cases() + validation.horovod_cases(algorithm="ring") + validation.tf_ec2_cases()
+    assert len(rows) == 21
+    misses = {row["case"]: round(validation.miss(row), 3) for row in rows if abs(validation.miss(row)) > 0.10}
     assert misses == {}
-    line_rate = validation.horovod_cases(wait_free=True, algorithm="ring", payload_share=1.0)
-    vgg = [row["projected"] / row["published"] - 1 for row in line_rate if "vgg16" in row["case"]]
+    line_rate = validation.horovod_cases(algorithm="ring", payload_share=1.0)
+    vgg = [validation.miss(row) for row in line_rate if "vgg16" in row["case"]]
     assert min(vgg) > 0.10
+
+
+RESNET152_ROWS = ["tf_ec2_resnet152_16", "tf_ec2_resnet152_32", "tf_ec2_resnet152_64"]
+
+
+def test_the_held_out_tf_table_holds_under_the_overlap_the_projection_uses(monkeypatch):
+    """The TF EC2 table (ResNets and Inception V3 over 10 Gbit/s Ethernet at 16 to 64 GPUs),
+    held out of the model's making, is within 10% under the default the projection uses: the
+    study rule's choice of layer profile (calibration.study_layers) and its timeline
+    (steps.overlapped), each variable's push behind backward. Controls: under a fixed
+    overlap of 0, and with the default gone back to it (no profile chosen; or the timeline
+    replaced by the fixed share, 0), ResNet-152's three rows miss, as they did before the
+    timeline (-10.2%, -10.9%, -14.6%)."""
+    validation = _benchmark_module("projection_validation")
+
+    def misses(rows):
+        return {row["key"]: round(100 * validation.miss(row), 1) for row in rows if abs(validation.miss(row)) > 0.10}
+
+    default = validation.tf_ec2_cases()
+    assert len(default) == 9 and misses(default) == {}
+    assert misses(validation.tf_ec2_cases(validation.TFCase(overlap=0.0))) == dict(
+        zip(RESNET152_ROWS, [-10.2, -10.9, -14.6]))
+    with monkeypatch.context() as planted:
+        planted.setattr(calibration, "study_layers", lambda name, parameters: (None, "planted: no profile"))
+        assert sorted(misses(validation.tf_ec2_cases())) == RESNET152_ROWS
+    fixed_share = steps.overlapped
+
+    def without_timeline(workload, machine, exchange, bucket_cap_mb):
+        return fixed_share(dataclasses.replace(workload, layers=None), machine, exchange, bucket_cap_mb)
+
+    monkeypatch.setattr(steps, "overlapped", without_timeline)
+    assert sorted(misses(validation.tf_ec2_cases())) == RESNET152_ROWS
+
+
+def test_the_miss_on_the_tf_table_is_the_overlap_not_fusion_nor_the_baseline():
+    """The sensitivities the benchmark prints (one setting changed at a time), as evidence of
+    what the fixed overlap of 0 missed on ResNet-152: the pushes hidden behind backward
+    take its three rows within 10%, and pushing only after backward puts them back to the
+    fixed overlap's misses; fusing the variables or paying a message per variable moves
+    them the wrong way (more pessimistic); the single-GPU figure cancels out; the table's
+    May 2017 re-run misses as the first table does under overlap 0. A planted model that
+    hid nothing behind backward, or paid no latency, fails the first or the third check."""
+    validation = _benchmark_module("projection_validation")
+    found = validation.tf_sensitivities()
+
+    def resnet152(key, mode="model_default"):
+        return [found[key][mode][row] for row in RESNET152_ROWS]
+
+    fixed, projected = resnet152("as_projected", "overlap_zero"), resnet152("as_projected")
+    assert min(fixed) < -10 and max(abs(d) for d in projected) < 10
+    assert resnet152("pushes_after_backward") == pytest.approx(fixed, abs=0.05)
+    for key in ("fused_64_mib", "message_per_variable"):
+        assert all(moved < as_is for moved, as_is in zip(resnet152(key), projected)), key
+    assert resnet152("single_server_1_gpu", "overlap_zero") == pytest.approx(fixed, abs=1e-6)
+    assert min(resnet152("rerun_table", "overlap_zero")) < -10
+    # the timeline's verdict does not rest on the link inside that the 8-GPU figure fits
+    # (slower than backward is long): read as a slower compute beside a stated link, the same
+    assert resnet152("loss_slower_compute") == pytest.approx(projected, abs=0.05)
+
+
+def test_the_budget_and_the_rule_take_the_timeline_for_the_clusters_model():
+    """Where a layer profile fits, the projection's default is the wait-free timeline: the
+    study rule picks ResNet-50's profile for config/cluster.yaml's model, and the budget's
+    workload carries it, so its all-reduce step says so (Step.overlap)."""
+    from dtstudy.config.study_config import deep_merge, read_yaml, validate_schema
+    from dtstudy.projection import budget
+
+    config = validate_schema(deep_merge(read_yaml(REPO / "config" / "config.yaml"),
+                                        read_yaml(REPO / "config" / "cluster.yaml")))
+    layers, why_not = calibration.study_layers(config["model"], 25_557_032)
+    assert layers is not None and layers.name == config["model"] == "resnet50", why_not
+    where = budget.load_costing(config["launcher"]["hardware"], config, "launcher.hardware")
+    load = budget.workload(config, where.images_per_s, 64)
+    assert load.layers is not None
+    step = specs.model_step("allreduce", load, where.machine, 64, budget.run_params(config, "allreduce", 64, where.profile))
+    assert step.overlap == "wait-free backprop (resnet50)"
 
 
 def _benchmark_module(name: str):
@@ -1023,6 +1110,7 @@ def _benchmark_module(name: str):
 
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 

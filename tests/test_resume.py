@@ -1,6 +1,9 @@
 """Preemption-safe training: SIGUSR2 to a running job's tasks (what SLURM and submitit's local
 controller send ahead of a time limit) saves the run's state at a step boundary, rank 0
-requeues the job, and the requeued job continues exactly where it stopped."""
+requeues the job, and the requeued job continues exactly where it stopped. The parameter
+servers too (their shards save their own state), and a crashed run started again continues
+from its last periodic checkpoint; a strategy that cannot resume fails instead of starting
+again from step 0."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ PROGRESS = re.compile(r"^epoch (\d+)/\d+ step (\d+)/(\d+) ", re.M)
 
 
 def make_spec(root: Path, data_dir, strategy="allreduce", workers=2, batch_size=32, steps=60, epochs=3,
-              stragglers=None, **train) -> RunSpec:
+              stragglers=None, strategy_params=None, **train) -> RunSpec:
     """conftest.train_run's run (lr_scaling none, base_lr 0.1) over several epochs, with
     progress every 5 steps and the preemption check every 5 steps (28 steps per epoch at
     N=2, batch 32: a stop is never at an epoch boundary)."""
@@ -32,6 +35,7 @@ def make_spec(root: Path, data_dir, strategy="allreduce", workers=2, batch_size=
         strategies=[strategy],
         workers=[workers],
         stragglers=stragglers or {},
+        strategy_params={strategy: strategy_params or {}},
         train={"epochs": epochs, "batch_size": batch_size, "max_steps": steps, "lr_scaling": "none",
                "base_lr": 0.1, "log_every": 5, "preempt_check_every": 5, **train},
     ))
@@ -151,19 +155,157 @@ def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines
     assert not checkpoint.resume_dir(spec.out_dir).exists()
 
 
-def test_preempted_parameter_server_run_starts_again(tmp_path, tiny_data):
-    """ps_sync is not resumable: requeued, it trains from step 0 again and still completes."""
-    steps = 30
-    spec = make_spec(tmp_path, tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW)
+def stop_and_resume(log: str, steps: int) -> int:
+    """The step a preempted run stopped at and its requeued job resumed from (the same), after
+    checking that no step before it ran again."""
+    stopped = re.search(r"preempted at step (\d+) after ([\d.]+) s", log)
+    resumed = re.search(r"^resumed from step (\d+) ", log, re.M)
+    assert stopped and resumed, log
+    k = int(resumed.group(1))
+    assert int(stopped.group(1)) == k and 0 < k < steps, (k, steps)
+    after = global_steps(log[resumed.end():])
+    assert after and min(after) > k, "steps done before the preemption were run again"
+    return k
+
+
+def without_timings(strategy_metrics: dict) -> dict:
+    """The shards' record less what the clock measured (their busy fractions)."""
+    return {key: value for key, value in strategy_metrics.items() if not key.startswith("shard_busy")}
+
+
+def test_preempted_ps_sync_run_resumes_exactly(tmp_path, tiny_data):
+    """ps_sync with 2 shards: the workers agree on the boundary through the first shard, every
+    worker and shard saves its own file, and the requeued run ends where an uninterrupted run
+    of the same seed ends, step for step, the shards' record (updates, versions, staleness) too."""
+    steps, knobs = 60, {"shards": 2}
+    reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW,
+                               strategy_params=knobs)
+    reference_job = submit(reference_spec)
+    spec = make_spec(tmp_path / "preempted", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW,
+                     strategy_params=knobs)
+    job = submit(spec)
+    preempt_after_progress(job)
+    metrics, params, log = finish(job, spec)
+    reference, reference_params, _ = finish(reference_job, reference_spec)
+
+    k = stop_and_resume(log, steps)
+    print(f"ps_sync: preempted and resumed at step {k} of {steps}")
+    assert metrics["steps"] == reference["steps"] == steps
+    assert metrics["images"] == reference["images"]
+    assert metrics["train_loss"] == reference["train_loss"]
+    assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in reference["val"]]
+    assert metrics["stragglers"] == reference["stragglers"]
+    shards = metrics["strategy_metrics"]
+    assert without_timings(shards) == without_timings(reference["strategy_metrics"])
+    assert shards["updates"] == 2 * steps and shards["staleness"] == {"0": 2 * 2 * steps}  # 2 shards, 2 workers
+    assert_same_parameters(params, reference_params, atol=1e-7)
+    assert not checkpoint.resume_dir(spec.out_dir).exists()
+
+
+@pytest.mark.parametrize("strategy", ["ps_async", "ssp", "ps_backup"])
+def test_preempted_asynchronous_ps_run_continues_from_the_saved_step(tmp_path, tiny_data, strategy):
+    """ps_async, ssp and ps_backup (arrival order, hence the numbers, vary from run to run): the
+    requeued run goes on from the saved step, not from 0, and its shard from the saved version
+    and clocks: over both attempts every planned gradient is taken exactly once."""
+    steps = 60
+    spec = make_spec(tmp_path, tiny_data, strategy=strategy, steps=steps, stragglers=SLOW)
     job = submit(spec)
     preempt_after_progress(job)
     metrics, _, log = finish(job, spec)
-    assert "cannot resume exactly" in log and "training starts again from step 0" in log, log
-    assert "resumed from" not in log
-    restart = log.index("training starts again from step 0")
-    assert min(global_steps(log[restart:])) == 5  # the progress lines start over
+
+    k = stop_and_resume(log, steps)
+    print(f"{strategy}: preempted and resumed at step {k} of {steps}")
     assert metrics["steps"] == steps and len(metrics["train_loss"]) == steps
+    assert metrics["images"] == 2 * 32 * steps  # no step counted twice, none left out
+    shard = metrics["strategy_metrics"]
+    # one shard, every gradient its own update (ps_backup at N=2: or dropped): a shard that
+    # restarted at version 0 would count only the 2 (steps - k) after the resume, workers that
+    # restarted at step 0 2 (steps + k)
+    assert shard["updates"] == shard["gradients_applied"]
+    assert shard["gradients_applied"] + shard["dropped_gradients"] == 2 * steps
+    assert sum(shard["staleness"].values()) == shard["gradients_applied"]
+    assert sum(shard["clock_ahead"].values()) == 2 * steps  # every push answered once
+    if strategy == "ssp":  # the clocks went on: the bound held over both attempts
+        assert shard["clock_ahead_max"] <= 2
     assert not checkpoint.resume_dir(spec.out_dir).exists()
+
+
+def task_ranks(job) -> dict[int, int]:
+    """rank -> pid of a local job's tasks (one node: the task number is the rank)."""
+    ranks = {}
+    for pid in task_pids(job):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(b"SUBMITIT_LOCAL_GLOBALID="):
+                ranks[int(entry.split(b"=", 1)[1])] = pid
+    return ranks
+
+
+def test_a_crashed_ps_run_started_again_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_data):
+    """ps_sync with periodic checkpoints (every step boundary past 0.1 s of training): its shard
+    is killed after a checkpoint, the job fails; the same run submitted again finds every
+    worker's and the shard's file and ends exactly where an uninterrupted run ends."""
+    steps = 80  # of 84 in the 3 epochs
+    train = {"checkpoint_every_min": 0.002}
+    reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW,
+                               **train)
+    reference_job = submit(reference_spec)
+    spec = make_spec(tmp_path / "crashed", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW, **train)
+    job = submit(spec)
+    wait_until(lambda: len(re.findall(r"checkpoint at step (\d+)", log_of(job))) >= 2, "two checkpoints", job)
+    ranks = task_ranks(job)
+    assert sorted(ranks) == [0, 1, 2], ranks
+    os.kill(ranks[2], signal.SIGKILL)  # the shard
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while not job.done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.done() and not Path(spec.metrics_path).exists()
+    saved = [int(step) for step in re.findall(r"checkpoint at step (\d+)", log_of(job))]
+    assert checkpoint.rank_file(spec.out_dir, 2).exists()  # the shard's own file
+
+    again = submit(spec)  # a fresh submission of the same run (as snakemake --rerun-incomplete)
+    metrics, params, log = finish(again, spec)
+    reference, reference_params, _ = finish(reference_job, reference_spec)
+    resumed = re.search(r"^resumed from step (\d+) ", log, re.M)
+    assert resumed, log
+    step = int(resumed.group(1))
+    assert saved[-1] <= step < steps, (step, saved)
+    print(f"ps_sync: shard killed after the checkpoint at step {saved[-1]}, resumed from step {step}")
+    assert min(global_steps(log[resumed.end():])) > step
+    assert metrics["steps"] == steps and metrics["train_loss"] == reference["train_loss"]
+    assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in reference["val"]]
+    assert without_timings(metrics["strategy_metrics"]) == without_timings(reference["strategy_metrics"])
+    assert_same_parameters(params, reference_params, atol=1e-7)
+    assert not checkpoint.resume_dir(spec.out_dir).exists()
+
+
+def test_a_preempted_run_that_cannot_resume_fails_saying_why(tmp_path, tiny_data):
+    """A strategy that is not resumable: at the agreed stop rank 0 lets the extra processes go
+    (abandon) and the run fails with the strategy, the reason and what to do; it is never
+    requeued to start again from step 0."""
+    from types import SimpleNamespace
+
+    from dtstudy.strategies.registry import STRATEGIES
+    from dtstudy.training import loop
+
+    calls = []
+    strategy = SimpleNamespace(resumable=False, not_resumable_because="its state lives on a remote server",
+                               abandon=lambda: calls.append("abandon"))
+    preemption = SimpleNamespace(signum=signal.SIGUSR2, stopping=False, requeue=lambda: calls.append("requeue"))
+    run = SimpleNamespace(spec=make_spec(tmp_path, tiny_data, strategy="no_exchange"), ctx=None,
+                          strategy=strategy, preemption=preemption)
+    with pytest.raises(checkpoint.PreemptedWithoutResume) as failure:
+        loop.stop_for_preemption(run, checkpoint.LoopState(log=None, step=17), 1.0)
+    assert calls == ["abandon"]  # no requeue, no state saved
+    message = str(failure.value)
+    assert "preempted at step 17 (signal SIGUSR2)" in message and "'no_exchange' cannot resume" in message
+    assert "its state lives on a remote server" in message and "launcher.timeout_min" in message
+    assert not checkpoint.resume_dir(run.spec.out_dir).exists()
+    # every shipped strategy resumes (the parameter servers too): none of them fails this way
+    assert [name for name, cls in STRATEGIES.items() if not cls.resumable] == []
 
 
 def test_unusable_resume_state_is_reported_and_not_used(tmp_path, tiny_data):

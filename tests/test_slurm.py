@@ -108,7 +108,8 @@ def make_image_folder(root: Path, per_class: int) -> Path:
 
 
 def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path):
-    """`snakemake --profile slurm -n` with only dataset.root filled in: every (strategy, N, seed)."""
+    """`snakemake --profile slurm -n` with only dataset.root filled in: every scaling run (strategy,
+    N, seed) as a train_scaling job and every accuracy run as a train job, with its evaluation."""
     full = yaml.safe_load((REPO / "config" / "cluster.yaml").read_text())
     # enough images for the largest global batch (64 x 32) once test_fraction (0.1, a train/
     # folder alone) and val_fraction (0.02) are held out
@@ -117,14 +118,17 @@ def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, output[-5000:]
     assert "Using profiles slurm" in output
-    trains = set()
+    jobs = {"train_scaling": set(), "train": set(), "evaluate": set()}
     for block in output.split("\nrule ")[1:]:
-        if block.startswith("train:"):
+        rule = block.split(":", 1)[0]
+        if rule in jobs:
             wildcards = next(line for line in block.splitlines() if "wildcards:" in line)
             values = dict(part.strip().split("=") for part in wildcards.split(":", 1)[1].split(","))
-            trains.add((values["strategy"], int(values["workers"]), int(values["seed"])))
-    expected = {(s, n, seed) for s in full["strategies"] for n in full["workers"] for seed in full["seeds"]}
-    assert len(expected) == 12 * 7 * 3 and trains == expected
+            jobs[rule].add((values["strategy"], int(values["workers"]), int(values["seed"])))
+    scaling = {(s, n, seed) for s in full["strategies"] for n in full["workers"] for seed in full["scaling"]["seeds"]}
+    accuracy = {(s, n, seed) for s in full["strategies"] for n in full["accuracy"]["workers"] for seed in full["seeds"]}
+    assert len(scaling) == 12 * 7 * 2 and len(accuracy) == 12 * 3 * 3
+    assert jobs == {"train_scaling": scaling, "train": accuracy, "evaluate": accuracy}
 
 
 def test_full_study_without_a_dataset_root_says_what_to_edit(tmp_path):
@@ -340,3 +344,55 @@ def test_a_killed_task_fails_its_slurm_job_within_seconds(tmp_path, tiny_data, s
     while queued([f"{strategy}-n2-seed0"]) and time.monotonic() < deadline:
         time.sleep(1)
     assert queued([f"{strategy}-n2-seed0"]) == []
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_path, tiny_data, slurm_cluster, strategy):
+    """A worker's task killed (SIGKILL) after a periodic checkpoint: the job fails within
+    launcher.comm_timeout_s naming the rank, the launcher submits it again
+    (launcher.max_resubmits), the new job resumes from the checkpoint (ps_sync: the shard's
+    too), and the run ends with the metrics of an uninterrupted run of the same seed. An
+    uninterrupted local run is the reference: the launcher's keys change no number."""
+    from test_faults import CHECKPOINTED, SLOW, launch, start
+    from test_pool import wait_for_output
+
+    comm_timeout_s = 45  # the default
+    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1, "partition": None,
+             "timeout_min": 10, "signal_delay_s": 60, "comm_timeout_s": comm_timeout_s, "max_resubmits": 1}
+    command, out, _ = launch(tmp_path, tiny_data, strategy, train=CHECKPOINTED, launcher=slurm, stragglers=SLOW)
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    launcher = start(command)
+    seen = wait_for_output(launcher, r"submitted job (\d+)", timeout_s=120)
+    job_id = re.search(r"submitted job (\d+)", seen).group(1)
+    pids = slurm_task_pids(job_id, 3 if strategy == "ps_sync" else 2)
+    seen += wait_for_output(launcher, r"checkpoint at step (1\d|[2-9]\d)\b", timeout_s=240)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    seen += wait_for_output(launcher, r"resubmitting it", timeout_s=comm_timeout_s + 30)
+    took = time.monotonic() - killed_at
+    stdout, stderr = launcher.communicate(timeout=300)
+    seen += stdout
+    print(f"SLURM {strategy}: rank 1 killed, job {job_id} failed and was resubmitted {took:.1f} s later")
+    assert launcher.returncode == 0, seen[-3000:] + stderr[-3000:]
+    assert took < comm_timeout_s
+    assert re.search(rf"job {job_id} failed: rank 1 was lost \(its process {pids[1]} on", seen), seen[-3000:]
+    saved = [int(step) for step in re.findall(r"checkpoint at step (\d+)", seen.split("resubmitting it")[0])]
+    resumed = re.search(r"^resumed from step (\d+) ", seen, re.M)
+    assert resumed and int(resumed.group(1)) in saved and int(resumed.group(1)) > 0, seen[-3000:]
+    name = f"{strategy}-n2-seed0"
+    deadline = time.monotonic() + 60  # accounting lags the job's end by a few seconds
+    while ((states := sacct_states([name], since).get(name, ["PENDING"]))[-1] in ("PENDING", "RUNNING", "COMPLETING")
+           and time.monotonic() < deadline):
+        time.sleep(1)
+    assert states == ["FAILED", "COMPLETED"], states  # the killed job, the resubmitted one
+
+    reference_command, reference_out, _ = launch(tmp_path, tiny_data, strategy, "reference", train=CHECKPOINTED,
+                                                 stragglers=SLOW)
+    reference = subprocess.run(reference_command, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    metrics, expected = read_json(out / "metrics.json"), read_json(reference_out / "metrics.json")
+    assert metrics["steps"] == expected["steps"] == CHECKPOINTED["max_steps"]
+    assert metrics["train_loss"] == expected["train_loss"]
+    assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in expected["val"]] != []
+    assert metrics["final_val_top1"] == expected["final_val_top1"]
+    assert not (out / "resume").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -59,6 +61,49 @@ def test_one_train_and_evaluate_job_per_strategy_workers_seed(tmp_path, workers,
             assert f"results/runs/allreduce/n{n}/seed{seed}/metrics.json" in result.stdout
 
 
+def jobs_of(dry_run_output: str, rule: str) -> dict[tuple[str, int, int], str]:
+    """{(strategy, N, seed): the job's block} of `rule`'s jobs in a dry run's output."""
+    found = {}
+    for block in dry_run_output.split(f"\nrule {rule}:")[1:]:
+        block = block.split("\n[", 1)[0]
+        wildcards = re.search(r"wildcards: strategy=(\w+), workers=(\d+), seed=(\d+)", block)
+        found[(wildcards.group(1), int(wildcards.group(2)), int(wildcards.group(3)))] = block
+    return found
+
+
+def run_config_of(job_block: str) -> dict:
+    """The run config a train job's command hands `dtstudy train` (--config-json)."""
+    command = shlex.split(job_block.split("Shell command:", 1)[1].split(">", 1)[0])
+    return json.loads(command[command.index("--config-json") + 1])
+
+
+def test_scaling_and_accuracy_runs_are_separate_jobs_at_their_own_n_and_seeds(tmp_path):
+    """A study with both kinds: train_scaling jobs (warm-up + timed steps, their own folders, no
+    test evaluation) at every N and scaling.seeds, train jobs (full trainings, evaluated) at
+    accuracy.workers and the study's seeds; the projection times the scaling runs."""
+    study = tiny_study(workers=[1, 2], seeds=[0, 1], train={"batch_size": 8},
+                       scaling={"steps": 20, "warmup_steps": 5, "seeds": [3]}, accuracy={"workers": [2]})
+    result = dry_run(tmp_path, study, "--cores", "2", "--printshellcmds")
+    assert result.returncode == 0, result.stderr
+    counts = job_counts(result.stdout)
+    assert counts["train_scaling"] == 2 and counts["train"] == 2 and counts["evaluate"] == 2
+    scaling, accuracy = jobs_of(result.stdout, "train_scaling"), jobs_of(result.stdout, "train")
+    assert set(scaling) == {("allreduce", 1, 3), ("allreduce", 2, 3)}
+    assert set(accuracy) == {("allreduce", 2, 0), ("allreduce", 2, 1)}
+    assert "output: results/runs/scaling/allreduce/n1/seed3/metrics.json" in scaling[("allreduce", 1, 3)]
+    assert "output: results/runs/allreduce/n2/seed0/metrics.json" in accuracy[("allreduce", 2, 0)]
+    # a scaling run stops after warm-up + timed steps and times only the steps after the warm-up
+    timed = run_config_of(scaling[("allreduce", 1, 3)])
+    assert timed["run_kind"] == "scaling"
+    assert timed["train"]["max_steps"] == 25 and timed["train"]["steady_state_skip"] == 5
+    # an accuracy run's config is the one runs had before kinds (finished runs are not rerun)
+    full = run_config_of(accuracy[("allreduce", 2, 0)])
+    assert "run_kind" not in full and full["train"]["max_steps"] is None and full["train"]["steady_state_skip"] == 5
+    project = result.stdout.split("\nrule project:", 1)[1].split("\n[", 1)[0]
+    assert "results/runs/scaling/allreduce/n2/seed3/metrics.json" in project
+    assert "results/runs/allreduce/n2/seed0/metrics.json" not in project
+
+
 def train_threads(dry_run_output: str) -> dict[tuple[str, int], int]:
     """{(strategy, N): threads} of the train jobs in a dry run's output (1 when not printed)."""
     found = {}
@@ -90,6 +135,10 @@ def test_a_local_run_reserves_one_core_per_process(tmp_path):
         ({"model": "vgg99"}, ["vgg99", "lenet5"]),
         ({"dataset": {"root": "/no/such/root"}}, ["dataset.root", "/no/such/root"]),
         ({"dataset": {"subset": 10**6}}, ["dataset.subset", "1000000", "60000"]),
+        ({"scaling": {"steps": 10, "warmup_steps": 20}}, ["scaling.warmup_steps", "20", "scaling.steps 10"]),
+        ({"scaling": {"steps": 4}}, ["scaling.steps", "4", "minimum of 5"]),
+        ({"scaling": {"seeds": [1]}}, ["scaling.seeds", "scaling.steps is null"]),
+        ({"accuracy": {"workers": [8]}}, ["accuracy.workers[0]", "8 is not in workers [1, 2]"]),
     ],
 )
 def test_bad_config_fails_the_dry_run_with_a_clear_message(tmp_path, override, words):

@@ -72,6 +72,8 @@ def study_config(root: Path, dry: bool, steps: int, skip: int) -> dict:
     overrides = {
         "dataset": {"root": str(root), "subset": None, "val_fraction": 0.02},
         "strategies": ["allreduce"], "workers": [1], "seeds": [0],
+        # one run of `steps` steps at N=1 (train.max_steps below), not the study's two kinds of run
+        "scaling": {"steps": None, "seeds": None, "workers": None}, "accuracy": {"workers": [1], "seeds": None},
         "train": {"epochs": 1, "max_steps": steps, "steady_state_skip": skip, "log_every": 50,
                   "checkpoint_every_min": None, "evals_per_epoch": 1, "eval_images": None},
         "launcher": {"cluster": "local", "device": "cpu" if dry else "cuda", "timeout_min": 20},

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dtstudy.checks import load_config
-from dtstudy.config import study_config
+from dtstudy.config import run_kinds, study_config
 from dtstudy.errors import ConfigError
 
 
@@ -30,8 +30,11 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_check_config(args) -> None:
     cfg = _config(args)
-    runs = len(cfg["strategies"]) * len(cfg["workers"]) * len(cfg["seeds"])
-    print(f"config OK: {runs} training runs ({cfg['strategies']} x N={cfg['workers']} x seeds {cfg['seeds']})")
+    per_kind = [f"{run_kinds.run_count(cfg, kind)} {kind} runs ({len(cfg['strategies'])} strategies x "
+                f"N={run_kinds.workers(cfg, kind)} x seeds {run_kinds.seeds(cfg, kind)})"
+                for kind in run_kinds.kinds_run(cfg)]
+    total = sum(run_kinds.run_count(cfg, kind) for kind in run_kinds.kinds_run(cfg))
+    print(f"config OK: {total} training runs: " + "; ".join(per_kind))
 
 
 def cmd_budget(args) -> None:
@@ -100,7 +103,12 @@ def cmd_train(args) -> None:
     # on SLURM with launcher.hardware: the job asks its predicted time, not timeout_min
     time_limit_min = budget.job_time_limit_min(cfg, args.strategy, args.workers, args.data)
     try:
-        metrics = run_training_job(spec, job_dir, time_limit_min=time_limit_min)
+        if cfg["launcher"]["cluster"] == "emulate":  # N logical workers in this process: no job to submit
+            from dtstudy.emulation.runner import run_emulated
+
+            metrics = run_emulated(spec)
+        else:
+            metrics = run_training_job(spec, job_dir, time_limit_min=time_limit_min)
     except TrainingJobFailed as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None

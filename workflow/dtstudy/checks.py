@@ -13,6 +13,7 @@ from pathlib import Path
 from dtstudy.config.study_config import deep_merge, global_batch_size, read_yaml, run_config, validate_schema
 from dtstudy.data.checks import check_dataset, check_loader
 from dtstudy.data.errors import DataConfigError
+from dtstudy.emulation.settings import check_emulate
 from dtstudy.errors import ConfigError
 from dtstudy.projection import budget, hardware
 from dtstudy.runspec import RunSpec
@@ -77,6 +78,7 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     hardware.check_study_profiles(config["projection"]["hardware"], config["strategies"])
+    check_emulate(config)  # launcher.cluster emulate: its strategies and its cluster's clock
     check_loader(config["loader"], config["launcher"]["device"])
     if check_data:
         counted = check_data_against_batches(config)

@@ -1,5 +1,5 @@
-"""One training run (strategy x N x seed): what it depends on, where its files go and how its
-tasks spread over nodes (TaskLayout). Torch-free."""
+"""One training run (strategy x N x seed, of a kind: dtstudy.config.run_kinds): what it
+depends on, where its files go and how its tasks spread over nodes (TaskLayout). Torch-free."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtstudy.config import run_kinds
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.specs import get_spec
 
@@ -14,6 +15,13 @@ METRICS_FILE = "metrics.json"  # the train rule's output, written last
 CHECKPOINT_FILE = "model.pt"
 EVAL_FILE = "eval.json"
 RESUME_DIR = "resume"  # an interrupted run's saved state (dtstudy.training.checkpoint)
+
+
+def resume_files(out_dir: str | Path, rank: int) -> tuple[Path, Path]:
+    """A rank's last checkpoint and the one before it (kept until every rank has written the
+    next), in the run's resume folder (dtstudy.training.checkpoint writes and reads them)."""
+    folder = Path(out_dir) / RESUME_DIR
+    return folder / f"rank{rank}.pt", folder / f"rank{rank}.prev.pt"
 
 
 @dataclass(frozen=True)
@@ -90,8 +98,15 @@ class RunSpec:
     tracking_uri: str | None = None  # resolved MLflow URI; None = no MLflow logging
 
     @property
+    def kind(self) -> str:
+        """scaling or accuracy (dtstudy.config.run_kinds), as its run config says."""
+        return run_kinds.kind_of_run_config(self.config)
+
+    @property
     def run_name(self) -> str:
-        return f"{self.strategy}-n{self.workers}-seed{self.seed}"
+        # an accuracy run keeps the name runs had before there were kinds
+        suffix = "" if self.kind == run_kinds.ACCURACY else f"-{self.kind}"
+        return f"{self.strategy}-n{self.workers}-seed{self.seed}{suffix}"
 
     @property
     def metrics_path(self) -> Path:
@@ -106,8 +121,17 @@ class RunSpec:
         return Path(self.out_dir) / RESUME_DIR
 
     def strategy_params(self) -> dict:
+        """The strategy's knobs, defaults filled in (those that depend on the run's nodes too)."""
         spec = get_spec(self.strategy)
-        return spec.check_params(self.config["strategy_params"].get(self.strategy, {}), self.workers)
+        params = spec.check_params(self.config["strategy_params"].get(self.strategy, {}), self.workers)
+        return spec.placed_params(params, self.nodes())
+
+    def nodes(self) -> int:
+        """The nodes the run's job spans (`layout`'s): one locally, else the fewest nodes of
+        launcher.gpus_per_node (or workers_per_node) workers that hold all N."""
+        launcher = self.config["launcher"]
+        per_node = launcher["gpus_per_node"] or launcher["workers_per_node"]
+        return 1 if launcher["cluster"] == "local" or not per_node else math.ceil(self.workers / per_node)
 
     def processes(self) -> int:
         """The run's processes: N workers plus the strategy's extra ones (parameter-server shards)."""

@@ -1,7 +1,8 @@
 rule aggregate:
     input:
+        # both kinds of run; eval.json of the tested ones (accuracy runs)
         metrics=all_runs("metrics.json"),
-        evals=all_runs("eval.json"),
+        evals=all_runs("eval.json", tested_only=True),
     output:
         scaling=report("results/tables/scaling.csv", caption="../report/scaling.rst", category="Tables"),
         scaling_md="results/tables/scaling.md",
@@ -11,6 +12,8 @@ rule aggregate:
         throughput_plot=report("results/plots/throughput.png", caption="../report/throughput.rst", category="Scaling"),
         efficiency_plot=report("results/plots/efficiency.png", caption="../report/efficiency.rst", category="Scaling"),
         accuracy_plot=report("results/plots/accuracy.png", caption="../report/accuracy.rst", category="Accuracy"),
+        time_to_accuracy_plot=report("results/plots/time_to_accuracy.png", caption="../report/time_to_accuracy.rst",
+                                     category="Accuracy"),
         convergence_plot=report("results/plots/convergence.png", caption="../report/convergence.rst", category="Accuracy"),
         # where the MLflow study run is: the projection adds its table and plot to it
         study_run="results/mlflow.study_run.json",

@@ -6,6 +6,7 @@ import sys
 # Snakefile itself imports it from the source tree, so that config checks never run stale code.
 sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 
+import dtstudy.config.run_kinds as run_kinds
 import dtstudy.config.study_config as study_config
 from dtstudy.checks import check_config
 from dtstudy.data.prepare import prepared_files
@@ -21,9 +22,30 @@ TRAIN_IMAGES = check_config(config, check_data=workflow.is_main_process)  # None
 DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"
 TRACKING_MARKER = "results/mlflow.ready.json"
-RUN_DIR = "results/runs/{strategy}/n{workers}/seed{seed}"
+RUNS_DIR = "results/runs"
+# one folder per run of each kind (dtstudy.config.run_kinds): accuracy runs in
+# results/runs/{strategy}/..., scaling runs in results/runs/scaling/{strategy}/...
+RUN_DIRS = {
+    kind: os.path.join(RUNS_DIR, run_kind.folder, "{strategy}/n{workers}/seed{seed}")
+    for kind, run_kind in run_kinds.KINDS.items()
+}
+RUN_DIR = RUN_DIRS[run_kinds.ACCURACY]
+SCALING_RUN_DIR = RUN_DIRS[run_kinds.SCALING]
 # Local runs reserve the cores their processes use; cluster runs get their own nodes.
 TRAIN_ON_THIS_MACHINE = config["launcher"]["cluster"] == "local"
+# An emulated run (dtstudy.emulation) is one process of this machine, no submitit job, no warm
+# pool; its N logical workers take turns on torch's intra-op threads (Snakemake sets
+# OMP_NUM_THREADS to the job's threads), so it reserves EMULATED_RUN_THREADS cores. One, so that
+# --cores all runs that many runs side by side: LeNet-5's per-worker batches of 8 lose on a
+# second thread. Measured on 2 cores (two rounds, allreduce at N=16 and 64, 1 epoch of 18000
+# images, each twice): the 4 runs took 31 and 30 s as two 1-thread processes side by side, 72
+# and 58 s as one 2-thread process.
+EMULATED = config["launcher"]["cluster"] == "emulate"
+EMULATED_RUN_THREADS = 1
+# The projection calibrates the performance model on the study's measured throughput and this
+# machine's gloo benchmark; an emulated study's throughput is that model's own output on a
+# hardware profile, so projecting it would fit the model to itself: no project target.
+PROJECTS_THE_STUDY = not EMULATED
 # Local evaluations run in the study's warm pool (dtstudy.launch.pool), like the training runs.
 EVALUATE_FLAGS = "--via-pool" if TRAIN_ON_THIS_MACHINE and config["launcher"]["local_processes"] == "pool" else ""
 
@@ -37,7 +59,10 @@ wildcard_constraints:
 def train_threads(wildcards):
     """Cores of this machine a train job reserves: locally one per process, its N workers plus
     the strategy's extra ones (parameter-server shards; Snakemake caps it at --cores), so that
-    two N=1 runs share 2 cores while an N=2 run has them to itself; on a cluster 1 (it waits)."""
+    two N=1 runs share 2 cores while an N=2 run has them to itself; emulated, the run's torch
+    threads (EMULATED_RUN_THREADS) whatever its N; on a cluster 1 (it waits)."""
+    if EMULATED:
+        return EMULATED_RUN_THREADS
     if not TRAIN_ON_THIS_MACHINE:
         return 1
     spec = RunSpec(wildcards.strategy, int(wildcards.workers), 0, study_config.run_config(config, wildcards.strategy), "", "")
@@ -51,9 +76,10 @@ def config_json(section_keys=None):
     return study_config.to_json({key: config[key] for key in section_keys})
 
 
-def run_config_json(wildcards):
-    """Only what one training run depends on, so unrelated config edits trigger no rerun."""
-    return study_config.to_json(study_config.run_config(config, wildcards.strategy))
+def run_config_json(kind):
+    """A params function: only what one training run of `kind` depends on, so unrelated config
+    edits trigger no rerun."""
+    return lambda wildcards: study_config.to_json(study_config.run_config(config, wildcards.strategy, kind))
 
 
 def folder_of(kind, name):
@@ -66,14 +92,30 @@ def folders_of_inputs(name):
     return lambda wildcards, input: [os.path.dirname(path) for path in input[name]]
 
 
-def all_runs(filename):
-    """`filename` in every run folder of the study ("" = the folders themselves)."""
+def runs_of(kind, filename):
+    """`filename` in every run folder of `kind` (dtstudy.config.run_kinds; "" = the folders),
+    none when the study makes no runs of that kind."""
+    if kind not in run_kinds.kinds_run(config):
+        return []
     return expand(
-        os.path.join(RUN_DIR, filename),
+        os.path.join(RUN_DIRS[kind], filename),
         strategy=config["strategies"],
-        workers=config["workers"],
-        seed=config["seeds"],
+        workers=run_kinds.workers(config, kind),
+        seed=run_kinds.seeds(config, kind),
     )
+
+
+def all_runs(filename, tested_only=False):
+    """`filename` in every run folder of the study, of every kind (`tested_only`: of the kinds
+    whose final model the evaluate rule tests)."""
+    kinds = [kind for kind in run_kinds.kinds_run(config) if run_kinds.KINDS[kind].tested or not tested_only]
+    return [path for kind in kinds for path in runs_of(kind, filename)]
+
+
+def throughput_runs(filename):
+    """`filename` in the folders of the runs the scaling table and the projection time: the
+    scaling runs, or the accuracy runs in a study without scaling runs."""
+    return runs_of(run_kinds.throughput_kind(config), filename)
 
 
 def print_cost_summary():

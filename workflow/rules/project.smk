@@ -20,7 +20,8 @@ rule commbench:
 
 rule project:
     input:
-        metrics=all_runs("metrics.json"),
+        # calibrated on the runs the scaling table times
+        metrics=throughput_runs("metrics.json"),
         commbench=rules.commbench.output.result,
         study_run=rules.aggregate.output.study_run,
     output:

@@ -6,6 +6,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import pandas as pd
+
+from dtstudy.analysis.claims import verdicts
 from dtstudy.analysis.findings import accuracy_markdown, findings_markdown, scaling_markdown
 from dtstudy.analysis.plots import make_plots
 from dtstudy.analysis.runs import load_run_metrics, load_runs
@@ -43,6 +46,23 @@ def deliver_kept_results(run_dirs: Iterable[Path], wait_for_server_s: float = 30
             log(f"{run_dir}: results kept while MLflow was away delivered to run {record['run_id']}")
 
 
+def emulated_cluster(run_metrics: Mapping[str, Mapping]) -> str | None:
+    """The hardware profile(s) the study's runs were emulated on (metrics.json's `emulation`),
+    in words; None for a study of real runs (launcher.cluster local or slurm)."""
+    profiles = sorted({(m.get("emulation") or {}).get("hardware") for m in run_metrics.values()})
+    if not profiles or None in profiles:
+        return None
+    return f"emulated on {', '.join(profiles)}"
+
+
+def host_facts_off_the_clock(df: pd.DataFrame, run_metrics: Mapping[str, Mapping]) -> pd.DataFrame:
+    """An emulated run's times are read on the cluster's clock, so this machine's cores do not
+    enter them: its logical workers are neither oversubscribed nor unpinned processes (the
+    flags the tables and plots mark real runs with)."""
+    emulated = df["run_dir"].map(lambda run_dir: "emulation" in run_metrics.get(run_dir, {}))
+    return df.assign(oversubscribed=df["oversubscribed"] & ~emulated, pinned=df["pinned"] | emulated)
+
+
 def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plots_dir: str | Path,
         tracking_uri: str | None, experiment: str,
         strategies_order: Sequence[str] | None = None,
@@ -52,11 +72,14 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     tables_dir, plots_dir = Path(tables_dir), Path(plots_dir)
 
     deliver_kept_results(run_dirs, wait_for_server_s)
-    df = load_runs(run_dirs)
     run_metrics = load_run_metrics(run_dirs)
-    log(f"loaded {len(df)} runs ({df['strategy'].nunique()} strategies)")
+    df = host_facts_off_the_clock(load_runs(run_dirs), run_metrics)
+    runs_by_kind = {f"{kind}_runs": int(count) for kind, count in df["kind"].value_counts().items()}
+    log(f"loaded {len(df)} runs ({df['strategy'].nunique()} strategies; "
+        + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in runs_by_kind.items()) + ")")
 
-    scaling, accuracy, noise = scaling_table(df, strategies_order), accuracy_table(df, strategies_order), noise_summary(df)
+    scaling, noise = scaling_table(df, strategies_order), noise_summary(df)
+    accuracy = accuracy_table(df, strategies_order, run_metrics)
     tables = {"scaling": (scaling, scaling_markdown(scaling, noise)), "accuracy": (accuracy, accuracy_markdown(accuracy))}
     table_paths = []
     for name, (table, markdown) in tables.items():
@@ -64,18 +87,23 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
         write_table(table, csv_path, md_path, markdown=markdown)
         table_paths += [csv_path, md_path]
     findings_path = tables_dir / "findings.md"
-    write_text(findings_path, findings_markdown(scaling, accuracy, noise))
+    # an emulated study tests the published claims at scale (dtstudy.analysis.claims)
+    cluster = emulated_cluster(run_metrics)
+    claims = None if cluster is None else (verdicts(accuracy), cluster)
+    write_text(findings_path, findings_markdown(scaling, accuracy, noise, claims))
     table_paths.append(findings_path)
     log(f"wrote {len(table_paths)} tables to {tables_dir}")
 
-    plot_paths = make_plots(df, run_metrics, plots_dir, strategies_order, scaling, accuracy)
+    plot_paths = make_plots(df, run_metrics, plots_dir, strategies_order, scaling, accuracy,
+                            clock="emulated cluster's" if cluster else "this machine's")
     log(f"wrote {len(plot_paths)} plots to {plots_dir}")
 
     uri = mlflow_store.resolve_uri(tracking_uri)
     child_run_ids = [run_id for run_id in df["mlflow_run_id"] if run_id]
     artifacts = {**{p: "tables" for p in table_paths}, **{p: "plots" for p in plot_paths}}
+    # the study run adopts the runs of both kinds and counts each (scaling_runs, accuracy_runs)
     parent_run_id = mlflow_store.log_study_run(uri, experiment, child_run_ids, artifacts,
-                                           params=study_params or {})
+                                           params=study_params or {}, metrics=runs_by_kind)
     log(f"study run {parent_run_id} logged to {uri} with {len(child_run_ids)} child runs")
     view = mlflow_store.publish_runs_view(uri, mlflow_store.init_store(uri, experiment), parent_run_id)
     log(f"in the MLflow UI (mlflow ui --backend-store-uri {uri}): open http://localhost:5000/{view}")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
 from dtstudy.analysis import intervals
+from dtstudy.analysis.claims import Verdict
 from dtstudy.analysis.intervals import Interval
 from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
+from dtstudy.config.run_kinds import ACCURACY, SCALING
 from dtstudy.strategies.specs import REFERENCE_STRATEGY
 
 
@@ -24,6 +26,22 @@ def _cell(table_row, prefix: str, fmt: str, kind: str = "bootstrap95") -> str:
 def _difference_cell(table_row) -> str:
     """The paired difference to allreduce: a t interval or a range, as its top-1 is."""
     return _cell(table_row, "top1_vs_allreduce", "+.4f", table_row["top1_interval"])
+
+
+#: (the table, the kind of run its figures come from) -> the note that says so (dtstudy.config.run_kinds)
+SOURCE_NOTES = {
+    ("scaling", SCALING): "From the scaling runs: at every N, scaling.warmup_steps untimed steps, then "
+                          "scaling.steps timed ones (the column from_runs of scaling.csv).",
+    ("scaling", ACCURACY): "From the accuracy runs (full trainings): this study has no scaling runs "
+                           "(scaling.steps: null), so its throughput is timed over whole trainings.",
+    ("accuracy", ACCURACY): "From the accuracy runs: full trainings (train.epochs) at the N and seeds of "
+                            "accuracy.workers and accuracy.seeds (the column from_runs of accuracy.csv).",
+}
+
+
+def source_note(table_name: str, table: pd.DataFrame) -> str:
+    """Which kind of run the table's figures come from, in words."""
+    return SOURCE_NOTES[(table_name, table["from_runs"].iloc[0])]
 
 
 def noise_note(noise: Mapping) -> str:
@@ -49,6 +67,7 @@ def scaling_markdown(table: pd.DataFrame, noise: Mapping) -> str:
         "notes": ", ".join(n for n, on in (("oversubscribed", r["oversubscribed"]), ("not pinned", not r["pinned"])) if on),
     } for _, r in table.iterrows()]
     notes = [
+        source_note("scaling", table),
         "Throughput: median of the run's timed windows (train.timing_window_steps steps each, after the "
         "warm-up steps), pooled over seeds, with a bootstrap 95% CI over the windows. Speedup and E(N) = S(N)/N "
         "are against the same strategy at N=1. The ceiling is no_exchange: N workers that train alone and "
@@ -60,24 +79,45 @@ def scaling_markdown(table: pd.DataFrame, noise: Mapping) -> str:
 
 def accuracy_markdown(table: pd.DataFrame) -> str:
     rows = [{
-        "strategy": r["strategy"], "N": r["workers"], "seeds": r["seeds"],
+        "strategy": r["strategy"], "N": r["workers"],
+        "global batch": "" if pd.isna(r["global_batch"]) else f"{r['global_batch']:.0f}", "seeds": r["seeds"],
         "test top-1": _cell(r, "top1", ".4f", r["top1_interval"]),
         "test top-5": _cell(r, "top5", ".4f", r["top1_interval"]) if r["seeds"] else "",  # same seeds
         "top-1 − allreduce (paired)": "" if r["strategy"] == BASELINE_STRATEGY else _difference_cell(r),
-        "time to target s": "n/a" if pd.isna(r["time_to_accuracy_s"]) else f"{r['time_to_accuracy_s']:.1f}",
+        "time to target s [95% CI]": _cell(r, "time_to_accuracy_s", ".3g", _reached_interval_kind(r)),
         "reached": r["reached_target"],
         "mark": f"> {GAP_POINTS} points below allreduce" if r["below_allreduce"] else "",
     } for _, r in table.iterrows()]
     notes = [
+        source_note("accuracy", table),
         "Test top-1/top-5: the mean over seeds; [a, b] is a t 95% CI (3 or more seeds), (a–b) the range of "
         "2 seeds, too few for a CI. The difference to allreduce is paired: the same N and seed (same data "
         "order and initial weights), then averaged. Time to target: validation top-1 reaching target_accuracy, "
-        "in training seconds (evaluation passes left out), mean over the seeds that reached it.",
+        "in training seconds (evaluation passes left out; an emulated run's are the cluster's), mean over the "
+        "seeds that reached it, with a t 95% CI (3 or more of them) or their range (2).",
         f"Marked: more than {GAP_POINTS} points of top-1 below allreduce at the same N (each run's metrics.json "
         "-> strategy_metrics holds what the strategy measured: staleness, dropped gradients, consensus distance, "
         "quantisation error; docs/strategies.md).",
     ]
     return to_markdown(pd.DataFrame(rows), "Accuracy table", notes, formatted=True)
+
+
+def _reached_interval_kind(table_row) -> str:
+    """The kind of interval of a mean over the seeds that reached the target (as mean_interval gives it)."""
+    reached = int(table_row["reached_target"].split("/")[0])
+    return "none" if reached < 2 else "range" if reached < intervals.MIN_SEEDS_FOR_CI else "t95"
+
+
+def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
+    """findings.md's section on the published claims (dtstudy.analysis.claims), one per claim."""
+    lines = ["", f"## The published claims at scale ({cluster})", "",
+             "Each claim read off the accuracy table: \"above\"/\"below\" means the 95% intervals (or ranges) "
+             "are apart; overlapping ones are within the noise. Times are the emulated cluster's training seconds.", ""]
+    for verdict in verdicts:
+        lines.append(f"- **{verdict.source}**: {verdict.claim}. **{verdict.status.capitalize()}**"
+                     + (f" (from N={verdict.from_n})" if verdict.from_n else "") + f": {verdict.summary}")
+        lines += [f"  - {line}" for line in verdict.evidence]
+    return lines
 
 
 def _largest_timed_n(scaling: pd.DataFrame) -> int | None:
@@ -86,11 +126,13 @@ def _largest_timed_n(scaling: pd.DataFrame) -> int | None:
     return int(timed["workers"].max()) if not timed.empty else None
 
 
-def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapping) -> str:
-    """What the tables say, per question, written from the numbers (findings.md)."""
+def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapping,
+                      claims: tuple[Sequence[Verdict], str] | None = None) -> str:
+    """What the tables say, per question, written from the numbers (findings.md); `claims`
+    (the verdicts, the cluster in words): an emulated study's section on the published claims."""
     lines = ["# Findings", "", "Written by the aggregate step from the tables beside this file; every figure "
              "carries its 95% CI (or the range of 2 seeds).", "", "## Scaling: how does throughput scale with N?", "",
-             f"- {noise_note(noise)}"]
+             f"- {source_note('scaling', scaling)}", f"- {noise_note(noise)}"]
     ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
     for _, r in ceiling[ceiling["workers"] > 1].iterrows():
         lines.append(f"- Ceiling of this machine (no_exchange) at N={r['workers']}: E = {_cell(r, 'efficiency', '.2f')}"
@@ -127,7 +169,8 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
         lines.append(f"- The ceiling's E at N={r['workers']} is above 1 with its whole interval: the N=1 runs it is "
                      "measured against ran slower than one worker of an N-worker run, i.e. what ran beside the N=1 "
                      "runs (another run, an evaluation) slowed them; every speedup at this N is inflated by as much.")
-    lines += ["", "## Accuracy: what does each strategy do to the final accuracy?", ""]
+    lines += ["", "## Accuracy: what does each strategy do to the final accuracy?", "",
+              f"- {source_note('accuracy', accuracy)}"]
     base = accuracy[accuracy["strategy"] == BASELINE_STRATEGY]
     for _, r in base.iterrows():
         lines.append(f"- allreduce at N={r['workers']}: test top-1 {_cell(r, 'top1', '.4f', r['top1_interval'])} "
@@ -142,4 +185,6 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
     if not within.empty:
         lines.append(f"- Within {GAP_POINTS} points of allreduce: "
                      + ", ".join(f"{r['strategy']} N={r['workers']}" for _, r in within.iterrows()) + ".")
+    if claims is not None:
+        lines += claims_markdown(*claims)
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""The study's plots: throughput, efficiency, accuracy and convergence (`make_plots`)."""
+"""The study's plots: throughput, efficiency, accuracy, time to the target accuracy and convergence (`make_plots`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dtstudy.analysis.runs import runs_of_kind
 from dtstudy.analysis.tables import BASELINE_STRATEGY, accuracy_table, scaling_table, sorted_by_strategy
 from dtstudy.atomic_files import atomic_write
+from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import FAMILIES, REFERENCE_STRATEGY
 
 
@@ -96,6 +98,11 @@ def _plot_ceiling(ax, ceiling: pd.DataFrame, column: str) -> None:
                     linestyle=":", capsize=2, label="ceiling (no_exchange)")
 
 
+def _source(table: pd.DataFrame) -> str:
+    """The kind of run a table's figures come from, for a plot's title (tables' from_runs)."""
+    return f"{table['from_runs'].iloc[0]} runs"
+
+
 def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
     figure, panels = _family_panels(scaling)
     colors = _colors(list(dict.fromkeys(scaling["strategy"])))
@@ -108,7 +115,7 @@ def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
             ax.plot(ns, [base_one.iloc[0] * n for n in ns], color="grey", linestyle="--", label="ideal thr(1)·N")
         _plot_ceiling(ax, ceiling, "throughput")
         _log2_workers_axis(ax, scaling["workers"])
-        _finish(ax, f"{family}: throughput (95% CI)", "images/s (all workers)", rows)
+        _finish(ax, f"{family}: throughput (95% CI; {_source(scaling)})", "images/s (all workers)", rows)
     return _save(figure, path)
 
 
@@ -121,7 +128,7 @@ def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
         rows = _plot_strategies(ax, scaling, family, "efficiency", colors)
         _plot_ceiling(ax, ceiling, "efficiency")
         _log2_workers_axis(ax, scaling["workers"])
-        _finish(ax, f"{family}: efficiency E(N) = S(N)/N (95% CI)", "efficiency", rows)
+        _finish(ax, f"{family}: efficiency E(N) = S(N)/N (95% CI; {_source(scaling)})", "efficiency", rows)
     return _save(figure, path)
 
 
@@ -131,7 +138,25 @@ def plot_accuracy(accuracy: pd.DataFrame, path: Path) -> Path:
     for family, ax in panels:
         _plot_strategies(ax, accuracy, family, "top1", colors)
         _log2_workers_axis(ax, accuracy["workers"])
-        _finish(ax, f"{family}: test top-1 (mean over seeds, CI or range)", "test top-1")
+        _finish(ax, f"{family}: test top-1 (mean over seeds, CI or range; {_source(accuracy)})", "test top-1")
+    return _save(figure, path)
+
+
+def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this machine's") -> Path:
+    """Time to target_accuracy against N per family, the mean over the seeds that reached it with
+    its interval (a log scale: it spans orders of magnitude from N=1 to the largest N); `clock`
+    says whose seconds they are (an emulated study's are the cluster's)."""
+    figure, panels = _family_panels(accuracy)
+    colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
+    for family, ax in panels:
+        _plot_strategies(ax, accuracy, family, "time_to_accuracy_s", colors)
+        _log2_workers_axis(ax, accuracy["workers"])
+        if (accuracy["time_to_accuracy_s"] > 0).any():
+            ax.set_yscale("log")
+        if _family_rows(accuracy, family)["time_to_accuracy_s"].isna().any():
+            ax.annotate("no point: no seed reached the target", (0, 0), xycoords="axes fraction", xytext=(4, 4),
+                        textcoords="offset points", fontsize="x-small", ha="left", va="bottom")
+        _finish(ax, f"{family}: time to target ({_source(accuracy)})", f"seconds to target ({clock} clock)")
     return _save(figure, path)
 
 
@@ -142,7 +167,8 @@ def _representative_runs(df: pd.DataFrame) -> pd.DataFrame:
 
 def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Path,
                      strategies_order: Sequence[str] | None = None) -> Path:
-    """Validation top-1 against training time, per family (the lowest seed of each run)."""
+    """Validation top-1 against training time, per family (the lowest seed of each run), of the accuracy runs."""
+    df = runs_of_kind(df, ACCURACY)
     runs = sorted_by_strategy(_representative_runs(df[df["strategy"] != REFERENCE_STRATEGY]), strategies_order)
     figure, panels = _family_panels(runs)
     colors = _colors(list(dict.fromkeys(runs["strategy"])))
@@ -160,24 +186,25 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
         for target in targets - {None}:
             ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xlabel("training time (s, evaluation left out)")
-        _finish(ax, f"{family}: validation top-1 vs time", "validation top-1")
+        _finish(ax, f"{family}: validation top-1 vs time ({ACCURACY} runs)", "validation top-1")
     return _save(figure, path)
 
 
 def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_dir: str | Path,
                strategies_order: Sequence[str] | None = None, scaling: pd.DataFrame | None = None,
-               accuracy: pd.DataFrame | None = None) -> list[Path]:
-    """throughput.png, efficiency.png, accuracy.png, convergence.png from the per-run frame
-    (and its tables, when the caller has them already: the scaling table's bootstraps are
-    the step's largest cost)."""
+               accuracy: pd.DataFrame | None = None, clock: str = "this machine's") -> list[Path]:
+    """throughput.png, efficiency.png, accuracy.png, time_to_accuracy.png, convergence.png from
+    the per-run frame (and its tables, when the caller has them already: the scaling table's
+    bootstraps are the step's largest cost); `clock`: whose seconds the runs' times are."""
     plots_dir = Path(plots_dir)
     metrics_by_dir = {str(Path(k)): v for k, v in run_metrics.items()}
     scaling = scaling_table(df, strategies_order) if scaling is None else scaling
-    accuracy = accuracy_table(df, strategies_order) if accuracy is None else accuracy
+    accuracy = accuracy_table(df, strategies_order, metrics_by_dir) if accuracy is None else accuracy
     return [
         plot_throughput(scaling, plots_dir / "throughput.png"),
         plot_efficiency(scaling, plots_dir / "efficiency.png"),
         plot_accuracy(accuracy, plots_dir / "accuracy.png"),
+        plot_time_to_accuracy(accuracy, plots_dir / "time_to_accuracy.png", clock),
         plot_convergence(df, metrics_by_dir, plots_dir / "convergence.png", strategies_order),
     ]
 

@@ -1,7 +1,10 @@
 """The finished runs as a frame (`load_runs`, `load_run_metrics`), and the arithmetic of speedup and efficiency.
 
-Input: one folder per training run, results/runs/{strategy}/n{workers}/seed{seed}/,
-holding metrics.json (written by training) and eval.json (written by evaluation).
+Input: one folder per training run, results/runs/{strategy}/n{workers}/seed{seed}/ (accuracy
+runs) or results/runs/scaling/{strategy}/... (scaling runs, dtstudy.config.run_kinds), holding
+metrics.json (written by training) and, for the kinds whose final model is tested, eval.json
+(written by evaluation). Each table takes its runs of one kind (`runs_of_kind`,
+`throughput_kind`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dtstudy.config import run_kinds
 from dtstudy.strategies.specs import SPECS
 from dtstudy.tracking.live_run import recorded_run
 
@@ -74,9 +78,20 @@ def _field(data: Mapping, key: str, path: Path, convert=float):
         raise ValueError(f"{path}: bad value for {key!r}: {data[key]!r}") from error
 
 
+def run_kind(metrics: Mapping, path: Path) -> str:
+    """A run's kind from its metrics.json (runs recorded before kinds were accuracy runs)."""
+    kind = metrics.get("kind") or run_kinds.kind_of_run_config(metrics.get("config") or {})
+    if kind not in run_kinds.KINDS:
+        raise ValueError(f"{path}: unknown run kind {kind!r}; allowed: {', '.join(run_kinds.KINDS)}")
+    return kind
+
+
 def _run_row(run_dir: Path) -> dict:
     metrics_path, eval_path = run_dir / "metrics.json", run_dir / "eval.json"
-    metrics, evaluation = read_json(metrics_path), read_json(eval_path)
+    metrics = read_json(metrics_path)
+    kind = run_kind(metrics, metrics_path)
+    # an untested kind (scaling runs) has no eval.json: no accuracy to report
+    evaluation = read_json(eval_path) if run_kinds.KINDS[kind].tested else {"top1": math.nan, "top5": math.nan}
     step_time = _field(metrics, "step_time", metrics_path, convert=dict)
     # a run whose MLflow record was delivered late (tracking.live_run.deliver_pending) has it in RUN_ID_FILE
     run_id = ((metrics.get("mlflow") or {}).get("run_id") or evaluation.get("mlflow_run_id")
@@ -84,6 +99,7 @@ def _run_row(run_dir: Path) -> dict:
     time_to_accuracy = metrics.get("time_to_accuracy_s")
     throughput = _field(metrics, "throughput_median" if "throughput_median" in metrics else "throughput", metrics_path)
     return {
+        "kind": kind,
         "strategy": _field(metrics, "strategy", metrics_path, convert=str),
         "workers": _field(metrics, "workers", metrics_path, convert=int),
         "seed": _field(metrics, "seed", metrics_path, convert=int),
@@ -111,11 +127,21 @@ def load_runs(run_dirs: Iterable[str | Path]) -> pd.DataFrame:
     if not rows:
         raise ValueError("no run folders to aggregate")
     df = pd.DataFrame(rows)
-    duplicated = df[df.duplicated(["strategy", "workers", "seed"], keep=False)]
+    duplicated = df[df.duplicated(["kind", "strategy", "workers", "seed"], keep=False)]
     if not duplicated.empty:
-        raise ValueError("several folders hold the same (strategy, workers, seed): "
+        raise ValueError("several folders hold the same (kind, strategy, workers, seed): "
                          + ", ".join(duplicated["run_dir"]))
     return df
+
+
+def throughput_kind(df: pd.DataFrame) -> str:
+    """The kind the scaling table times: the scaling runs, or the accuracy runs of a study
+    without scaling runs (scaling.steps: null)."""
+    return run_kinds.SCALING if (df["kind"] == run_kinds.SCALING).any() else run_kinds.ACCURACY
+
+
+def runs_of_kind(df: pd.DataFrame, kind: str) -> pd.DataFrame:
+    return df[df["kind"] == kind].reset_index(drop=True)
 
 
 def load_run_metrics(run_dirs: Iterable[str | Path]) -> dict[str, dict]:

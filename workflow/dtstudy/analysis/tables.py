@@ -1,5 +1,9 @@
 """The scaling and accuracy tables, the machine's noise, and their CSV and Markdown files.
 
+Each table takes its runs of one kind (dtstudy.config.run_kinds) and says which in its
+`from_runs` column: the scaling table the scaling runs (the accuracy runs in a study without
+them), the accuracy table the accuracy runs.
+
 Every cell comes with its uncertainty (dtstudy.analysis.intervals): throughput, speedup and
 efficiency with a bootstrap 95% CI over the timed windows of every seed; accuracy with a
 t 95% CI over seeds (3 or more), or the range of 2 seeds, and the paired difference to
@@ -10,7 +14,7 @@ work) and its ceiling (no_exchange: N loops that exchange nothing) are reported 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,22 +22,28 @@ import pandas as pd
 
 from dtstudy.analysis import intervals
 from dtstudy.analysis.intervals import Interval
-from dtstudy.analysis.runs import FAMILY_OF, efficiency, mean_of_reached, speedup
+from dtstudy.analysis.runs import FAMILY_OF, efficiency, runs_of_kind, speedup, throughput_kind
 from dtstudy.atomic_files import write_text
+from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import REFERENCE_STRATEGY
 
 BASELINE_STRATEGY = "allreduce"
 GAP_POINTS = 3  # a strategy more than this many points of top-1 below allreduce is marked
-SCALING_COLUMNS = ["strategy", "family", "workers", "seeds", "windows",
+SCALING_COLUMNS = ["from_runs", "strategy", "family", "workers", "seeds", "windows",
                    "throughput", "throughput_low", "throughput_high",
                    "speedup", "speedup_low", "speedup_high",
                    "efficiency", "efficiency_low", "efficiency_high", "ceiling_efficiency",
                    "efficiency_vs_ceiling", "efficiency_vs_ceiling_low", "efficiency_vs_ceiling_high",
                    "speedup_vs_allreduce_1", "compute_s", "comm_s", "bytes_per_step", "oversubscribed", "pinned"]
-ACCURACY_COLUMNS = ["strategy", "family", "workers", "seeds", "top1", "top1_low", "top1_high", "top1_interval",
+ACCURACY_COLUMNS = ["from_runs", "strategy", "family", "workers", "global_batch", "seeds",
+                    "top1", "top1_low", "top1_high", "top1_interval",
                     "top5", "top5_low", "top5_high",
                     "top1_vs_allreduce", "top1_vs_allreduce_low", "top1_vs_allreduce_high", "paired_seeds",
-                    "below_allreduce", "time_to_accuracy_s", "reached_target"]
+                    "below_allreduce", "time_to_accuracy_s", "time_to_accuracy_s_low", "time_to_accuracy_s_high",
+                    "reached_target", "steps_to_accuracy", "steps_to_accuracy_low", "steps_to_accuracy_high",
+                    "staleness", "staleness_low", "staleness_high"]
+#: what accuracy_table reads from each run's metrics.json beyond the runs frame (NaN when absent)
+RUN_EXTRAS = ("global_batch", "steps_to_accuracy", "staleness")
 OVERSUBSCRIBED_NOTE = ("Note: rows marked oversubscribed ran more workers than CPU cores, "
                        "so their throughput (and timings) are not meaningful.")
 _FLOAT_FORMATS = {"throughput": ".1f", "throughput_low": ".1f", "throughput_high": ".1f", "bytes_per_step": ".0f",
@@ -70,7 +80,10 @@ def _columns(prefix: str, interval: Interval) -> dict:
 def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = None) -> pd.DataFrame:
     """Throughput (median of the timed windows, bootstrap 95% CI over the windows of every
     seed), speedup and efficiency against the strategy's own N=1 (their CIs from the same
-    bootstrap), and efficiency against the machine's ceiling (no_exchange at the same N)."""
+    bootstrap), and efficiency against the machine's ceiling (no_exchange at the same N); from
+    the runs of throughput_kind only."""
+    kind = throughput_kind(df)
+    df = runs_of_kind(df, kind)
     rows = []
     for (name, workers), runs in _per_config(df):
         here = _windows(df, name, workers)
@@ -91,7 +104,7 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
         # E = S / N: the speedup's interval, divided (a quantile commutes with the scaling)
         efficiency_ci = intervals.scaled(speedup_ci, 1 / workers)
         rows.append({
-            "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
+            "from_runs": kind, "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
             "seeds": runs["seed"].nunique(), "windows": sum(len(w) for w in here),
             **_columns("throughput", intervals.median_interval(here)),
             **_columns("speedup", speedup_ci),
@@ -112,11 +125,42 @@ def _reached_fraction(times: pd.Series) -> str:
     return f"{int(times.notna().sum())}/{len(times)}"
 
 
-def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = None) -> pd.DataFrame:
+def steps_to_accuracy(metrics: Mapping) -> float:
+    """A run's steps (per worker) to its first validation point at or above target_accuracy, on
+    the points time_to_accuracy_s is read from (the grid when there is one); NaN if never."""
+    target = metrics.get("target_accuracy")
+    points = metrics.get("val_grid") or metrics.get("val") or []
+    reached = [p["step"] for p in points if target is not None and "step" in p and p["top1"] >= target]
+    return float(reached[0]) if reached else math.nan
+
+
+def run_extras(metrics: Mapping) -> dict:
+    """RUN_EXTRAS of one run's metrics.json: its global batch, its steps to the target, and the
+    mean staleness of the gradients it applied (the asynchronous parameter servers record it,
+    strategy_metrics.staleness_mean); NaN for what the run does not record."""
+    staleness = (metrics.get("strategy_metrics") or {}).get("staleness_mean")
+    return {"global_batch": float(metrics.get("global_batch") or math.nan),
+            "steps_to_accuracy": steps_to_accuracy(metrics),
+            "staleness": math.nan if staleness is None else float(staleness)}
+
+
+def with_run_extras(df: pd.DataFrame, run_metrics: Mapping[str, Mapping] | None) -> pd.DataFrame:
+    """The runs frame with RUN_EXTRAS columns from each run's metrics.json (keyed by run_dir),
+    all NaN without run_metrics."""
+    extras = [run_extras((run_metrics or {}).get(run_dir, {})) for run_dir in df["run_dir"]]
+    return df.assign(**{key: [e[key] for e in extras] for key in RUN_EXTRAS})
+
+
+def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = None,
+                   run_metrics: Mapping[str, Mapping] | None = None) -> pd.DataFrame:
     """Final test top-1/top-5 per (strategy, N): the mean over seeds with its interval
     (dtstudy.analysis.intervals: t 95% CI from 3 seeds, the range of 2), and the paired difference
     to allreduce at the same N and seed. The reference (no_exchange) has no accuracy to
-    report: its rank 0 trained alone on 1/N of the data."""
+    report: its rank 0 trained alone on 1/N of the data. From the accuracy runs only.
+    Time and steps to the target: the mean over the seeds that reached it, with the same kind
+    of interval; with `run_metrics` ({run_dir: metrics.json}) also the global batch, the steps
+    to the target and the staleness of asynchronous strategies (RUN_EXTRAS; NaN without)."""
+    df = with_run_extras(runs_of_kind(df, ACCURACY), run_metrics)
     rows = []
     base = df[df["strategy"] == BASELINE_STRATEGY].set_index(["workers", "seed"])["top1"]
     for (name, workers), runs in _per_config(df[df["strategy"] != REFERENCE_STRATEGY]):
@@ -124,15 +168,19 @@ def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = No
         paired = [top1_seed - base[(workers, seed)] for seed, top1_seed in zip(runs["seed"], runs["top1"])
                   if (workers, seed) in base.index]
         difference = intervals.mean_interval(paired) if name != BASELINE_STRATEGY else intervals.NAN_INTERVAL
+        batches = runs["global_batch"].dropna()
         rows.append({
-            "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
-            "seeds": runs["seed"].nunique(),
+            "from_runs": ACCURACY, "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
+            "global_batch": batches.iloc[0] if len(batches) else math.nan, "seeds": runs["seed"].nunique(),
             **_columns("top1", top1), "top1_interval": top1.kind,
             **_columns("top5", intervals.mean_interval(runs["top5"])),
             **_columns("top1_vs_allreduce", difference), "paired_seeds": difference.n,
             "below_allreduce": bool(difference.value < -GAP_POINTS / 100),
-            "time_to_accuracy_s": mean_of_reached(runs["time_to_accuracy_s"]),
+            # the mean over the seeds that reached the target, with its interval
+            **_columns("time_to_accuracy_s", intervals.mean_interval(runs["time_to_accuracy_s"].dropna())),
             "reached_target": _reached_fraction(runs["time_to_accuracy_s"]),
+            **_columns("steps_to_accuracy", intervals.mean_interval(runs["steps_to_accuracy"].dropna())),
+            **_columns("staleness", intervals.mean_interval(runs["staleness"].dropna())),
         })
     return sorted_by_strategy(pd.DataFrame(rows), strategies_order)[ACCURACY_COLUMNS]
 
@@ -140,7 +188,9 @@ def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = No
 def noise_summary(df: pd.DataFrame) -> dict:
     """The machine's noise, from the study itself: at N=1 every strategy runs the same plain
     SGD loop, so the spread of their throughputs is noise; and the spread of the timed
-    windows inside a run (coefficient of variation, median over the runs)."""
+    windows inside a run (coefficient of variation, median over the runs); of the runs the
+    scaling table times."""
+    df = runs_of_kind(df, throughput_kind(df))
     single = df[df["workers"] == 1]
     medians = [float(np.median(w)) for w in single["windows"] if len(w)]
     window_cvs = [float(np.std(w, ddof=1) / np.mean(w)) for w in df["windows"] if len(w) > 1]

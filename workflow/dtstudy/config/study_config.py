@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from dtstudy.config import schema
+from dtstudy.config import run_kinds, schema
 from dtstudy.errors import ConfigError
 
 __all__ = ["ConfigError", "deep_merge", "read_yaml", "run_config", "validate_schema"]
@@ -28,6 +28,7 @@ def validate_schema(config: dict) -> dict:
     knobs_as_written = copy.deepcopy(config.get("strategy_params", {}))
     schema.validate_config(config)
     config["strategy_params"] = knobs_as_written
+    run_kinds.check(config)  # the scaling and accuracy runs' keys against each other and `workers`
     return config
 
 
@@ -69,8 +70,9 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def run_config(config: dict, strategy: str) -> dict:
-    """The part of the study config that one training run of `strategy` depends on.
+def run_config(config: dict, strategy: str, kind: str = run_kinds.ACCURACY) -> dict:
+    """The part of the study config that one training run of `strategy` depends on, as a run
+    of `kind` (dtstudy.config.run_kinds: a scaling run's step limit and timing window).
 
     Rules pass exactly this to the training CLI, so that a change of, say, the list of
     workers does not make Snakemake rerun every finished training run.
@@ -78,7 +80,9 @@ def run_config(config: dict, strategy: str) -> dict:
     keys = ("dataset", "loader", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
     selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
-    return selected
+    if config["launcher"]["cluster"] == "emulate":  # its clock's hardware (absent otherwise: no rerun of real runs)
+        selected["emulate"] = copy.deepcopy(config["emulate"])
+    return deep_merge(selected, run_kinds.run_config_changes(config, kind))
 
 
 def tracking_uri(uri: str | None, results_dir: str | Path = "results") -> str:

@@ -3,16 +3,44 @@ the input pipeline of dtstudy.data.feed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from pathlib import Path
 
 from dtstudy.data.prepare import SPLITS
+
+_shared: dict | None = None  # (data_dir, split) -> in-memory split, while `shared_splits` is on
+_shared_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def shared_splits():
+    """While on, `load_split` reads each in-memory split once and hands every caller the same
+    object (read-only after loading): an emulated run's N logical workers, threads of one
+    process, then hold one copy of the data set, not N."""
+    global _shared
+    _shared = {}
+    try:
+        yield
+    finally:
+        _shared = None
 
 
 def load_split(data_dir: str | Path, split: str, loader: dict | None = None, device="cpu"):
     """A prepared split: len(), num_classes, channels, is_in_memory and batch(indices); an
     image split also batches(index_batches) on `device`, as the config's `loader` section
     says (None: a plain reader, dtstudy.data.feed.ImageFolderSplit). In-memory splits ignore both."""
+    if _shared is not None:
+        with _shared_lock:
+            key = (str(Path(data_dir).resolve()), split)
+            if key not in _shared:
+                _shared[key] = _load_split(data_dir, split, loader, device)
+            return _shared[key]
+    return _load_split(data_dir, split, loader, device)
+
+
+def _load_split(data_dir: str | Path, split: str, loader: dict | None, device):
     if split not in SPLITS:
         raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
     data_dir = Path(data_dir)

@@ -5,11 +5,19 @@ Locally (launcher.cluster: local) the job is one light task that has the study's
 (dtstudy.launch.pool) fork the run's N workers and a strategy's extra processes; on SLURM it is one
 task per process (one per GPU). Interrupting the caller (SIGINT/SIGTERM, as Snakemake does
 on Ctrl-C) cancels the job.
+
+On SLURM a job that failed because it lost a process or its node (a rank recorded lost by
+dtstudy.launch.process_group.PeerWatch, or the job's state NODE_FAIL) is submitted again, up to
+launcher.max_resubmits times, when the run's resume folder holds a checkpoint of every worker
+(train.checkpoint_every_min): the new job resumes from it (dtstudy.training.checkpoint). Any other
+failure (an error in the training code, a bad setting) ends the run at once: a resubmission
+would meet it again.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -21,7 +29,9 @@ from dtstudy.launch.job import launcher_environment, PooledTrainingJob, Training
 from dtstudy.launch.pool.client import pool_address
 from dtstudy.launch.ports import free_port
 from dtstudy.tracking.live_run import recorded_run, RUN_ID_FILE
-from dtstudy.runspec import lost_rank_path, RunSpec
+from dtstudy.runspec import lost_rank_path, resume_files, RunSpec
+
+NODE_FAIL = "NODE_FAIL"  # SLURM's state of a job whose node failed
 
 
 class TrainingJobFailed(RuntimeError):
@@ -114,7 +124,9 @@ class _LogFollower:
 
 def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, time_limit_min: int | None = None) -> dict:
     """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
-    the run's MLflow run marked FAILED). `time_limit_min`: job_parameters'."""
+    the run's MLflow run marked FAILED). On SLURM a job that lost a process or its node is
+    submitted again to resume from the run's checkpoint (resubmission_refused says when it is
+    not). `time_limit_min`: job_parameters'."""
     import submitit
 
     submitted_at = time.time()
@@ -122,12 +134,17 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
     job_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = spec.metrics_path
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
+    if spec.config["launcher"]["cluster"] == "emulate":  # not a job: `python -m dtstudy train` runs it in-process
+        raise ValueError(f"{spec.run_name}: launcher.cluster 'emulate' runs in the calling process "
+                         "(dtstudy.emulation.runner.run_emulated), not as a submitit job")
     # spec.resume_dir stays: a run that died resumes from its last checkpoint (dtstudy.training.checkpoint;
     # a finished run leaves none, and state of another config is not used)
-    (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
     pooled = uses_pool(spec)
+    launcher = spec.config["launcher"]
+    # locally a run that died resumes when it is started again (snakemake --rerun-incomplete)
+    max_resubmits = launcher["max_resubmits"] if launcher["cluster"] == "slurm" else 0
 
-    if spec.config["launcher"]["cluster"] == "local" and not pooled:
+    if launcher["cluster"] == "local" and not pooled:
         # the tasks inherit it (submitit reads it); a SLURM job picks one on its first node
         # (launch.process_group.rendezvous_port)
         os.environ["MASTER_PORT"] = str(free_port())
@@ -147,24 +164,30 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
     previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         timings = {"submitted": submitted_at}
-        environ = launcher_environment(spec.config["launcher"]["cluster"])
+        environ = launcher_environment(launcher["cluster"])
         if pooled:
             callable_ = PooledTrainingJob(spec, pool_address(), timings, environ)
         else:
             callable_ = TrainingJob(spec, timings, environ)
-        job = make_executor(spec, job_dir, pooled, time_limit_min).submit(callable_)
         what = f"1 task (the warm pool forks its {spec.processes()} processes)" if pooled else f"{spec.processes()} tasks"
-        print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
-        follower = _LogFollower(Path(job.paths.stdout))
-        while not job.done():
-            follower.pump()
-            time.sleep(poll_s)
-        follower.pump()
-        lost = lost_rank(job)
-        if lost is not None:  # known at once: no need to wait for result files (submitit: 15 s)
+        for attempt in range(max_resubmits + 1):
+            (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
+            job = make_executor(spec, job_dir, pooled, time_limit_min).submit(callable_)
+            print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
+            follower = _LogFollower(Path(job.paths.stdout))
+            wait_until_done(job, follower, poll_s)
+            lost = lost_process(job)
+            if lost is None:
+                break
+            # known at once: no need to wait for result files (submitit: 15 s)
             mark_failed(spec, f"job {job.job_id} failed: {lost}")
-            raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} failed; {lost}; "
-                                    f"rank 0's stderr: {job.paths.stderr}")
+            why_not = resubmission_refused(spec, attempt, max_resubmits)
+            if why_not is not None:
+                raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} failed; {lost}; "
+                                        f"rank 0's stderr: {job.paths.stderr}{why_not}")
+            print(f"{spec.run_name}: job {job.job_id} failed: {lost}; resubmitting it to resume from the "
+                  f"checkpoint in {spec.resume_dir} (resubmission {attempt + 1} of at most {max_resubmits}, "
+                  f"launcher.max_resubmits)", flush=True)
         try:
             results = job.results()
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as error:
@@ -182,6 +205,61 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
         raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
                                 f"its stderr: {job.paths.stderr}")
     return metrics
+
+
+LOST_RANK_CHECK_S = 1.0  # how often SLURM is asked whether a job that recorded a lost rank has ended
+
+
+def wait_until_done(job, follower: _LogFollower, poll_s: float) -> None:
+    """Follow the job's log until it ends. submitit asks SLURM every half of the job's age (up
+    to 10 min); once a process recorded a lost rank the job is ending (srun --kill-on-bad-exit),
+    so SLURM is asked every LOST_RANK_CHECK_S: the run fails within seconds, not minutes."""
+    lost_record = lost_rank_path(job.paths.folder, job.job_id)
+    asked_at = -math.inf
+    while True:
+        force = lost_record.exists() and time.monotonic() - asked_at >= LOST_RANK_CHECK_S
+        if force:
+            asked_at = time.monotonic()
+        if job.done(force_check=force):
+            break
+        follower.pump()
+        time.sleep(poll_s)
+    follower.pump()
+
+
+def lost_process(job) -> str | None:
+    """What a failed job lost: a rank (`lost_rank`) or, on SLURM, its node; None when it lost
+    neither (it finished, or failed for another reason)."""
+    lost = lost_rank(job)
+    if lost is None and job.state == NODE_FAIL:
+        lost = f"its node failed (SLURM state {NODE_FAIL})"
+    return lost
+
+
+def resubmission_refused(spec: RunSpec, attempt: int, max_resubmits: int) -> str | None:
+    """Why a job that lost a process is not submitted again, as the end of the launcher's
+    error ("" on a local machine, where starting the run again resumes it); None when it is.
+    A resubmission needs one left and a checkpoint to resume from: without one the new job
+    would start from step 0, and a loss that recurs (the out-of-memory killer) would repeat
+    the whole run."""
+    if spec.config["launcher"]["cluster"] != "slurm":
+        return ""
+    if attempt >= max_resubmits:
+        return f"; not resubmitted: launcher.max_resubmits is {max_resubmits}" + (
+            f" and it was resubmitted {attempt} times" if attempt else "")
+    missing = missing_checkpoints(spec)
+    if missing:
+        return f"; not resubmitted: no checkpoint to resume from in {spec.resume_dir} ({missing}; train.checkpoint_every_min)"
+    return None
+
+
+def missing_checkpoints(spec: RunSpec) -> str:
+    """Which workers have no checkpoint file in the run's resume folder ("" when every one has).
+    Only that the files are there: the resumed job checks them (run, config, sha256) and starts
+    from step 0 if none is usable, saying why."""
+    missing = [resume_files(spec.out_dir, rank)[0].name for rank in range(spec.workers)
+               if not any(path.exists() for path in resume_files(spec.out_dir, rank))]
+    return f"{', '.join(missing)} missing" if missing else ""
 
 
 def lost_rank(job) -> str | None:

@@ -62,17 +62,22 @@ def wait_free_exposed(timeline: list[tuple[float, ...]], backward_s: float) -> f
     return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
 
 
-def overlapped(workload: Workload, machine: Machine, exchange: float, bucket_cap_mb: float) -> float:
+def overlapped(workload: Workload, machine: Machine, exchange: float | tuple[float, ...],
+               bucket_cap_mb: float) -> float:
     """The exchange's exposed part: with the workload's layer profile, its buckets' timeline
     (each bucket's exchange the total's share of its bytes: latency and compression spread
-    with them); without, the machine's fixed share of compute hides it."""
+    with them); without, the machine's fixed share of compute hides it. `exchange`: its
+    seconds, or a tuple of seconds per stage on separate links (wait_free_exposed's stages,
+    e.g. a sum inside the node, then a push through the NIC)."""
+    stages = exchange if isinstance(exchange, tuple) else (exchange,)
     layers = workload.layers
     if layers is None:
-        return max(0.0, exchange - machine.overlap * workload.compute_s)
+        return max(0.0, sum(stages) - machine.overlap * workload.compute_s)
     groups = layers.buckets(bucket_cap_mb * 2**20, workload.bytes_per_parameter)
     total = sum(size for size, _ in groups)
     backward = layers.backward_share * workload.compute_s
-    return wait_free_exposed([(ready * backward, exchange * size / total) for size, ready in groups], backward)
+    return wait_free_exposed([(ready * backward, *(stage * size / total for stage in stages))
+                              for size, ready in groups], backward)
 
 
 def overlap_used(overlaps_backward: bool, workload: Workload, machine: Machine) -> str:
@@ -221,6 +226,17 @@ def ps_phase_time(workload: Workload, machine: Machine, workers: int, shards: in
     return link.time(nic, messages=n)
 
 
+def default_shards(nodes: int) -> int:
+    """A parameter server's shard count when its `shards` knob is null: one per node of the run
+    (dtstudy.strategies.specs.ParameterServerSpec.placed_params, what a run starts)."""
+    return nodes
+
+
+def shard_count(params: dict, machine: Machine, workers: int) -> int:
+    """The S shards a modelled run has: its `shards` knob, or one per node of N workers on `machine`."""
+    return params["shards"] if params["shards"] is not None else default_shards(machine.nodes(workers))
+
+
 def server_update_time(workload: Workload, machine: Machine, gradients: int, shards: int) -> float:
     """A shard's work for one update: sum `gradients` slices of M/S bytes, then SGD on its slice."""
     if not machine.server_bandwidth:
@@ -233,7 +249,7 @@ def server_update_time(workload: Workload, machine: Machine, gradients: int, sha
 def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None, window=1) -> Step:
     """Push to S shards, each waits for `quorum` of the N gradients (all by default), updates,
     answers: 2 phases + the update; a worker may run `window - 1` steps ahead of the slowest."""
-    shards, placement = params["shards"], params["placement"]
+    shards, placement = shard_count(params, machine, workers), params["placement"]
     phase = ps_phase_time(workload, machine, workers, shards, placement)
     server = server_update_time(workload, machine, workers, shards)
     # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
@@ -248,7 +264,7 @@ def ps_async_step(strategy, workload, machine, workers, params, stragglers) -> S
     """No barrier: each worker cycles pull -> compute -> push at its own pace (its own delay,
     its own unloaded round trip); the shards' links and service rate cap the sum. The step
     is the time of one round (N gradients applied)."""
-    shards, placement = params["shards"], params["placement"]
+    shards, placement = shard_count(params, machine, workers), params["placement"]
     link = machine.p2p_intra if machine.nodes(workers) == 1 else machine.p2p_inter
     one_gradient = server_update_time(workload, machine, 1, shards)
     round_trip = 2 * link.time(workload.model_bytes) + machine.ps_request_s  # one worker's push and reply, unloaded

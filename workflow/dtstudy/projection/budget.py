@@ -1,10 +1,11 @@
 """What a study costs before anything is submitted: each run's predicted wall time and GPU-hours on a hardware profile, its job's time limit, the study's total against launcher.gpu_hour_budget.
 
-The prediction of one run (strategy, N), torch-free (the Snakefile's check and the budget
-command run it on a login node):
+The prediction of one run (kind, strategy, N), torch-free (the Snakefile's check and the budget
+command run it on a login node); each kind of run (dtstudy.config.run_kinds) is costed with
+the train section its runs get, at its own N and seeds:
 
-- steps = epochs x floor(ceil(train images / N) / b), or fewer (train.max_steps, no_exchange's
-  own `steps`): the training loop's DistributedSampler pads each worker's share to
+- steps = epochs x floor(ceil(train images / N) / b), or fewer (train.max_steps, a scaling
+  run's scaling.warmup_steps + scaling.steps, no_exchange's own `steps`): the training loop's DistributedSampler pads each worker's share to
   ceil(images / N) and its batches drop the last partial one; b the per-worker batch;
 - train = steps x the step the performance model gives at N (its spec's model_step) on the
   profile, with the compute of a step at N = 1 = b / the profile's `train_images_per_s` of
@@ -32,7 +33,8 @@ from pathlib import Path
 import yaml
 
 from dtstudy.atomic_files import write_json
-from dtstudy.config.study_config import per_worker_batch
+from dtstudy.config import run_kinds
+from dtstudy.config.study_config import deep_merge, per_worker_batch
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import Machine, Stragglers, Workload
 from dtstudy.projection import calibration, hardware, layer_profiles
@@ -150,8 +152,10 @@ def workload(config: dict, images_per_s: float, workers: int) -> Workload:
 
 @dataclass(frozen=True)
 class RunCost:
-    """One run's prediction (seconds), the GPUs it holds and its job's time limit."""
+    """One run's prediction (seconds), the GPUs it holds and its job's time limit; `seeds`:
+    how many times the study runs it (its kind's seeds)."""
 
+    kind: str
     strategy: str
     workers: int
     steps: int
@@ -163,10 +167,15 @@ class RunCost:
     wall_s: float
     gpus: int
     time_limit_min: int
+    seeds: int = 1
 
     @property
     def gpu_hours(self) -> float:
         return self.wall_s * self.gpus / SECONDS_PER_HOUR
+
+    @property
+    def gpu_hours_all_seeds(self) -> float:
+        return self.gpu_hours * self.seeds
 
     def row(self) -> dict:
         return {**dataclasses.asdict(self), "gpu_hours": self.gpu_hours}
@@ -221,6 +230,7 @@ def time_limit(wall_s: float, attempts: int, launcher: dict) -> int:
 
 def run_cost(config: dict, strategy: str, workers: int, images: Images, where: Costing,
              stragglers: Stragglers | None = None) -> RunCost:
+    """One run of `config` (a run config, or kind_config's study config: its train section is the run's)."""
     params = run_params(config, strategy, workers, where.profile)
     load = workload(config, where.images_per_s, workers)
     step = model_step(strategy, load, where.machine, workers, params,
@@ -233,20 +243,30 @@ def run_cost(config: dict, strategy: str, workers: int, images: Images, where: C
     # attempts: how many time limits of timeout_min the run needs, each with its own start-up
     attempts = max(1, math.ceil((work_s + STARTUP_S) * launcher["time_limit_margin"] / (launcher["timeout_min"] * 60)))
     wall_s = work_s + STARTUP_S * attempts
-    return RunCost(strategy=strategy, workers=workers, steps=count, step_s=step.step_s, train_s=count * step.step_s,
+    return RunCost(kind=run_kinds.kind_of_run_config(config), strategy=strategy, workers=workers, steps=count, step_s=step.step_s, train_s=count * step.step_s,
                    eval_s=eval_s, startup_s=STARTUP_S * attempts, attempts=attempts, wall_s=wall_s, gpus=workers,
                    time_limit_min=time_limit(wall_s, attempts, launcher))
 
 
+def kind_config(config: dict, kind: str) -> dict:
+    """The study config as a run of `kind` sees it (a scaling run's step limit and timing)."""
+    return deep_merge(config, run_kinds.run_config_changes(config, kind))
+
+
 def study_costs(config: dict, images: Images, where: Costing) -> list[RunCost]:
-    """Every (strategy, N) of the study, in the config's order; each seed is one more such run."""
+    """Every (kind, strategy, N) of the study: the scaling runs, then the accuracy runs, each in
+    the config's order; each carries its kind's number of seeds."""
     stragglers = Stragglers.from_config(config.get("stragglers"))
-    return [run_cost(config, name, n, images, where, stragglers) for name in config["strategies"]
-            for n in config["workers"]]
+    costs = []
+    for kind in run_kinds.kinds_run(config):
+        as_run, seeds = kind_config(config, kind), len(run_kinds.seeds(config, kind))
+        costs += [dataclasses.replace(run_cost(as_run, name, n, images, where, stragglers), seeds=seeds)
+                  for name in config["strategies"] for n in run_kinds.workers(config, kind)]
+    return costs
 
 
-def total_gpu_hours(config: dict, costs: list[RunCost]) -> float:
-    return len(config["seeds"]) * sum(cost.gpu_hours for cost in costs)
+def total_gpu_hours(costs: list[RunCost]) -> float:
+    return sum(cost.gpu_hours_all_seeds for cost in costs)
 
 
 # ----- the study's gates and its jobs' time limits ---------------------------------------------
@@ -284,18 +304,18 @@ def check_study(config: dict, images: Images) -> None:
         if cost.attempts > allowed:
             raise ConfigError(
                 f"config key 'launcher.max_requeues': {launcher['max_requeues']} requeues cannot finish "
-                f"{cost.strategy} at N={cost.workers}: predicted {cost.wall_s / SECONDS_PER_HOUR:.1f} h on "
+                f"the {cost.kind} run of {cost.strategy} at N={cost.workers}: predicted {cost.wall_s / SECONDS_PER_HOUR:.1f} h on "
                 f"{where.name} x time_limit_margin {launcher['time_limit_margin']:g} needs {cost.attempts} jobs of "
                 f"launcher.timeout_min {launcher['timeout_min']} min; raise max_requeues to {cost.attempts - 1} "
                 f"or timeout_min")
-    total = total_gpu_hours(config, costs)
+    total = total_gpu_hours(costs)
     budget = launcher["gpu_hour_budget"]
     if budget is not None and total > budget:
-        dearest = max(config["strategies"], key=lambda s: sum(c.gpu_hours for c in costs if c.strategy == s))
+        dearest = max(config["strategies"], key=lambda s: sum(c.gpu_hours_all_seeds for c in costs if c.strategy == s))
         raise ConfigError(
             f"config key 'launcher.gpu_hour_budget': the study is predicted to cost {total:.0f} GPU-hours on "
-            f"{where.name}, over the budget of {budget:g}; the cost grows with strategies, workers, seeds and "
-            f"train.epochs (the dearest strategy: {dearest}); `python -m dtstudy budget` prints every run")
+            f"{where.name}, over the budget of {budget:g}; the cost grows with strategies, workers, seeds, "
+            f"train.epochs (accuracy runs) and scaling.steps (scaling runs) (the dearest strategy: {dearest}); `python -m dtstudy budget` prints every run")
 
 
 def job_time_limit_min(config: dict, strategy: str, workers: int, data_dir: str | Path) -> int | None:
@@ -327,9 +347,13 @@ def profile_names(config: dict) -> list[tuple[str, str]]:
 def report(config: dict, images: Images) -> dict:
     """The prediction on every profile the config names that can cost its model: per run,
     per strategy and in total (the budget command's record), and why any other is skipped."""
-    seeds = len(config["seeds"])
-    out = {"model": config["model"], "precision": config["train"]["precision"], "runs": len(config["strategies"]) * len(config["workers"]) * seeds,
-           "seeds": seeds, "train_images": images.train, "val_images": images.val, "images_from": images.source,
+    kinds = {kind: {"runs": run_kinds.run_count(config, kind), "workers": run_kinds.workers(config, kind),
+                    "seeds": run_kinds.seeds(config, kind), "gives": run_kinds.KINDS[kind].gives}
+             for kind in run_kinds.kinds_run(config)}
+    if run_kinds.has_scaling_runs(config):
+        kinds[run_kinds.SCALING].update(warmup_steps=config["scaling"]["warmup_steps"], steps=config["scaling"]["steps"])
+    out = {"model": config["model"], "precision": config["train"]["precision"],
+           "runs": sum(kind["runs"] for kind in kinds.values()), "kinds": kinds, "train_images": images.train, "val_images": images.val, "images_from": images.source,
            "startup_s": STARTUP_S, "time_limit_margin": config["launcher"]["time_limit_margin"],
            "time_limit_floor_min": TIME_LIMIT_FLOOR_MIN, "timeout_min": config["launcher"]["timeout_min"],
            "profiles": {}, "skipped": {}}
@@ -342,10 +366,11 @@ def report(config: dict, images: Images) -> dict:
         longest = max(costs, key=lambda c: c.wall_s)
         out["profiles"][where.name] = {
             "named_by": key, "images_per_s": where.images_per_s, "gpus_per_node": where.machine.gpus_per_node,
-            "total_gpu_hours": total_gpu_hours(config, costs),
-            "by_strategy_gpu_hours": {s: seeds * sum(c.gpu_hours for c in costs if c.strategy == s)
+            "total_gpu_hours": total_gpu_hours(costs),
+            "by_kind_gpu_hours": {kind: total_gpu_hours([c for c in costs if c.kind == kind]) for kind in kinds},
+            "by_strategy_gpu_hours": {s: total_gpu_hours([c for c in costs if c.strategy == s])
                                       for s in config["strategies"]},
-            "longest_run": {"strategy": longest.strategy, "workers": longest.workers,
+            "longest_run": {"kind": longest.kind, "strategy": longest.strategy, "workers": longest.workers,
                             "hours": longest.wall_s / SECONDS_PER_HOUR},
             "runs": [cost.row() for cost in costs],
         }
@@ -357,26 +382,30 @@ def _hours(seconds: float) -> str:
 
 
 def render(result: dict, budget: float | None = None) -> str:
-    """The report as text: a table per profile (one line per strategy and N; each seed runs it once)."""
-    lines = [f"Predicted cost of the study: {result['runs']} runs ({result['seeds']} seeds each) of {result['model']} "
-             f"at {result['precision']} "
+    """The report as text: a table per profile (one line per kind, strategy and N; each of the
+    kind's seeds runs it once)."""
+    kinds = "; ".join(f"{kind['runs']} {name} runs ({len(kind['seeds'])} seeds each, {kind['gives']})"
+                      for name, kind in result["kinds"].items())
+    lines = [f"Predicted cost of the study: {kinds}; of {result['model']} at {result['precision']} "
              f"on {result['train_images']} training and {result['val_images']} validation images "
              f"({result['images_from']}); start-up {result['startup_s']:g} s per job attempt (assumed), "
              f"time limit = prediction x {result['time_limit_margin']:g}"]
     for name, profile in result["profiles"].items():
         lines += ["", f"{name} ({profile['named_by']}): {profile['images_per_s']:g} images/s per GPU at N=1, "
                       f"{profile['gpus_per_node']} GPUs per node",
-                  f"{'strategy':<20}{'N':>4}{'steps':>9}{'step':>10}{'wall':>11}{'GPUs':>6}{'GPU-h/run':>11}"
+                  f"{'kind':<10}{'strategy':<20}{'N':>4}{'steps':>9}{'step':>10}{'wall':>11}{'GPUs':>6}{'GPU-h/run':>11}"
                   f"{'limit':>9}{'jobs':>6}"]
         for run in profile["runs"]:
-            lines.append(f"{run['strategy']:<20}{run['workers']:>4}{run['steps']:>9}{run['step_s'] * 1000:>8.1f}ms"
+            lines.append(f"{run['kind']:<10}{run['strategy']:<20}{run['workers']:>4}{run['steps']:>9}{run['step_s'] * 1000:>8.1f}ms"
                          f"{_hours(run['wall_s']):>11}{run['gpus']:>6}{run['gpu_hours']:>11.2f}"
                          f"{run['time_limit_min']:>5} min{run['attempts']:>6}")
         per = ", ".join(f"{s} {h:.0f}" for s, h in profile["by_strategy_gpu_hours"].items())
+        per_kind = ", ".join(f"{kind} runs {h:.0f}" for kind, h in profile["by_kind_gpu_hours"].items())
         longest = profile["longest_run"]
-        lines += [f"GPU-hours per strategy (all N and seeds): {per}",
+        lines += [f"GPU-hours per strategy (all kinds, N and seeds): {per}",
+                  f"GPU-hours per kind of run: {per_kind}",
                   f"total: {profile['total_gpu_hours']:.0f} GPU-hours on {name}; the longest run "
-                  f"{longest['strategy']} at N={longest['workers']}, {longest['hours']:.1f} h"]
+                  f"{longest['strategy']} at N={longest['workers']} ({longest['kind']}), {longest['hours']:.1f} h"]
         if budget is not None and profile["named_by"] == "launcher.hardware":
             lines.append(f"launcher.gpu_hour_budget: {budget:g} GPU-hours "
                          + ("(over it: the study is refused)" if profile["total_gpu_hours"] > budget else "(within it)"))

@@ -277,8 +277,10 @@ def linear_from_checkpoint(path: str | Path) -> tuple[tuple[int, int], ...]:
     return tuple((t.shape[1], t.shape[0]) for k, t in state.items() if k.endswith("weight") and t.dim() == 2)
 
 
-#: the request a worker sends each shard before its gradient (parameter_server.protocol.request: 4 float64)
-PS_REQUEST_BYTES = 32
+#: the request a worker sends each shard before its gradient (parameter_server.protocol.request:
+#: REQUEST_SIZE float64, 5 since a push carries its checkpoint wish; a constant here, as the
+#: projection imports no torch)
+PS_REQUEST_BYTES = 40
 
 
 def parameters_from_runs(runs: list[dict]) -> int | None:
@@ -287,7 +289,9 @@ def parameters_from_runs(runs: list[dict]) -> int | None:
         if r["strategy"] in ("allreduce", "easgd") and r["workers"] > 1 and r["bytes_per_step"] > 0:
             return round(r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"]) / 4)
         if r["strategy"] in PARAMETER_SERVERS and r["bytes_per_step"] > 0:
-            headers = PS_REQUEST_BYTES * {**SPECS[r["strategy"]].defaults, **r.get("strategy_params", {})}["shards"]
+            # shards null (the default): one per node, and the runs measured here ran on one node
+            shards = {**SPECS[r["strategy"]].defaults, **r.get("strategy_params", {})}["shards"] or 1
+            headers = PS_REQUEST_BYTES * shards
             return round((r["bytes_per_step"] - headers) / 4)  # the gradient, after a request per shard
     return None
 

@@ -15,9 +15,12 @@ and `strategy.serve()` on the extra processes a strategy asks for with `extra_pr
 (parameter-server shards), which are ranks N..N+extra-1 of the same job. The loop never
 branches on the strategy's name.
 
-Preemption (dtstudy.training.checkpoint): a `resumable` strategy's workers save the model, the optimizer
-and `state_dict()` at a step boundary, and a requeued run continues after `load_state_dict`;
-any other strategy's run is requeued after `abandon()` (rank 0) and starts again from step 0.
+Preemption and checkpoints (dtstudy.training.checkpoint): a `resumable` strategy's workers
+agree on a step boundary (an all-reduce over the worker group, or the strategy's own
+`boundary_agreement`), save the model, the optimizer and `state_dict()` there (and its extra
+processes their own state: `save_extra_processes`), and a requeued or restarted run continues
+after `load_state_dict`. A run of any other strategy is never started again from step 0: on
+preemption rank 0 calls `abandon()` and the run fails, saying why it cannot resume.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from dtstudy.strategies.specs import SPECS, StrategySpec
 from dtstudy.strategies.timing import Clock, clock_for, HostClock, Mark, PendingExchange
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+#: what the workers agree on at a step boundary (boundary_agreement; dtstudy.training.checkpoint)
+STOP, CHECKPOINT = "stop", "checkpoint"
 
 
 @dataclass
@@ -118,11 +123,12 @@ class Strategy(ABC):
 
     #: the name in the registry; its knobs and their checks are dtstudy.strategies.specs.SPECS[name]
     name: ClassVar[str]
-    #: a preempted run can save its state at a step boundary and continue exactly from it:
-    #: the workers are in lockstep (they agree on stopping by a collective) and all the
-    #: state lives on them (model, optimizer, `state_dict()`). False: requeued from step 0
+    #: a preempted run can save its state at a step boundary and continue from it: the workers
+    #: agree on the boundary (`boundary_agreement`) and every process that holds state saves
+    #: it there (model, optimizer, `state_dict()`; extra processes: `save_extra_processes`).
+    #: False: a preempted run fails (it is never started again from step 0)
     resumable: ClassVar[bool] = False
-    #: why not (printed when a preempted run starts again from step 0)
+    #: why not (in the error of a preempted run)
     not_resumable_because: ClassVar[str] = "it declares no resumable state"
     #: a resumed run first does one throwaway forward/backward (see dtstudy.training.loop.throwaway_step)
     replays_first_step: ClassVar[bool] = False
@@ -236,10 +242,31 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back what `state_dict` returned, after `setup` (tensors arrive on the CPU)."""
 
-    def abandon(self) -> None:
-        """Rank 0 of a preempted, non-resumable run, just before the job is requeued: let the
-        extra processes end once rank 0 is gone (the other workers' exchanges then fail)."""
+    def boundary_agreement(self) -> Callable[[int, str | None], str | None] | None:
+        """How the workers agree on the step boundary of a checkpoint or a stop. None: every
+        train.preempt_check_every steps an all-reduce (MAX) over the worker group (lockstep
+        workers). Else a function called on every worker before each step with (steps done,
+        what this worker asks for: "checkpoint", "stop" or None) that returns the action agreed
+        for this boundary ("checkpoint", "stop" or None), the same step and action on every
+        worker (e.g. agreed through a parameter-server shard)."""
+        return None
 
-    def serve(self) -> None:
-        """Body of an extra process (rank >= N)."""
+    def resume_ranks(self) -> tuple[int, Any]:
+        """(processes, group): the ranks 0..processes-1 that each save a rank file of a
+        checkpoint, and a process group over them in which they agree on the step to resume
+        from (dtstudy.training.checkpoint.load_agreed). The N workers by default."""
+        return self.ctx.workers, self.ctx.worker_group
+
+    def save_extra_processes(self, step: int, stopping: bool) -> None:
+        """Every worker, at an agreed boundary after saving its own file: the extra processes
+        save their state of `step` (returns once they have); `stopping`: the job is then
+        requeued (a preemption) rather than going on (a periodic checkpoint)."""
+
+    def abandon(self) -> None:
+        """Rank 0 of a preempted run that cannot resume, just before it fails: let the extra
+        processes end once rank 0 is gone (the other workers' exchanges then fail)."""
+
+    def serve(self, files=None) -> None:
+        """Body of an extra process (rank >= N). `files`: the run's resume files
+        (dtstudy.training.checkpoint.ResumeFiles) where it saves and finds its state."""
         raise NotImplementedError(f"strategy {self.name!r} starts no extra processes")

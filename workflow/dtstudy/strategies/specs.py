@@ -38,6 +38,8 @@ class StrategySpec:
     #: inf/NaN ones (Strategy.step_optimizer); a strategy says None only once it does so
     no_fp16_because: ClassVar[str | None] = ("its spec does not say that its update steps through the "
                                              "GradScaler (Strategy.step_optimizer)")
+    #: why launcher.cluster emulate cannot run it yet (None: it can; dtstudy.emulation)
+    not_emulated_because: ClassVar[str | None] = None
 
     @classmethod
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -59,6 +61,12 @@ class StrategySpec:
     def extra_processes(cls, params: dict[str, Any], workers: int) -> int:
         """Processes besides the N workers that this strategy needs in the job (e.g. PS shards)."""
         return 0
+
+    @classmethod
+    def placed_params(cls, params: dict[str, Any], nodes: int) -> dict[str, Any]:
+        """The knobs (`check_params`'s) once the run's node count is known: a knob whose
+        default depends on it filled in (the parameter servers' shards). Default: unchanged."""
+        return params
 
     @classmethod
     def step_limit(cls, params: dict[str, Any]) -> int | None:
@@ -210,10 +218,20 @@ class ParameterServerSpec(StrategySpec):
     family = "parameter server"
     no_fp16_because = ("the shards apply the pushed gradients: a worker's GradScaler can neither unscale "
                        "them there nor skip a step with inf/NaN gradients")
+    # emulated: the shards are threads too, their work and messages on the cluster's clock
+    # (dtstudy.emulation.runner, docs/emulation.md)
 
     @classmethod
     def extra_processes(cls, params, workers):
+        if params["shards"] is None:
+            raise ValueError(f"{cls.name}: the shard count is one per node; ask placed_params(params, nodes) first")
         return params["shards"]
+
+    @classmethod
+    def placed_params(cls, params, nodes):
+        """`shards: null` (the default): one shard per node of the run, so that each node's
+        NIC carries one shard's share (perfmodel.steps.shard_count models the same)."""
+        return {**params, "shards": steps.default_shards(nodes) if params["shards"] is None else params["shards"]}
 
     @classmethod
     def model_step(cls, workload, machine, workers, params=None, stragglers=NO_STRAGGLERS):

@@ -11,6 +11,7 @@ so each strategy's split of a step means the same on a GPU as on a CPU.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -68,9 +69,31 @@ class CudaClock:
         return start.elapsed_time(end) / 1000.0
 
 
+_thread = threading.local()  # a clock installed for this thread (dtstudy.emulation: a logical worker's)
+
+
+def install_clock(clock: Clock | None) -> None:
+    """Make `clock` what clock_for and sleep give on this thread (None: the device's again).
+    An emulated run's logical workers are threads, each on its own emulated clock."""
+    _thread.clock = clock
+
+
 def clock_for(device) -> Clock:
-    """The clock that measures work on `device` (a torch.device)."""
+    """The clock that measures work on `device` (a torch.device), or this thread's installed one."""
+    installed = getattr(_thread, "clock", None)
+    if installed is not None:
+        return installed
     return CudaClock() if device.type == "cuda" else HostClock()
+
+
+def sleep(seconds: float) -> None:
+    """Wait `seconds` on this thread's clock: the host's, or an installed clock's (an emulated
+    worker's time moves on without the host waiting)."""
+    installed = getattr(_thread, "clock", None)
+    if installed is not None:
+        installed.sleep(seconds)
+    else:
+        time.sleep(seconds)
 
 
 class StepTimer:
@@ -90,6 +113,10 @@ class StepTimer:
 
     def step_start(self) -> None:
         self._step = self.clock.mark()
+        # a clock that makes time rather than reading it (dtstudy.emulation's) adds the step's compute here
+        begins = getattr(self.clock, "step_begins", None)
+        if begins is not None:
+            begins()
 
     def step_end(self, meter, images: int, record: Callable) -> None:
         end = self.clock.mark()

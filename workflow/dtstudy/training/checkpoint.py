@@ -5,22 +5,28 @@ SLURM (ahead of the time limit, or on preemption) and submitit's local controlle
 handler would act at once, in the middle of whatever the training loop does; instead each
 task only notes the signal (`Preemption`), and the training loop acts at a step boundary:
 
-1. every `train.preempt_check_every` steps the workers agree on the flag (an all-reduce MAX
-   of one number over the worker group, started there and read `every` steps later, so
-   that no worker waits for the others in it; no collective for strategies whose workers
-   are not in lockstep, there rank 0 alone looks at its own flag);
-2. if set, every worker writes its resumable state to `<out_dir>/resume/rank<r>.pt`
-   (atomically), they meet in a barrier, then rank 0 calls submitit's handler: that pickles
-   `TrainingJob.checkpoint()` (the job itself; the state is on disk, not in the pickle),
-   requeues the job and exits. The other ranks block until rank 0 is gone, then exit
-   (SystemExit: no result pickle), so that the job does not end before it is requeued;
+1. the workers agree on the flag at a step boundary: every `train.preempt_check_every` steps
+   an all-reduce MAX of one number over the worker group, started there and read `every`
+   steps later, so that no worker waits for the others in it; or the strategy's own
+   agreement (`Strategy.boundary_agreement`: the parameter servers agree through their
+   first shard, their workers not being in step);
+2. if set, every process that holds state writes it to `<out_dir>/resume/rank<r>.pt`
+   (atomically; the workers, and the strategy's extra processes such as parameter-server
+   shards, `Strategy.save_extra_processes`), the workers meet in a barrier, then rank 0 calls
+   submitit's handler: that pickles `TrainingJob.checkpoint()` (the job itself; the state is
+   on disk, not in the pickle), requeues the job and exits. The other ranks block until rank
+   0 is gone, then exit (SystemExit: no result pickle), so that the job does not end before
+   it is requeued;
 3. the requeued job finds a complete set of rank files of the same run (same identity:
    run name, N, seed, config hash; same step on every rank) and continues from there;
    anything else is reported and ignored (training starts from step 0).
 
+A strategy that is not `resumable` is never requeued to start again from step 0: on
+preemption its run fails (`PreemptedWithoutResume`), saying why and what to change.
+
 Periodic checkpoints (`train.checkpoint_every_min`) save the same state at a step boundary
-without stopping: rank 0's clock says when, and the workers agree on it through the same
-all-reduce (its value: 0 go on, 1 checkpoint, 2 stop). A run that died for any reason (a lost
+without stopping: rank 0's clock says when, and the workers agree on it the same way (the
+all-reduce's value: 0 go on, 1 checkpoint, 2 stop). A run that died for any reason (a lost
 process, a killed job, a crashed node) then resumes from its last checkpoint when it is started
 again: Snakemake's --rerun-incomplete, a SLURM requeue, or the same `dtstudy train` by hand.
 Each rank keeps its last two files (`rank<r>.pt`, `rank<r>.prev.pt`), each written atomically,
@@ -55,11 +61,11 @@ import torch.distributed as dist
 
 from dtstudy.atomic_files import atomic_write
 from dtstudy.training.measurements import WorkerLog
-from dtstudy.runspec import RESUME_DIR
+from dtstudy.runspec import RESUME_DIR, resume_files
+from dtstudy.strategies.base import CHECKPOINT, STOP  # what the workers agree on at a step boundary
 
 FORMAT = 2  # of the rank files; a file of another format is not used
 HEADER = b"dtstudy-resume sha256 "  # then the hex digest of the rest of the file, and a newline
-STOP, CHECKPOINT = "stop", "checkpoint"  # what the workers agree on at a step boundary
 _CODES = {CHECKPOINT: 1, STOP: 2}  # the agreed flag is their maximum: a stop wins
 _ACTIONS = {code: action for action, code in _CODES.items()}
 
@@ -69,12 +75,12 @@ def resume_dir(out_dir: str | Path) -> Path:
 
 
 def rank_file(out_dir: str | Path, rank: int) -> Path:
-    return resume_dir(out_dir) / f"rank{rank}.pt"
+    return resume_files(out_dir, rank)[0]
 
 
 def previous_rank_file(out_dir: str | Path, rank: int) -> Path:
     """The rank's checkpoint before its last one: kept until every rank has written the next."""
-    return resume_dir(out_dir) / f"rank{rank}.prev.pt"
+    return resume_files(out_dir, rank)[1]
 
 
 def clear(out_dir: str | Path) -> None:
@@ -98,6 +104,10 @@ def run_identity(spec) -> dict:
     }
 
 
+class PreemptedWithoutResume(RuntimeError):
+    """A preempted run whose strategy cannot resume: it fails rather than starting again from step 0."""
+
+
 def save_rank(out_dir: str | Path, rank: int, identity: dict, step: int, state: dict) -> Path:
     """Write this rank's state (atomically), keeping its previous file as `previous_rank_file`."""
     payload = {"format": FORMAT, "identity": identity, "rank": rank, "step": step, "state": state}
@@ -111,13 +121,15 @@ def save_rank(out_dir: str | Path, rank: int, identity: dict, step: int, state: 
     return atomic_write(path, lambda stream: stream.write(header + data))
 
 
-def read_rank(out_dir: str | Path, rank: int, identity: dict) -> tuple[dict | None, int, str]:
+def read_rank(out_dir: str | Path, rank: int, identity: dict, ranks: int | None = None) -> tuple[dict | None, int, str]:
     """(state, step, "") from this rank's file when it belongs to this run, else
-    (None, -1, why not). Also checks that every other rank's file is there."""
+    (None, -1, why not). Also checks that every other rank's file is there (`ranks`: the
+    processes that save one, Strategy.resume_ranks; None: the N workers)."""
     path = rank_file(out_dir, rank)
     if not path.exists():
         return None, -1, f"{path.name} is missing"
-    missing = [rank_file(out_dir, r).name for r in range(identity["workers"]) if not rank_file(out_dir, r).exists()]
+    ranks = identity["workers"] if ranks is None else ranks
+    missing = [rank_file(out_dir, r).name for r in range(ranks) if not rank_file(out_dir, r).exists()]
     if missing:
         return None, -1, f"incomplete set, {', '.join(missing)} missing"
     return _read_file(path, rank, identity)
@@ -147,14 +159,16 @@ def _read_file(path: Path, rank: int, identity: dict) -> tuple[dict | None, int,
 
 
 def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, group, say: Callable[[str], None]):
-    """This worker's saved state at the newest step every worker has a valid file of, else None.
+    """This process's saved state at the newest step every process has a valid file of, else None.
 
-    A collective over the worker group (every worker calls it once, before training). When
-    there was state but it is not used, `say` (rank 0's progress output) tells why, and the
-    folder is removed so that it cannot be picked up later.
+    `workers`: the processes that save a rank file (ranks 0..workers-1: the N workers, and a
+    strategy's extra processes that hold state, Strategy.resume_ranks); a collective over
+    `group`, their group (each calls it once, before training). When there was state but it
+    is not used, `say` (rank 0's progress output) tells why, and the folder is removed so
+    that it cannot be picked up later.
     """
     folder = resume_dir(out_dir)
-    state, step, reason = read_rank(out_dir, rank, identity) if folder.exists() else (None, -1, "")
+    state, step, reason = read_rank(out_dir, rank, identity, workers) if folder.exists() else (None, -1, "")
     states = {step: state} if step >= 0 else {}
     previous = previous_rank_file(out_dir, rank)
     if previous.exists():  # a checkpoint that some rank may not have replaced yet
@@ -182,6 +196,26 @@ def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, gr
         if rank == 0:
             clear(out_dir)
     return None
+
+
+@dataclass(frozen=True)
+class ResumeFiles:
+    """A run's resume files, for a process other than a worker (a parameter-server shard): it
+    saves its own rank file at the workers' boundaries and takes part in `load_agreed`."""
+
+    out_dir: str
+    identity: dict
+    #: called once the process has saved its state for a stop and waits for rank 0 to go: from
+    #: then on its peers' ends are expected (its Preemption is stopping), not a lost process.
+    #: (Its own SIGUSR2 handler may not have run: Python runs it only between bytecodes, and
+    #: the process may sit in one long wait.)
+    stopping: Callable[[], None] = lambda: None
+
+    def save(self, rank: int, step: int, state: dict) -> Path:
+        return save_rank(self.out_dir, rank, self.identity, step, state)
+
+    def load_agreed(self, rank: int, processes: int, group) -> dict | None:
+        return load_agreed(self.out_dir, self.identity, rank, processes, group, say=lambda _message: None)
 
 
 # ----- a worker's place in training, as saved and restored ----------------------------
@@ -274,8 +308,10 @@ class Preemption:
     def __init__(self, rank: int, workers: int, group, device: torch.device, every: int, lockstep: bool,
                  checkpoint_every_s: float | None = None):
         self.rank, self.workers, self.group, self.every = rank, workers, group, every
-        self.lockstep = lockstep  # the workers are in step: agree by a collective
-        # periodic checkpoints (lockstep strategies only: the others cannot resume): rank 0's clock
+        # a resumable run: its workers agree on a boundary (by a collective, or `agreement`)
+        self.lockstep = lockstep
+        self.agreement: Callable[[int, str | None], str | None] | None = None  # agree_through
+        # periodic checkpoints (resumable strategies only): rank 0's clock
         self.checkpoint_every_s = checkpoint_every_s if lockstep and rank == 0 else None
         self._next_checkpoint: float | None = None
         self.signalled = False  # this task got the signal
@@ -303,6 +339,11 @@ class Preemption:
     def _note(self, signum, frame) -> None:  # no I/O here: it runs wherever the loop is
         self.signalled = True
 
+    def agree_through(self, agreement: Callable[[int, str | None], str | None] | None) -> None:
+        """The strategy's own agreement on boundaries (Strategy.boundary_agreement; None: the
+        all-reduce), asked at every step boundary instead of the all-reduce."""
+        self.agreement = agreement if self.lockstep else None
+
     def poll(self, step: int) -> str | None:
         """At a step boundary, before step `step`: STOP, CHECKPOINT or None, the same answer on
         every worker.
@@ -312,8 +353,12 @@ class Preemption:
         steps ago: a worker ahead of the others by less than `every` steps (local SGD between
         its exchanges, gossip, a straggler's partners) never waits here, so no wait moves out
         of the timed steps into this untimed check. A signal stops the run within 2 x `every`
-        steps; a checkpoint rank 0's clock calls for is taken as late. Others: rank 0 alone
-        looks at its own flag (no collective), and no checkpoints."""
+        steps; a checkpoint rank 0's clock calls for is taken as late. With the strategy's own
+        `agreement`, it is asked at every boundary with what this worker wants. Strategies
+        that cannot resume: rank 0 alone looks at its own flag (no collective), and no
+        checkpoints."""
+        if self.agreement is not None:
+            return self.agreement(step, STOP if self.signalled else CHECKPOINT if self._checkpoint_due() else None)
         if not self.lockstep:
             return STOP if self.rank == 0 and self.signalled else None
         if step % self.every:

@@ -209,8 +209,9 @@ def resume_or_start(run: WorkerRun) -> LoopState:
     fresh = LoopState(log=WorkerLog(rank=ctx.rank))
     if not strategy.resumable:
         return fresh
-    saved = checkpoint.load_agreed(spec.out_dir, checkpoint.run_identity(spec), ctx.rank, spec.workers,
-                               ctx.worker_group, run.progress.say)
+    processes, group = strategy.resume_ranks()  # the workers, and extra processes that save state
+    saved = checkpoint.load_agreed(spec.out_dir, checkpoint.run_identity(spec), ctx.rank, processes, group,
+                                   run.progress.say)
     if saved is None:
         return fresh
     if saved["position"]["step"] > 0 and strategy.replays_first_step and spec.workers > 1:
@@ -348,6 +349,7 @@ def save_state(run: WorkerRun, state: LoopState, elapsed_s: float) -> Path:
     if run.compute.grad_scaler is not None:
         saved["grad_scaler"] = run.compute.grad_scaler.state_dict()  # numbers only
     path = checkpoint.save_rank(spec.out_dir, ctx.rank, checkpoint.run_identity(spec), state.step, saved)
+    run.strategy.save_extra_processes(state.step, run.preemption.stopping)
     if spec.workers > 1:
         dist.barrier(group=ctx.worker_group)
     return path
@@ -355,15 +357,16 @@ def save_state(run: WorkerRun, state: LoopState, elapsed_s: float) -> Path:
 
 def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
     """The workers agreed to stop here (a preemption). A resumable run: each worker saves its
-    state, then rank 0 requeues the job and the others wait until it is gone. Otherwise rank 0
-    requeues the job without state (it starts from step 0). Does not return."""
+    state, then rank 0 requeues the job and the others wait until it is gone. Otherwise the run
+    fails, saying why: it is never requeued to start again from step 0. Does not return."""
     spec, ctx, strategy, preemption = run.spec, run.ctx, run.strategy, run.preemption
     if not strategy.resumable:
-        run.progress.say(f"preempted: strategy {spec.strategy} cannot resume exactly "
-                         f"({strategy.not_resumable_because}); the job is requeued and training starts "
-                         "again from step 0")
         strategy.abandon()
-        preemption.requeue()
+        raise checkpoint.PreemptedWithoutResume(
+            f"{spec.run_name}: preempted at step {state.step} (signal {preemption.signum.name}), and strategy "
+            f"{spec.strategy!r} cannot resume: {strategy.not_resumable_because}. The run is not started again "
+            "from step 0; give its job the time it needs (launcher.timeout_min, the SLURM time limit) or run "
+            "it where it is not preempted")
     preemption.stopping = True
     path = save_state(run, state, elapsed_s)
     if ctx.rank == 0:
@@ -378,8 +381,8 @@ def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None 
     """Train on one worker; rank 0 returns the run's metrics (and writes its files).
 
     With a `preemption` installed, a preempted run saves its state at a step boundary and
-    is requeued (resumable strategies), or is requeued to start again (the others); a run
-    that finds its saved state continues from it (see dtstudy.training.checkpoint). `timings`: wall-clock
+    is requeued (resumable strategies), or fails saying why (the others); a run that finds
+    its saved state continues from it (see dtstudy.training.checkpoint). `timings`: wall-clock
     stamps of the run so far (the launcher's submission, this process's start), for metrics.json.
     """
     timings = dict(timings or {})
@@ -387,9 +390,11 @@ def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None 
     if preemption is None:  # nothing installed: never preempted
         preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device,
                                 spec.config["train"]["preempt_check_every"], lockstep=strategy.resumable)
-    if not ctx.is_worker:
-        strategy.serve()
+    if not ctx.is_worker:  # an extra process: it saves and resumes its own state in the run's files
+        strategy.serve(checkpoint.ResumeFiles(spec.out_dir, checkpoint.run_identity(spec),
+                                              stopping=lambda: setattr(preemption, "stopping", True)))
         return None
+    preemption.agree_through(strategy.boundary_agreement())
     tracker = start_live_run(spec) if ctx.rank == 0 else LiveRun.disabled()
     try:
         return _train(spec, ctx, strategy, preemption, tracker, timings)

@@ -93,6 +93,7 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
         "workers": spec.workers,
         "seed": spec.seed,
         "run_name": spec.run_name,
+        "kind": spec.kind,  # scaling or accuracy (dtstudy.config.run_kinds): which tables take this run
         "throughput": sum(w["throughput"] for w in per_worker),
         "throughput_per_worker": [w["throughput"] for w in per_worker],
         # repeated timed windows of the steady state: their median and its bootstrap 95% CI

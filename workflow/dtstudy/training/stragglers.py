@@ -7,7 +7,8 @@ and asynchronous strategies hardly shows; slow workers make it measurable (Chen 
 from __future__ import annotations
 
 import random
-import time
+
+from dtstudy.strategies import timing
 
 DISTRIBUTIONS = ("fixed", "uniform", "exponential")
 
@@ -54,5 +55,5 @@ class Straggler:
     def delay(self) -> None:
         if self.active:
             seconds = self.next_delay()
-            time.sleep(seconds)
+            timing.sleep(seconds)  # the host's time, or an emulated worker's clock
             self.total_s += seconds

@@ -6,14 +6,23 @@ the workers use NCCL). Tensors in messages live on the CPU.
 
     rank 0 -> shard   TAG_SETUP       float64 [numel, momentum, dampening, weight_decay, nesterov]
     rank 0 -> shard   TAG_PARAMETERS  float32 [numel]: the initial values of the shard's slice
-    worker -> shard   TAG_REQUEST     float64 [kind, step, read_version, lr]   (kind: PUSH/PULL/DONE/STOP;
-                                      a push is tagged by read_version, the step is informative)
+    worker -> shard   TAG_REQUEST     float64 [kind, step, read_version, lr, wish]   (kind: PUSH/PULL/DONE/
+                                      IDLE/SAVE; a push is tagged by read_version, the step is
+                                      informative, except in SAVE: the step saved; wish: a BoundaryAction
+                                      code this worker asks for, in a push; in SAVE: the agreed action)
     worker -> shard   TAG_GRADIENT    float32 [numel]: follows every PUSH request
-    shard -> worker   TAG_VERSION     float64 [version]      } the reply to a PULL, and to a PUSH
-    shard -> worker   TAG_PARAMETERS  float32 [numel]        } once the shard's policy allows it
+    shard -> worker   TAG_VERSION     float64 [version, boundary step, boundary action]  } the reply to a PULL,
+    shard -> worker   TAG_PARAMETERS  float32 [numel]                 } and to a PUSH once the policy allows it
+    shard -> worker   TAG_SAVED       float64 [step]: the shard's state of that step is on disk (after SAVE)
     shard -> rank 0   TAG_STATS       float64 [busy_s, wall_s, updates, N, staleness length, ahead length]
                                       then float64 [N + both lengths]: dropped pushes per worker,
                                       gradients per staleness, answered pushes per clocks ahead
+
+A checkpoint (periodic, or a preemption's stop) is agreed through the first shard (rank N), which
+sees every worker's clock: a worker's push carries its wish; the first shard answers it with a
+boundary, the step max(clocks) + 1 that no worker has passed, in every reply from then on; each
+worker stops there, sends SAVE to every shard and saves its own state; a shard saves its own once
+all N have sent SAVE, then answers each with TAG_SAVED (see `shard.ShardServer`).
 """
 
 from __future__ import annotations
@@ -28,9 +37,12 @@ TAG_GRADIENT = 103
 TAG_VERSION = 104
 TAG_PARAMETERS = 105
 TAG_STATS = 106
+TAG_SAVED = 107
 
 SETUP_FIELDS = ("numel", "momentum", "dampening", "weight_decay", "nesterov")
-REQUEST_SIZE = 4
+REQUEST_SIZE = 5
+REPLY_HEADER_SIZE = 3  # TAG_VERSION's [version, boundary step, boundary action]
+NO_BOUNDARY = -1.0
 STATS_HEADER_SIZE = 6
 VALUE_DTYPE = torch.float32  # parameters and gradients on the wire
 
@@ -39,12 +51,22 @@ class Kind(enum.IntEnum):
     PUSH = 0  # a gradient follows; the reply carries the parameters for the next step
     PULL = 1  # the current parameters, at once
     DONE = 2  # this worker sends nothing more
-    STOP = 3  # rank 0 only: the job is preempted and requeued; the shard ends once rank 0 is gone
-    IDLE = 4  # this worker's pushes of the epoch are all sent (it goes to evaluation): no reply
+    IDLE = 3  # this worker's pushes of the epoch are all sent (it goes to evaluation): no reply
+    SAVE = 4  # this worker is at the agreed boundary and pushes nothing until TAG_SAVED comes back
 
 
-def request(kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0) -> torch.Tensor:
-    return torch.tensor([float(kind), float(step), float(read_version), lr], dtype=torch.float64)
+class BoundaryAction(enum.IntEnum):
+    """What the workers and shards do at an agreed step boundary (a wish's and a boundary's code;
+    the larger wins: a stop is never downgraded)."""
+
+    NONE = 0
+    CHECKPOINT = 1  # save, and training goes on
+    STOP = 2  # save, and the job is requeued (a preemption)
+
+
+def request(kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0,
+            wish: BoundaryAction = BoundaryAction.NONE) -> torch.Tensor:
+    return torch.tensor([float(kind), float(step), float(read_version), lr, float(wish)], dtype=torch.float64)
 
 
 def split_by_size(sizes: list[int], shards: int) -> list[list[int]]:

@@ -10,6 +10,10 @@ workers push gradients and get parameters back (point-to-point torch.distributed
                the slowest worker's: the reply to its push waits (Ho et al. 2013)  rate of b
 
 The messages are in `protocol`, the shard in `shard` (both in this package).
+
+Resumable: the workers agree on a checkpoint's step through the first shard (no collective
+between the workers, which need not be in step), every worker and every shard saves its own rank
+file there, and a run started again continues from the newest step they all saved (`protocol`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dtstudy.gloo_loops import lower_gloo_event_loops
-from dtstudy.strategies.base import OptimizerFactory, Strategy
-from dtstudy.strategies.parameter_server.protocol import Kind, request, SETUP_FIELDS, split_by_size, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
+from dtstudy.strategies.base import CHECKPOINT, OptimizerFactory, STOP, Strategy
+from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, REPLY_HEADER_SIZE, request, SETUP_FIELDS, split_by_size, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
 from dtstudy.strategies.parameter_server.shard import ShardServer, ShardStats, UpdatePolicy
+
+# the training loop's names of the boundary actions (dtstudy.training.checkpoint) and their codes
+ACTION_CODES = {CHECKPOINT: BoundaryAction.CHECKPOINT, STOP: BoundaryAction.STOP}
+ACTION_NAMES = {code: name for name, code in ACTION_CODES.items()}
 
 
 class ShardSlice:
@@ -37,9 +45,13 @@ class ShardSlice:
         self.rank = rank
         self.parameters = parameters
         self.numel = sum(p.numel() for p in parameters)
-        self.outgoing = torch.empty(self.numel, dtype=VALUE_DTYPE)
-        self.incoming = torch.empty(self.numel, dtype=VALUE_DTYPE)
-        self.incoming_version = torch.empty(1, dtype=torch.float64)
+        # page-locked when the parameters are on a GPU: its copies to and from them are DMA
+        # transfers at full speed (no bounce through a staging buffer); they stay blocking,
+        # as the buffers are sent and received into right after
+        pinned = any(p.is_cuda for p in parameters)
+        self.outgoing = torch.empty(self.numel, dtype=VALUE_DTYPE, pin_memory=pinned)
+        self.incoming = torch.empty(self.numel, dtype=VALUE_DTYPE, pin_memory=pinned)
+        self.incoming_version = torch.empty(REPLY_HEADER_SIZE, dtype=torch.float64)
         self.read_version = 0  # the shard's version of the parameters this worker holds
 
     def _views(self, flat: torch.Tensor):
@@ -62,7 +74,7 @@ class ShardSlice:
 
     @torch.no_grad()
     def take_reply(self) -> None:
-        self.read_version = int(self.incoming_version.item())
+        self.read_version = int(self.incoming_version[0].item())
         for parameter, view in self._views(self.incoming):
             parameter.copy_(view)
 
@@ -73,6 +85,8 @@ class ShardClient:
     def __init__(self, slices: list[ShardSlice], group):
         self.slices, self.group = slices, group
         self.steps = 0  # gradients pushed so far = the step this worker is in
+        self.wish = BoundaryAction.NONE  # a checkpoint or stop this worker asks for, in its pushes
+        self.boundary: tuple[int, BoundaryAction] | None = None  # the agreed one, from the first shard
 
     def send_setup(self, optimizer: torch.optim.Optimizer) -> None:
         """Rank 0: each shard's size, the optimizer's hyper-parameters and initial values."""
@@ -91,7 +105,7 @@ class ShardClient:
         sent = 0
         for piece in self.slices:
             piece.pack_gradients()
-            header = request(Kind.PUSH, self.steps, piece.read_version, lr)
+            header = request(Kind.PUSH, self.steps, piece.read_version, lr, self.wish)
             works.append(dist.isend(header, dst=piece.rank, group=self.group, tag=TAG_REQUEST))
             works.append(dist.isend(piece.outgoing, dst=piece.rank, group=self.group, tag=TAG_GRADIENT))
             sent += _nbytes(header) + _nbytes(piece.outgoing)
@@ -104,6 +118,36 @@ class ShardClient:
         works += [dist.isend(request(Kind.PULL), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
                   for piece in self.slices]
         self._finish(works)
+
+    def agree(self, step: int, wanted: BoundaryAction) -> BoundaryAction:
+        """At a step boundary (`step` pushes done): ask for `wanted` (in the pushes from now on,
+        until the first shard has agreed a boundary at least as strong) and return the agreed
+        action when this is its step."""
+        self.wish = max(self.wish, wanted)
+        if self.boundary is None:
+            return BoundaryAction.NONE
+        at, action = self.boundary
+        if at < step:  # the first shard's boundary is never behind a worker (protocol)
+            raise RuntimeError(f"parameter-server worker at step {step}: the agreed boundary, step {at}, has passed")
+        if at > step:
+            return BoundaryAction.NONE
+        self.boundary = None
+        if action >= self.wish:
+            self.wish = BoundaryAction.NONE
+        return action
+
+    def save(self, step: int, action: BoundaryAction) -> None:
+        """At the agreed boundary: every shard saves its state of `step`; returns once all have."""
+        works = [dist.isend(request(Kind.SAVE, step, wish=action), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+                 for piece in self.slices]
+        saved = [torch.empty(1, dtype=torch.float64) for _ in self.slices]
+        works += [dist.irecv(done, src=piece.rank, group=self.group, tag=TAG_SAVED)
+                  for piece, done in zip(self.slices, saved)]
+        for work in works:
+            work.wait()
+        if any(int(done.item()) != step for done in saved):
+            steps = [int(done.item()) for done in saved]
+            raise RuntimeError(f"parameter-server worker: the shards saved steps {steps}, not {step}")
 
     def idle(self) -> None:
         """Tell every shard this worker sends no more pushes until its next pull."""
@@ -130,6 +174,8 @@ class ShardClient:
             work.wait()
         for piece in self.slices:
             piece.take_reply()
+        at, action = self.slices[0].incoming_version[1:].tolist()  # the first shard's boundary
+        self.boundary = (int(at), BoundaryAction(int(action))) if at >= 0 else None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -139,17 +185,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class ParameterServer(Strategy):
     """What the four parameter-server strategies share; each gives its `update_policy`."""
 
-    # parameters and optimizer state live on the shards (and with ps_async/ssp, in-flight
-    # gradients and staleness): a preempted run is requeued and starts again from step 0
-    resumable = False
-    not_resumable_because = "its parameters and optimizer state live on the parameter-server shards"
+    # the shards save their parameters, optimizer state, version and clocks at the agreed
+    # boundary, next to the workers' files (protocol); ps_sync then resumes exactly
+    resumable = True
 
     def __init__(self, ctx, params):
         super().__init__(ctx, params)
         # NCCL moves no CPU point-to-point messages; every rank creates the group, in this order
-        # (a new group's time-out is the backend's default, not the run's: given here)
+        # (a new group's time-out is the backend's default, not the run's: given here). gloo and
+        # an emulated run's group (dtstudy.emulation) move them in the job's own group
         self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
-                      if ctx.backend != "gloo" else None)
+                      if ctx.backend == "nccl" else None)
         if self.group is not None:
             lower_gloo_event_loops(ctx.gloo_loop_nice)  # the new group's loop
         self.shard_stats: list[ShardStats] = []
@@ -196,9 +242,27 @@ class ParameterServer(Strategy):
         self.client.pull()
         return self.model
 
-    def abandon(self) -> None:
-        for piece in self.client.slices:
-            dist.send(request(Kind.STOP), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+    # ----- checkpoints: agreed through the first shard, saved by every process -------------
+    def boundary_agreement(self):
+        def agree(step: int, wanted: str | None) -> str | None:
+            return ACTION_NAMES.get(self.client.agree(step, ACTION_CODES.get(wanted, BoundaryAction.NONE)))
+
+        return agree
+
+    def resume_ranks(self):
+        return self.ctx.world_size, self.group  # the shards save rank files too
+
+    def save_extra_processes(self, step: int, stopping: bool) -> None:
+        self.client.save(step, BoundaryAction.STOP if stopping else BoundaryAction.CHECKPOINT)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.client.steps, "batch": self.batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.client.steps, self.batch = int(state["steps"]), int(state["batch"])
+        # the shards' parameters and version as resumed (with ps_async/ssp newer than the
+        # ones this worker saved: the others' pushes after its last reply)
+        self.client.pull()
 
     def finish(self) -> None:
         self.client.done()
@@ -241,9 +305,9 @@ class ParameterServer(Strategy):
             "shard_busy_fraction_per_shard": busy,
         }
 
-    def serve(self) -> None:
+    def serve(self, files=None) -> None:
         ShardServer(self.ctx.workers, self.group, self.update_policy(), self.ctx.comm_timeout_s,
-                    self.ctx.startup_timeout_s).serve()
+                    self.ctx.startup_timeout_s, coordinator=self.ctx.rank == self.ctx.workers).serve(files)
 
 
 class PsSync(ParameterServer):

@@ -1,0 +1,259 @@
+"""The at-scale study (config/at-scale.yaml, docs/emulation.md "The at-scale study"): emulated
+runs through Snakemake, and the published claims it tests (dtstudy.analysis.claims).
+
+- the shipped config validates, its DAG has one train and one evaluate job per strategy x N x
+  seed, no projection, and each emulated run reserves EMULATED_RUN_THREADS cores; enabling the
+  parameter servers is one line;
+- a tiny emulated study runs end to end through Snakemake: tables, the new plot, findings with
+  the claims section, no warm pool, no projection;
+- each claim's verdict on synthetic accuracy tables: holds, from which N, does not hold, not
+  measured (the strategies it needs not run, or a single seed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import REPO, run_snakemake, tiny_study
+from dtstudy.analysis import claims
+from dtstudy.analysis.tables import accuracy_table
+from dtstudy.strategies.specs import SPECS
+from test_workflow import job_counts, train_threads
+
+AT_SCALE = REPO / "config/at-scale.yaml"
+PARAMETER_SERVERS = ["ps_sync", "ps_backup", "ps_async", "ssp"]
+EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
+
+
+# --- the shipped config ----------------------------------------------------------------
+
+def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection():
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2", "--configfile",
+                             str(AT_SCALE)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    study = yaml.safe_load(AT_SCALE.read_text())
+    assert study["launcher"]["cluster"] == "emulate" and study["workers"] == [1, 4, 16, 64, 256]
+    assert len(study["seeds"]) >= 3 and study["model"] == "lenet5" and study["dataset"]["name"] == "fashion_mnist"
+    runs = len(study["strategies"]) * 5 * len(study["seeds"])
+    # an emulated study is not projected (common.smk PROJECTS_THE_STUDY): no commbench, no project
+    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
+                                         "aggregate": 1, "all": 1}
+    planned = run_dry(["--configfile", str(AT_SCALE), "--cores", "8", "--printshellcmds"])
+    threads = train_threads(planned)
+    assert set(threads.values()) == {1}  # EMULATED_RUN_THREADS whatever N: N=256 is one process
+    assert len(threads) == len(study["strategies"]) * 5
+    # evaluations run in their own process, not in a warm pool (none is started for emulated runs)
+    assert "python -m dtstudy evaluate" in planned and "--via-pool" not in planned
+
+
+def run_dry(args):
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_enabling_the_parameter_servers_is_one_line():
+    """The four parameter-server strategies sit commented on one line of config/at-scale.yaml
+    (left out for their host cost); uncommenting it adds exactly those four."""
+    text = AT_SCALE.read_text()
+    commented = [line for line in text.splitlines() if re.match(r"^\s*#\s*ps_sync\b", line)]
+    assert len(commented) == 1, commented
+    enabled = yaml.safe_load(text.replace(commented[0], commented[0].replace("#", "", 1)))
+    assert set(PARAMETER_SERVERS) <= set(enabled["strategies"])
+    assert set(enabled["strategies"]) - set(yaml.safe_load(text)["strategies"]) == set(PARAMETER_SERVERS)
+
+
+# --- a tiny emulated study through Snakemake -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def emulated_study(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("emulated-study")
+    config = tiny_study(strategies=["allreduce", "gossip"], workers=[1, 4], launcher={"cluster": "emulate"},
+                        emulate=EMULATE, train={"batch_size": 16, "evals_per_epoch": 4, "steady_state_skip": 2,
+                                                "timing_window_steps": 5})
+    result = run_snakemake(workdir, config, "--cores", "2", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir
+
+
+def test_an_emulated_study_writes_its_tables_plots_and_claims(emulated_study):
+    results = emulated_study / "results"
+    accuracy = pd.read_csv(results / "tables/accuracy.csv")
+    assert sorted(zip(accuracy["strategy"], accuracy["workers"])) == [("allreduce", 1), ("allreduce", 4),
+                                                                     ("gossip", 1), ("gossip", 4)]
+    assert list(accuracy.sort_values(["strategy", "workers"])["global_batch"]) == [16, 64, 16, 64]
+    for name in ("throughput", "efficiency", "accuracy", "time_to_accuracy", "convergence"):
+        plot = results / f"plots/{name}.png"
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+    findings = (results / "tables/findings.md").read_text()
+    section = findings.split("## The published claims at scale (emulated on h100_ib400)", 1)[1]
+    for source in ("Goyal et al. 2017", "Chen et al. 2016", "Jin et al. 2016", "Dai et al. 2019"):
+        assert source in section
+    assert "**Not measured**: No runs of ps_backup, ps_async" in section
+    # one seed: no interval, so no verdict on allreduce's limit
+    assert "**Not measured**: Allreduce ran with a single seed at some N" in section
+    # an emulated run is one process: no warm pool, no submitit job, no projection
+    assert not (results / "tables/projection.csv").exists() and not (results / "commbench").exists()
+    assert not list(results.glob("logs/submitit/**/*.out"))
+    assert "in the warm pool" not in (results / "logs/evaluate/gossip/n4/seed0.log").read_text()
+    metrics = json.loads((results / "runs/gossip/n4/seed0/metrics.json").read_text())
+    assert metrics["emulation"]["hardware"] == "h100_ib400"
+
+
+# --- the claims on synthetic tables ---------------------------------------------------------
+
+SEEDS = 3
+REACHED = [0.5, 0.6, 0.7]  # a run's time to the target, seconds, per seed (scaled per cell)
+
+
+def table(cells: dict, seeds: int = SEEDS) -> pd.DataFrame:
+    """The accuracy table (tables.accuracy_table) of hand-made runs: cells {(strategy, N): {top1:
+    [per seed], time: [per seed, None = not reached], steps: [...], staleness: [...]}}."""
+    rows, metrics = [], {}
+    for (strategy, workers), cell in cells.items():
+        for seed in range(seeds):
+            run_dir = f"runs/{strategy}/n{workers}/seed{seed}"
+            time = cell.get("time", REACHED)[seed]
+            steps = cell.get("steps", [100, 100, 100])[seed]
+            rows.append({"kind": "accuracy", "strategy": strategy, "workers": workers, "seed": seed,
+                         "top1": cell["top1"][seed], "top5": 0.99, "run_dir": run_dir,
+                         "time_to_accuracy_s": math.nan if time is None else time})
+            # the first grid point at or above the target is the one counted
+            grid = [{"step": 1, "top1": 0.1}] + ([] if steps is None else [{"step": steps, "top1": 0.85},
+                                                                         {"step": steps + 50, "top1": 0.9}])
+            metrics[run_dir] = {"global_batch": 8 * workers, "target_accuracy": 0.8, "val_grid": grid,
+                                "strategy_metrics": ({"staleness_mean": cell["staleness"][seed]}
+                                                     if "staleness" in cell else {})}
+    return accuracy_table(pd.DataFrame(rows), None, metrics)
+
+
+KEPT = [0.880, 0.885, 0.890]
+
+
+def goyal_cells(**by_n):
+    return {("allreduce", n): {"top1": by_n.get(f"n{n}", KEPT)} for n in (1, 4, 16, 64, 256)}
+
+
+def test_goyal_holds_up_to_a_batch_then_breaks():
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.80, 0.81, 0.79], n256=[0.10, 0.10, 0.11])))
+    assert verdict.status == claims.HOLDS and verdict.from_n == 64
+    assert "kept up to N=16, global batch 128 and breaks from N=64, global batch 512" in verdict.summary
+    assert len(verdict.evidence) == 5 and "N=64, global batch 512: test top-1 0.8000 [" in verdict.evidence[3]
+
+
+def test_goyal_a_lower_mean_within_the_noise_is_not_a_break():
+    # N=64's mean is 2 points lower, but its seeds spread over N=1's: the intervals overlap
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.80, 0.95, 0.84])))
+    assert verdict.status == claims.HOLDS and verdict.from_n is None
+    assert "limit lies beyond this study" in verdict.summary
+
+
+def test_a_single_seed_gives_no_verdict():
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.10, 0.10, 0.10]), seeds=1))
+    assert verdict.status == claims.NOT_MEASURED and "single seed" in verdict.summary
+
+
+def test_goyal_does_not_hold_when_the_first_step_up_breaks():
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n4=[0.70, 0.71, 0.72])))
+    assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n == 4
+
+
+def ps_cells(backup: dict, asynchronous: dict) -> dict:
+    cells = goyal_cells()
+    for n in (1, 4, 16, 64, 256):
+        cells[("ps_backup", n)] = {"top1": backup.get(n, KEPT)}
+        cells[("ps_async", n)] = {"top1": asynchronous.get(n, KEPT)}
+    return cells
+
+
+def test_chen_holds_from_the_n_where_backup_stays_above_async():
+    low = [0.70, 0.71, 0.72]
+    verdict = claims.chen_backup_vs_async(table(ps_cells({}, {16: low, 64: low, 256: low})))
+    assert verdict.status == claims.HOLDS and verdict.from_n == 16
+    assert verdict.evidence[1].startswith("N=16: ps_backup top-1 0.8850 [") and ": above;" in verdict.evidence[1]
+    # above at 64 only, not at the largest N: it does not hold at Chen's scale
+    verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: low})))
+    assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
+    # a lower async mean whose seeds spread over backup's is within the noise, not beaten
+    noisy = [0.80, 0.95, 0.84]
+    verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: noisy, 256: noisy})))
+    assert verdict.status == claims.DOES_NOT_HOLD and "within the noise" in verdict.evidence[-1]
+
+
+def test_claims_of_strategies_not_run_are_not_measured_and_say_why():
+    only_sync = table(goyal_cells())
+    for judge in (claims.chen_backup_vs_async, claims.dai_staleness):
+        verdict = judge(only_sync)
+        assert verdict.status == claims.NOT_MEASURED and verdict.summary.startswith("No runs of ps_")
+        refused = bool(SPECS["ps_async"].not_emulated_because)
+        assert ("the parameter servers are not emulated yet" in verdict.summary) == refused
+
+
+def jin_cells(gossip_times: dict, async_times: dict | None = None) -> dict:
+    """allreduce reaches the target in 1 s at every N; the challengers in their own times."""
+    cells = goyal_cells()
+    for n in (1, 4, 16, 64, 256):
+        cells[("allreduce", n)]["time"] = [1.0, 1.01, 1.02]
+        cells[("gossip", n)] = {"top1": KEPT, "time": gossip_times.get(n, [1.0, 1.01, 1.02])}
+        if async_times is not None:
+            cells[("ps_async", n)] = {"top1": KEPT, "time": async_times.get(n, [1.0, 1.01, 1.02])}
+    return cells
+
+
+FAST, SLOW, NEVER = [0.5, 0.51, 0.52], [2.0, 2.01, 2.02], [None, None, None]
+
+
+def test_jin_crossover_with_gossip_only_holds_in_part():
+    verdict = claims.jin_crossover(table(jin_cells({4: FAST, 64: SLOW, 256: NEVER})))
+    assert verdict.status == claims.PARTLY and verdict.from_n == 64
+    assert "gossip faster at the smallest N > 1 and allreduce faster from N=64" in verdict.summary
+    assert "ps_async not measured" in verdict.summary
+    assert any(line.startswith("ps_async: not measured") for line in verdict.evidence)
+
+
+def test_jin_holds_with_both_challengers_and_fails_without_a_crossover():
+    verdict = claims.jin_crossover(table(jin_cells({4: FAST, 256: SLOW}, {4: FAST, 16: FAST, 64: SLOW, 256: SLOW})))
+    assert verdict.status == claims.HOLDS and verdict.from_n == 256  # the later of the two crossovers
+    # gossip faster everywhere: no crossover; level at N=4, or ahead within the noise: not faster at few nodes
+    for gossip in ({n: FAST for n in (4, 16, 64, 256)}, {256: SLOW}, {4: [0.9, 1.0, 1.05], 256: SLOW}):
+        verdict = claims.jin_crossover(table(jin_cells(gossip)))
+        assert verdict.status == claims.DOES_NOT_HOLD
+
+
+def dai_cells(staleness: dict, top1: dict, steps: dict) -> dict:
+    cells = goyal_cells()
+    for n in (1, 4, 16, 64, 256):
+        cells[("allreduce", n)]["steps"] = [100, 101, 102]
+        cells[("ps_async", n)] = {"top1": top1.get(n, KEPT), "staleness": staleness.get(n, [0.0, 0.0, 0.0]),
+                                  "steps": steps.get(n, [100, 101, 102])}
+    return cells
+
+
+def test_dai_holds_from_the_n_where_staleness_accuracy_and_steps_all_cost():
+    grows = {4: [3.0, 3.1, 3.2], 16: [15.0, 15.2, 15.1], 64: [60.0, 61.0, 62.0], 256: [250.0, 251.0, 252.0]}
+    verdict = claims.dai_staleness(table(dai_cells(grows, {16: [0.85, 0.86, 0.855], 64: [0.7, 0.71, 0.72]},
+                                                   {64: [150, 160, 170], 256: [None, None, None]})))
+    assert verdict.status == claims.HOLDS and verdict.from_n == 64
+    assert verdict.summary == ("Staleness grows from N=4; accuracy is lost from N=16; more steps are needed "
+                               "from N=64.")
+    assert verdict.evidence[2].startswith("N=16: mean staleness 15.10 [")
+
+
+def test_dai_does_not_hold_without_growth_or_cost_and_in_part_with_growth_only():
+    verdict = claims.dai_staleness(table(dai_cells({n: [1.0, 1.5, 2.0] for n in (1, 4, 16, 64, 256)}, {}, {})))
+    assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
+    # higher means within the noise: staleness, the accuracy gap and the steps do not count
+    noisy = claims.dai_staleness(table(dai_cells({1: [1.0, 1.5, 2.0], 256: [1.0, 1.5, 2.6]}, {256: [0.80, 0.95, 0.84]},
+                                                 {256: [90, 100, 125]})))
+    assert noisy.status == claims.DOES_NOT_HOLD
+    verdict = claims.dai_staleness(table(dai_cells({256: [9.0, 9.5, 10.0]}, {}, {})))
+    assert verdict.status == claims.PARTLY and verdict.summary.startswith("Staleness grows from N=256; accuracy is lost at no N")
