@@ -53,6 +53,8 @@ def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=No
         "step_time": {"total_s": 0.05, "compute_s": 0.04 + seed * 0.01, "comm_s": 0.01,
                       "data_s": 0.001},
         "bytes_per_step": 1000.0 * workers,
+        # the knobs as the run recorded them: ps_sync with a shard per "node" of 2 workers
+        "strategy_params": {"shards": max(1, workers // 2)} if strategy == "ps_sync" else {},
         "train_loss": [2.3, 2.1, 1.9],
         "val": [{"epoch": e, "step": 100 * e, "top1": 0.6 + 0.1 * e, "wall_s": 5.0 * e / workers}
                 for e in (1, 2, 3)],
@@ -163,6 +165,25 @@ def test_scaling_columns_and_alphabetical_order(runs):
         ("allreduce", 1), ("allreduce", 2), ("allreduce", 4),
         ("ps_sync", 1), ("ps_sync", 2), ("ps_sync", 4)]
     assert list(table["family"]) == ["synchronous"] * 3 + ["parameter server"] * 3
+
+
+def test_the_scaling_table_states_each_runs_extra_processes(runs, run_dirs, tmp_path):
+    """A parameter server's shards are part of what is scaled (one per node by default): the
+    table has the count each run had, from its metrics.json's knobs, and its Markdown says it."""
+    table = scaling_table(runs)
+    assert [row(table, "ps_sync", n)["extra_processes"] for n in (1, 2, 4)] == [1, 1, 2]
+    assert [row(table, "allreduce", n)["extra_processes"] for n in (1, 2, 4)] == [0, 0, 0]
+    markdown = scaling_markdown(table, noise_summary(runs))
+    header = next(line for line in markdown.splitlines() if line.startswith("| strategy"))
+    cells = lambda line: [cell.strip() for cell in line.strip("|").split("|")]  # noqa: E731
+    assert cells(header)[:3] == ["strategy", "N", "shards"], header
+    rows = [cells(line)[:3] for line in markdown.splitlines() if line.startswith("| ps_sync") or line.startswith("| allreduce")]
+    assert ["ps_sync", "4", "2"] in rows and ["allreduce", "4", ""] in rows, rows
+    # a run recorded without its knobs (an older metrics.json): unknown, not zero
+    old = json.loads((run_dirs[0] / "metrics.json").read_text())
+    del old["strategy_params"]
+    (run_dirs[0] / "metrics.json").write_text(json.dumps(old))
+    assert load_runs(run_dirs[:1])["extra_processes"].isna().all()
 
 
 def test_scaling_follows_config_order(runs):

@@ -56,7 +56,9 @@ def noise_note(noise: Mapping) -> str:
 
 def scaling_markdown(table: pd.DataFrame, noise: Mapping) -> str:
     rows = [{
-        "strategy": r["strategy"], "N": r["workers"], "seeds × windows": f"{r['seeds']} × {r['windows'] // max(1, r['seeds'])}",
+        "strategy": r["strategy"], "N": r["workers"],
+        "shards": "" if pd.isna(r["extra_processes"]) or not r["extra_processes"] else f"{r['extra_processes']:.0f}",
+        "seeds × windows": f"{r['seeds']} × {r['windows'] // max(1, r['seeds'])}",
         "images/s [95% CI]": _cell(r, "throughput", ".0f"),
         "speedup [95% CI]": _cell(r, "speedup", ".2f"),
         "E(N) [95% CI]": _cell(r, "efficiency", ".2f"),

@@ -86,6 +86,19 @@ def run_kind(metrics: Mapping, path: Path) -> str:
     return kind
 
 
+def _extra_processes(metrics: Mapping) -> float:
+    """The processes the run had besides its N workers (a parameter server's shards), from the
+    knobs its metrics.json records (defaults and the shard count per node filled in); NaN for a
+    run recorded without them."""
+    spec, params = SPECS.get(metrics.get("strategy")), metrics.get("strategy_params")
+    if spec is None or params is None or "workers" not in metrics:
+        return math.nan
+    try:
+        return float(spec.extra_processes({**spec.defaults, **params}, metrics["workers"]))
+    except (KeyError, ValueError):  # knobs of an older version
+        return math.nan
+
+
 def _run_row(run_dir: Path) -> dict:
     metrics_path, eval_path = run_dir / "metrics.json", run_dir / "eval.json"
     metrics = read_json(metrics_path)
@@ -110,6 +123,7 @@ def _run_row(run_dir: Path) -> dict:
         "compute_s": _field(step_time, "compute_s", metrics_path),
         "comm_s": _field(step_time, "comm_s", metrics_path),
         "bytes_per_step": _field(metrics, "bytes_per_step", metrics_path),
+        "extra_processes": _extra_processes(metrics),
         "top1": _field(evaluation, "top1", eval_path),
         "top5": _field(evaluation, "top5", eval_path),
         "time_to_accuracy_s": math.nan if time_to_accuracy is None else float(time_to_accuracy),

@@ -29,7 +29,7 @@ from dtstudy.strategies.specs import REFERENCE_STRATEGY
 
 BASELINE_STRATEGY = "allreduce"
 GAP_POINTS = 3  # a strategy more than this many points of top-1 below allreduce is marked
-SCALING_COLUMNS = ["from_runs", "strategy", "family", "workers", "seeds", "windows",
+SCALING_COLUMNS = ["from_runs", "strategy", "family", "workers", "extra_processes", "seeds", "windows",
                    "throughput", "throughput_low", "throughput_high",
                    "speedup", "speedup_low", "speedup_high",
                    "efficiency", "efficiency_low", "efficiency_high", "ceiling_efficiency",
@@ -105,6 +105,8 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
         efficiency_ci = intervals.scaled(speedup_ci, 1 / workers)
         rows.append({
             "from_runs": kind, "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
+            # a parameter server's shards (one per node by default): part of what is being scaled
+            "extra_processes": runs["extra_processes"].max(),
             "seeds": runs["seed"].nunique(), "windows": sum(len(w) for w in here),
             **_columns("throughput", intervals.median_interval(here)),
             **_columns("speedup", speedup_ci),
