@@ -38,6 +38,9 @@ def tiny_cluster_study(**overrides) -> dict:
         launcher={"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1,
                   "partition": None, "timeout_min": 10, "signal_delay_s": 60, "hardware": None},
         tracking={"uri": None},
+        # full trainings at every N of the overlay (cluster.yaml's scaling and accuracy runs
+        # name N the tiny study does not run)
+        scaling={"steps": None, "workers": None, "seeds": None}, accuracy={"workers": None, "seeds": None},
     )
     overlay["dataset"].update(name="fashion_mnist", root=None)
     return deep_merge(overlay, overrides)
@@ -346,13 +349,17 @@ def test_a_killed_task_fails_its_slurm_job_within_seconds(tmp_path, tiny_data, s
     assert queued([f"{strategy}-n2-seed0"]) == []
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_path, tiny_data, slurm_cluster, strategy):
+@pytest.mark.parametrize("strategy, damaged", [(name, False) for name in STRATEGIES] + [("allreduce", True)],
+                         ids=[*STRATEGIES, "allreduce-damaged-checkpoint"])
+def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_path, tiny_data, slurm_cluster,
+                                                                           strategy, damaged):
     """A worker's task killed (SIGKILL) after a periodic checkpoint: the job fails within
     launcher.comm_timeout_s naming the rank, the launcher submits it again
     (launcher.max_resubmits), the new job resumes from the checkpoint (ps_sync: the shard's
     too), and the run ends with the metrics of an uninterrupted run of the same seed. An
-    uninterrupted local run is the reference: the launcher's keys change no number."""
+    uninterrupted local run is the reference: the launcher's keys change no number.
+    `damaged`: rank 0's newest checkpoint is truncated on disk before the new job starts: its
+    checksum names it, the run resumes from the checkpoint before it, and ends the same."""
     from test_faults import CHECKPOINTED, SLOW, launch, start
     from test_pool import wait_for_output
 
@@ -365,11 +372,16 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     seen = wait_for_output(launcher, r"submitted job (\d+)", timeout_s=120)
     job_id = re.search(r"submitted job (\d+)", seen).group(1)
     pids = slurm_task_pids(job_id, 3 if strategy == "ps_sync" else 2)
-    seen += wait_for_output(launcher, r"checkpoint at step (1\d|[2-9]\d)\b", timeout_s=240)
+    # damaged: a checkpoint before the newest must exist to resume from (every 5 steps: from 15 on)
+    first_kill_step = r"(1[5-9]|[2-9]\d)" if damaged else r"(1\d|[2-9]\d)"
+    seen += wait_for_output(launcher, rf"checkpoint at step {first_kill_step}\b", timeout_s=240)
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     seen += wait_for_output(launcher, r"resubmitting it", timeout_s=comm_timeout_s + 30)
     took = time.monotonic() - killed_at
+    if damaged:  # the old job has ended; the new one is still starting (seconds before it reads it)
+        newest = out / "resume" / "rank0.pt"
+        newest.write_bytes(newest.read_bytes()[:-100])
     stdout, stderr = launcher.communicate(timeout=300)
     seen += stdout
     print(f"SLURM {strategy}: rank 1 killed, job {job_id} failed and was resubmitted {took:.1f} s later")
@@ -379,6 +391,8 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     saved = [int(step) for step in re.findall(r"checkpoint at step (\d+)", seen.split("resubmitting it")[0])]
     resumed = re.search(r"^resumed from step (\d+) ", seen, re.M)
     assert resumed and int(resumed.group(1)) in saved and int(resumed.group(1)) > 0, seen[-3000:]
+    if damaged:  # every rank has the checkpoint before the newest: the run resumes there
+        assert "rank0.pt is damaged" in seen and int(resumed.group(1)) < saved[-1], seen[-3000:]
     name = f"{strategy}-n2-seed0"
     deadline = time.monotonic() + 60  # accounting lags the job's end by a few seconds
     while ((states := sacct_states([name], since).get(name, ["PENDING"]))[-1] in ("PENDING", "RUNNING", "COMPLETING")
