@@ -27,6 +27,7 @@ from dtstudy.emulation.clock import EmulatedClock, ExchangeCosts, ShardClock
 from dtstudy.emulation.process_group import BACKEND
 from dtstudy.emulation.settings import emulated_cluster, EmulatedCluster
 from dtstudy.emulation.workers import LogicalWorkers
+from dtstudy.launch.process_group import pick_device
 from dtstudy.perfmodel.machine import Machine
 from dtstudy.runspec import RunSpec
 from dtstudy.strategies.base import DistContext
@@ -55,12 +56,6 @@ def placed_on_cluster(spec: RunSpec, machine: Machine) -> RunSpec:
     return dataclasses.replace(spec, config=config)
 
 
-def emulation_device(preference: str) -> torch.device:
-    """Every logical worker computes on this process's device: its GPU (one for all) or the CPU."""
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
-    return torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-
-
 class EmulatedRun:
     """One run's N logical workers (dtstudy.emulation.workers), each training as rank r, and
     its extra processes (ranks N and up) serving."""
@@ -71,7 +66,8 @@ class EmulatedRun:
         self.spec = spec = placed_on_cluster(spec, machine)
         self.world_size = spec.processes()  # N workers and the strategy's extra processes
         self.compute_s = step_compute_s(spec, self.cluster)
-        self.device = emulation_device(spec.config["launcher"]["device"])
+        # every logical worker computes on this process's device: its GPU (one for all) or the CPU
+        self.device = pick_device(spec.config["launcher"]["device"], local_rank=0)
         costs = ExchangeCosts(machine, spec.workers, self.cluster.placement(spec.strategy))
         self.workers = LogicalWorkers(self.world_size, costs, self.make_clock)
 
