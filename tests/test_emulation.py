@@ -370,6 +370,34 @@ def test_the_same_emulated_parameter_server_run_twice_gives_the_same_numbers(tmp
         assert torch.equal(first_state[name], second_state[name]), name
 
 
+@pytest.mark.parametrize("strategy, knobs", [("ps_async", {"shards": 3}), ("ssp", {"staleness": 2}),
+                                           ("ps_backup", {"backup": 1}), ("gossip", {})])
+def test_the_baton_keeps_no_stale_answer(tmp_path, tiny_data, monkeypatch, strategy, knobs):
+    """The scheduler keeps each waiting thread's answer (when may it go on?) until the group
+    touches it (a message to its mailbox, its collective complete). In verify mode every pass
+    reads every answer again and fails on a kept one that differs: none may, with stragglers
+    shuffling who arrives first at 8 workers and 3 shards."""
+    from dtstudy.emulation import scheduler
+
+    monkeypatch.setattr(scheduler, "VERIFY", True)
+    metrics, _, _ = emulated_run(tmp_path, tiny_data, workers=8, batch_size=8, steps=6, strategy=strategy,
+                                 strategy_params=knobs, stragglers={**STRAGGLER, "distribution": "exponential"})
+    assert metrics["steps"] == 6
+
+
+def test_a_message_not_touched_is_caught(tmp_path, tiny_data, monkeypatch):
+    """The check has teeth: a send that does not touch its receiver leaves a kept answer stale."""
+    from dtstudy.emulation import scheduler
+    from dtstudy.emulation.workers import LogicalWorkerFailed
+
+    monkeypatch.setattr(scheduler, "VERIFY", True)
+    touch = scheduler.BatonScheduler.touch
+    monkeypatch.setattr(scheduler.BatonScheduler, "touch",
+                        lambda self, ranks: None if len(ranks) == 1 else touch(self, ranks))
+    with pytest.raises(LogicalWorkerFailed, match="went stale"):
+        emulated_run(tmp_path, tiny_data, workers=4, batch_size=8, steps=4, strategy="ps_async")
+
+
 # ----- (e) config errors ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, key, allowed", [

@@ -335,6 +335,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             shared.end = max(shared.arrivals) + world.costs.collective(kind, shared.nbytes, sorted(shared.members))
             shared.done = True
             world.collectives += 1
+            scheduler.touch(shared.members)  # the members waiting in it may go on now
         else:
             scheduler.wait_until(me, lambda: shared.end if shared.done else None)
         scheduler.time[me] = max(scheduler.time[me], shared.end)
@@ -371,10 +372,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts=AllgatherOptions()):
         def maths(data):
-            for outputs, _ in data:
-                for i, output_list in enumerate(outputs):
-                    for rank, (_, ranks_inputs) in enumerate(data):
-                        output_list[rank].detach().copy_(ranks_inputs[i])
+            # one C++ loop of copies per output list: N^2 copies, O(N) Python calls
+            for i in range(len(data[0][1])):
+                sources = [ranks_inputs[i] for _, ranks_inputs in data]
+                for outputs, _ in data:
+                    torch._foreach_copy_([output.detach() for output in outputs[i]], sources)
 
         return self._collective("allgather", (output_lists, inputs), _nbytes(inputs), maths, output_lists)
 
@@ -410,8 +412,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         def maths(data):
             sent = [pieces(inp, inp_splits) for _, inp, _, inp_splits in data]
             for dest, (out, _, out_splits, _) in enumerate(data):
-                for src, piece in enumerate(pieces(out, out_splits)):
-                    piece.detach().copy_(sent[src][dest])
+                torch._foreach_copy_([piece.detach() for piece in pieces(out, out_splits)],
+                                     [pieces_of_src[dest] for pieces_of_src in sent])
 
         # timed as every worker sending its 1/N of the input to each of the others
         return self._collective("alltoall", (output, input, output_splits, input_splits),
@@ -420,19 +422,19 @@ class EmulatedProcessGroup(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
         def maths(data):
             for dest, (outs, _) in enumerate(data):
-                for src, (_, ins) in enumerate(data):
-                    outs[src].detach().copy_(ins[dest])
+                torch._foreach_copy_([out.detach() for out in outs], [ins[dest] for _, ins in data])
 
         return self._collective("alltoall", (outputs, inputs), max((_nbytes([t]) for t in inputs), default=0),
                                 maths, outputs)
 
     # ----- point to point --------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
-        me = current_rank()
+        me, receiver = current_rank(), self._global(dst)
         nbytes = _nbytes(tensors)
-        arrival = self._world.arrival(nbytes, me, self._global(dst))
+        arrival = self._world.arrival(nbytes, me, receiver)
         self._world._mail[(self.group_name, dst)].append(
             _Message(self._rank, tag, tensors[0].detach().clone(), arrival))
+        self._world.scheduler.touch((receiver,))  # a receive it waits in may match this message
         return _SendWork(arrival, tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
