@@ -19,7 +19,7 @@ import torch
 from conftest import assert_same_parameters, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.registry import STRATEGIES
-from dtstudy.strategies.parameter_server.protocol import split_by_size
+from dtstudy.strategies.parameter_server.protocol import split_contiguous
 from dtstudy.strategies.parameter_server.shard import ShardServer, UpdatePolicy
 
 STEPS = 12
@@ -52,7 +52,7 @@ def run(tmp_path_factory, tiny_data):
     return run_once
 
 
-@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("shards", [1, 2, 3])  # 2 and 3 cut LeNet-5's 48000-value layer between shards
 def test_ps_sync_equals_allreduce_and_one_worker_with_double_batch(run, shards):
     metrics, parameters = run("ps_sync", shards=shards)
     assert_same_parameters(parameters, run("allreduce")[1], atol=1e-5)
@@ -61,8 +61,9 @@ def test_ps_sync_equals_allreduce_and_one_worker_with_double_batch(run, shards):
     shard_metrics = metrics["strategy_metrics"]
     assert shard_metrics["updates"] == STEPS * shards
     assert shard_metrics["staleness"] == {"0": 2 * STEPS * shards}  # every step waits for both workers
-    assert len(shard_metrics["shard_numel"]) == shards and min(shard_metrics["shard_numel"]) > 0
-    assert sum(shard_metrics["shard_numel"]) == sum(p.numel() for p in parameters.values())
+    values = sum(p.numel() for p in parameters.values())
+    # balanced contiguous ranges: the first M % S shards one value more
+    assert shard_metrics["shard_numel"] == [values // shards + (s < values % shards) for s in range(shards)]
     assert 0 < shard_metrics["shard_busy_fraction"] < 1
     gradient_bytes = sum(p.numel() for p in parameters.values()) * 4
     assert gradient_bytes < metrics["bytes_per_step"] < gradient_bytes + 100 * shards  # plus request headers
@@ -539,14 +540,87 @@ def test_good_knobs_pass():
     validated(tiny_study(strategies=["ps_backup"], workers=[1, 2, 4]))
 
 
-def test_parameters_split_over_shards_by_size():
-    sizes = [150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]  # LeNet-5 on 28x28
-    owned = split_by_size(sizes, 2)
-    assert sorted(i for shard in owned for i in shard) == list(range(len(sizes)))
-    assert owned == [[4], [0, 1, 2, 3, 5, 6, 7, 8, 9]]  # the big layer alone, the rest together
-    assert [sum(sizes[i] for i in shard) for shard in split_by_size(sizes, 3)] == [48000, 10080, 3626]
-    # every worker and shard computes this split on its own and must get the same one; no test
-    # of that here: it holds by construction (sorted by the total order (-size, index), ties of
-    # load to the lowest shard; no hashing, no randomness), and the exact splits above pin it
-    with pytest.raises(ValueError, match="11 parameter-server shards"):
-        split_by_size(sizes, 11)
+LENET5_SIZES = [150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]  # LeNet-5 on 28x28: 61706 values
+
+
+@pytest.mark.parametrize("shards", [1, 3, 8, 10, 32])
+def test_parameters_split_over_shards_in_balanced_contiguous_ranges(shards):
+    """Each shard owns a contiguous range of the parameters flattened in model order, within
+    one value of M / S (the first M % S shards one more), and the ranges cover every value once."""
+    owned = split_contiguous(LENET5_SIZES, shards)
+    total = sum(LENET5_SIZES)
+    assert [sum(end - start for _, start, end in pieces) for pieces in owned] == [
+        total // shards + (s < total % shards) for s in range(shards)]
+    first_value = [sum(LENET5_SIZES[:index]) for index in range(len(LENET5_SIZES))]
+    flat_ranges = [(first_value[index] + start, first_value[index] + end)
+                   for pieces in owned for index, start, end in pieces]
+    # in order, each piece where the previous ended, from 0 to M: every value exactly once
+    assert [begin for begin, _ in flat_ranges] == [0] + [end for _, end in flat_ranges[:-1]]
+    assert flat_ranges[-1][1] == total
+    assert all(0 <= start < end <= LENET5_SIZES[index] for pieces in owned for index, start, end in pieces)
+    if shards > 1:  # more shards than the big layer fits whole: it is cut between shards
+        assert sum(index == 4 for pieces in owned for index, _, _ in pieces) >= 2
+
+
+def test_every_value_its_own_shard_and_no_more_shards_than_values():
+    assert split_contiguous([2, 0, 1], 3) == [[(0, 0, 1)], [(0, 1, 2)], [(2, 0, 1)]]
+    with pytest.raises(ValueError, match="4 parameter-server shards but the model has 3 parameter values"):
+        split_contiguous([2, 0, 1], 4)
+    with pytest.raises(ValueError, match="0 parameter-server shards"):
+        split_contiguous([2, 0, 1], 0)
+
+
+def test_a_push_packs_and_a_reply_unpacks_every_piece_of_split_parameters(monkeypatch):
+    """ShardClient.push through the real packing, with the messages captured: the gradients
+    sent, shard after shard, are the parameters' gradients flattened in model order (a missing
+    one as zeros, non-contiguous ones in their logical order), every gradient is cleared only
+    after all its pieces are packed, and the replies' values land where they belong."""
+    from types import SimpleNamespace
+
+    from dtstudy.strategies.parameter_server import strategy as ps
+    from dtstudy.strategies.parameter_server.protocol import TAG_GRADIENT, TAG_PARAMETERS, TAG_VERSION
+
+    torch.manual_seed(0)
+    parameters = [torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)),
+                  torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 4).t())]
+    assert [p.is_contiguous() for p in parameters] == [False, True, False]
+    gradients = [torch.randn_like(p) for p in parameters]
+    for parameter, gradient in zip(parameters, gradients[:1] + [None] + gradients[2:]):
+        parameter.grad = None if gradient is None else gradient.clone()
+    expected_sent = torch.cat([gradients[0].reshape(-1), torch.zeros(5), gradients[2].reshape(-1)])
+    replied = torch.randn(expected_sent.numel())
+    done = SimpleNamespace(wait=lambda: None)
+    for shards in (1, 2, 5, 7):
+        owned = split_contiguous([p.numel() for p in parameters], shards)
+        slices = [ps.ShardSlice(2 + shard, [(parameters[i], start, end) for i, start, end in pieces])
+                  for shard, pieces in enumerate(owned)]
+        client = ps.ShardClient(slices, None)
+        sent, bounds = [], [0]
+        for piece in slices:
+            bounds.append(bounds[-1] + piece.numel)
+
+        def isend(tensor, dst, group, tag):
+            if tag == TAG_GRADIENT:
+                sent.append(tensor.clone())
+            return done
+
+        def irecv(tensor, src, group, tag):
+            if tag == TAG_VERSION:
+                tensor.copy_(torch.tensor([1.0, -1.0, 0.0]))
+            elif tag == TAG_PARAMETERS:
+                shard = src - 2
+                tensor.copy_(replied[bounds[shard]:bounds[shard + 1]])
+            return done
+
+        monkeypatch.setattr(ps.dist, "isend", isend)
+        monkeypatch.setattr(ps.dist, "irecv", irecv)
+        client.push(lr=0.1)
+        assert torch.equal(torch.cat(sent), expected_sent)
+        assert all(p.grad is None for p in parameters)
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in parameters]), replied)
+        assert [piece.read_version for piece in slices] == [1] * shards
+        for piece in slices:  # and back: what rank 0 sends a shard at set-up is its range
+            piece.pack_parameters()
+        assert torch.equal(torch.cat([piece.outgoing for piece in slices]), replied)
+        for parameter, gradient in zip(parameters, gradients[:1] + [None] + gradients[2:]):
+            parameter.grad = None if gradient is None else gradient.clone()

@@ -1,4 +1,5 @@
-"""The parameter-server messages: tags, request kinds, and how parameters map onto shards.
+"""The parameter-server messages: tags, request kinds, and how parameters map onto shards
+(`split_contiguous`: each shard a balanced contiguous range of the flattened parameters).
 
 Workers are ranks 0..N-1, shards ranks N..N+S-1; every message is a torch.distributed
 point-to-point send over gloo (the job's default group, or a gloo group over all ranks when
@@ -28,6 +29,7 @@ all N have sent SAVE, then answers each with TAG_SAVED (see `shard.ShardServer`)
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import torch
 
@@ -69,15 +71,36 @@ def request(kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0,
     return torch.tensor([float(kind), float(step), float(read_version), lr, float(wish)], dtype=torch.float64)
 
 
-def split_by_size(sizes: list[int], shards: int) -> list[list[int]]:
-    """Indices of the tensors each shard owns (in model order), balanced by size: the largest
-    tensor first, each to the least loaded shard (ties: the lowest shard)."""
-    if shards > len(sizes):
-        raise ValueError(f"{shards} parameter-server shards but the model has only {len(sizes)} parameter tensors")
-    loads = [0] * shards
-    owned: list[list[int]] = [[] for _ in range(shards)]
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        shard = min(range(shards), key=lambda s: (loads[s], s))
-        owned[shard].append(index)
-        loads[shard] += sizes[index]
-    return [sorted(indices) for indices in owned]
+class Piece(NamedTuple):
+    """Values [start, end) of parameter `index` (model order), flattened in its logical order."""
+
+    index: int
+    start: int
+    end: int
+
+
+def split_contiguous(sizes: list[int], shards: int) -> list[list[Piece]]:
+    """The pieces each shard owns: the parameters' values flattened in model order and cut into
+    `shards` contiguous ranges balanced to within one value (the first M % S shards one more),
+    as TF's partitioned variables and MXNet's kvstore split big arrays across servers. A
+    parameter may span two or more shards; a shard's pieces are in flat order. Every worker
+    computes this on its own (from the sizes and the count alone: no randomness); a shard
+    learns only its size, from rank 0's TAG_SETUP."""
+    total = sum(sizes)
+    if not 1 <= shards <= total:
+        raise ValueError(f"{shards} parameter-server shards but the model has {total} parameter values; "
+                         f"allowed: 1 to {total} shards (each shard owns at least one value)")
+    share, remainder = divmod(total, shards)
+    # where each shard's range starts in the flat order; the last entry is the end, `total`
+    bounds = [s * share + min(s, remainder) for s in range(shards + 1)]
+    owned: list[list[Piece]] = [[] for _ in range(shards)]
+    shard, position = 0, 0  # the next value's flat position, and the shard whose range holds it
+    for index, size in enumerate(sizes):
+        first = position  # the parameter's first value in the flat order
+        while position < first + size:
+            while bounds[shard + 1] <= position:  # that shard's range is full
+                shard += 1
+            cut = min(first + size, bounds[shard + 1])
+            owned[shard].append(Piece(index, position - first, cut - first))
+            position = cut
+    return owned

@@ -30,7 +30,7 @@ from torch import nn
 
 from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.strategies.base import CHECKPOINT, OptimizerFactory, STOP, Strategy
-from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, REPLY_HEADER_SIZE, request, SETUP_FIELDS, split_by_size, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
+from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, REPLY_HEADER_SIZE, request, SETUP_FIELDS, split_contiguous, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
 from dtstudy.strategies.parameter_server.shard import ShardServer, ShardStats, UpdatePolicy
 
 # the training loop's names of the boundary actions (dtstudy.training.checkpoint) and their codes
@@ -39,44 +39,42 @@ ACTION_NAMES = {code: name for name, code in ACTION_CODES.items()}
 
 
 class ShardSlice:
-    """A worker's view of one shard: the parameters it owns and flat CPU message buffers."""
+    """A worker's view of one shard: the pieces (parameter, start, end) of the flattened
+    parameters it owns (`protocol.split_contiguous`) and flat CPU message buffers."""
 
-    def __init__(self, rank: int, parameters: list[nn.Parameter]):
+    def __init__(self, rank: int, pieces: list[tuple[nn.Parameter, int, int]]):
         self.rank = rank
-        self.parameters = parameters
-        self.numel = sum(p.numel() for p in parameters)
+        self.pieces = pieces
+        self.numel = sum(end - start for _, start, end in pieces)
         # page-locked when the parameters are on a GPU: its copies to and from them are DMA
         # transfers at full speed (no bounce through a staging buffer); they stay blocking,
         # as the buffers are sent and received into right after
-        pinned = any(p.is_cuda for p in parameters)
+        pinned = any(parameter.is_cuda for parameter, _, _ in pieces)
         self.outgoing = torch.empty(self.numel, dtype=VALUE_DTYPE, pin_memory=pinned)
         self.incoming = torch.empty(self.numel, dtype=VALUE_DTYPE, pin_memory=pinned)
         self.incoming_version = torch.empty(REPLY_HEADER_SIZE, dtype=torch.float64)
         self.read_version = 0  # the shard's version of the parameters this worker holds
 
-    def _views(self, flat: torch.Tensor):
+    def views(self, flat: torch.Tensor):
+        """(parameter, start, end, the piece's part of `flat`) for each piece, in order."""
         offset = 0
-        for parameter in self.parameters:
-            yield parameter, flat[offset:offset + parameter.numel()].view_as(parameter)
-            offset += parameter.numel()
+        for parameter, start, end in self.pieces:
+            yield parameter, start, end, flat[offset:offset + end - start]
+            offset += end - start
 
-    def pack_gradients(self) -> None:
-        for parameter, view in self._views(self.outgoing):
-            if parameter.grad is None:
+    def pack_gradients(self, flat_gradients: dict[nn.Parameter, torch.Tensor | None]) -> None:
+        """`flat_gradients`: each parameter's gradient flattened in its logical order (None: no
+        gradient, zeros are sent)."""
+        for parameter, start, end, view in self.views(self.outgoing):
+            gradient = flat_gradients[parameter]
+            if gradient is None:
                 view.zero_()
             else:
-                view.copy_(parameter.grad)
-                parameter.grad = None
+                view.copy_(gradient[start:end])
 
     def pack_parameters(self) -> None:
-        for parameter, view in self._views(self.outgoing):
-            view.copy_(parameter.detach())
-
-    @torch.no_grad()
-    def take_reply(self) -> None:
-        self.read_version = int(self.incoming_version[0].item())
-        for parameter, view in self._views(self.incoming):
-            parameter.copy_(view)
+        for parameter, start, end, view in self.views(self.outgoing):
+            view.copy_(parameter.detach().reshape(-1)[start:end])
 
 
 class ShardClient:
@@ -84,6 +82,12 @@ class ShardClient:
 
     def __init__(self, slices: list[ShardSlice], group):
         self.slices, self.group = slices, group
+        # every parameter once, and where its values arrive: (start, end, part of a slice's
+        # incoming buffer), in flat order (the shards' ranges follow it)
+        self.arrivals: dict[nn.Parameter, list[tuple[int, int, torch.Tensor]]] = {}
+        for piece in slices:
+            for parameter, start, end, view in piece.views(piece.incoming):
+                self.arrivals.setdefault(parameter, []).append((start, end, view))
         self.steps = 0  # gradients pushed so far = the step this worker is in
         self.wish = BoundaryAction.NONE  # a checkpoint or stop this worker asks for, in its pushes
         self.boundary: tuple[int, BoundaryAction] | None = None  # the agreed one, from the first shard
@@ -103,12 +107,17 @@ class ShardClient:
         """Send this step's gradients, wait for the parameters of the next step; returns bytes sent."""
         works = self._expect_replies()
         sent = 0
+        # flattened once per parameter (a copy only for a non-contiguous gradient, e.g. channels_last)
+        flat_gradients = {parameter: None if parameter.grad is None else parameter.grad.reshape(-1)
+                          for parameter in self.arrivals}
         for piece in self.slices:
-            piece.pack_gradients()
+            piece.pack_gradients(flat_gradients)
             header = request(Kind.PUSH, self.steps, piece.read_version, lr, self.wish)
             works.append(dist.isend(header, dst=piece.rank, group=self.group, tag=TAG_REQUEST))
             works.append(dist.isend(piece.outgoing, dst=piece.rank, group=self.group, tag=TAG_GRADIENT))
             sent += _nbytes(header) + _nbytes(piece.outgoing)
+        for parameter in self.arrivals:  # only now: a parameter spanning shards is packed by each
+            parameter.grad = None
         self._finish(works)
         self.steps += 1
         return sent
@@ -173,9 +182,22 @@ class ShardClient:
         for work in works:
             work.wait()
         for piece in self.slices:
-            piece.take_reply()
+            piece.read_version = int(piece.incoming_version[0].item())
+        self._take_parameters()
         at, action = self.slices[0].incoming_version[1:].tolist()  # the first shard's boundary
         self.boundary = (int(at), BoundaryAction(int(action))) if at >= 0 else None
+
+    @torch.no_grad()
+    def _take_parameters(self) -> None:
+        """Copy the replies' values into the parameters, piece by piece."""
+        for parameter, parts in self.arrivals.items():
+            if parameter.is_contiguous():
+                flat = parameter.view(-1)
+                for start, end, values in parts:
+                    flat[start:end].copy_(values)
+            else:  # no flat view of it (channels_last): the whole tensor from its parts in order
+                values = parts[0][2] if len(parts) == 1 else torch.cat([values for _, _, values in parts])
+                parameter.copy_(values.view(parameter.shape))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -212,9 +234,9 @@ class ParameterServer(Strategy):
         parameters = [p for p in model.parameters() if p.requires_grad]
         if any(p.dtype != VALUE_DTYPE for p in parameters):
             raise TypeError(f"parameter-server strategies exchange {VALUE_DTYPE} parameters only")
-        owned = split_by_size([p.numel() for p in parameters], self.params["shards"])
-        slices = [ShardSlice(self.ctx.workers + shard, [parameters[i] for i in indices])
-                  for shard, indices in enumerate(owned)]
+        owned = split_contiguous([p.numel() for p in parameters], self.params["shards"])
+        slices = [ShardSlice(self.ctx.workers + shard, [(parameters[index], start, end) for index, start, end in pieces])
+                  for shard, pieces in enumerate(owned)]
         self.client = ShardClient(slices, self.group)
         if self.ctx.rank == 0:
             self.client.send_setup(make_optimizer(parameters))
