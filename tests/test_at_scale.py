@@ -7,7 +7,8 @@ runs through Snakemake, and the published claims it tests (dtstudy.analysis.clai
 - a tiny emulated study runs end to end through Snakemake: tables, the new plot, findings with
   the claims section, no warm pool, no projection;
 - each claim's verdict on synthetic accuracy tables: holds, from which N, does not hold, not
-  measured (the strategies it needs not run, or a single seed).
+  measured (the strategies it needs not run, or a single seed), and undecided where an interval
+  is too wide: the three-way reading (apart, level within a margin, undecided) of claims.read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import yaml
 
 from conftest import REPO, run_snakemake, tiny_study
 from dtstudy.analysis import claims
+from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
+from dtstudy.analysis.intervals import Interval
 from dtstudy.analysis.tables import accuracy_table
 from dtstudy.strategies.specs import SPECS
 from test_workflow import job_counts, train_threads
@@ -148,13 +151,81 @@ def test_goyal_holds_up_to_a_batch_then_breaks():
     assert verdict.status == claims.HOLDS and verdict.from_n == 64
     assert "kept up to N=16, global batch 128 and breaks from N=64, global batch 512" in verdict.summary
     assert len(verdict.evidence) == 5 and "N=64, global batch 512: test top-1 0.8000 [" in verdict.evidence[3]
+    assert verdict.evidence[3].endswith("below N=1's (intervals apart)")
+    assert ", kept, not below N=1's by more than 0.03: the difference lies in [" in verdict.evidence[2]
 
 
-def test_goyal_a_lower_mean_within_the_noise_is_not_a_break():
-    # N=64's mean is 2 points lower, but its seeds spread over N=1's: the intervals overlap
-    verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.80, 0.95, 0.84])))
+def test_goyal_a_narrow_overlapping_cell_is_kept():
+    # N=64's mean is 1.25 points lower, its interval overlaps N=1's and is narrow: the difference
+    # lies within TOP1_MARGIN below N=1's mean, so accuracy is kept there
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.870, 0.8725, 0.875])))
     assert verdict.status == claims.HOLDS and verdict.from_n is None
     assert "limit lies beyond this study" in verdict.summary
+    assert "N=64, global batch 512: test top-1 0.8725 [0.8663, 0.8787], kept, not below N=1's by more than 0.03" \
+        in verdict.evidence[3]
+
+
+N1 = [0.845974, 0.85, 0.854026]  # 0.8500 [0.8400, 0.8600]
+SPLIT = [0.10, 0.10, 0.677]  # one seed learned, two did not: 0.2923 [-0.5352, 1.1199], the last at-scale run's N=64
+
+
+@pytest.mark.parametrize("n256, status, said", [
+    ([0.10, 0.10, 0.10], claims.PARTLY, "Accuracy is kept up to N=16, global batch 128; the study cannot tell at "
+     "N=64 (intervals too wide); below N=1's from N=256, global batch 2048: where between N=16 and N=256 it breaks "
+     "is not known."),
+    (N1, claims.PARTLY, "Accuracy is kept up to N=256, global batch 2048; the study cannot tell at N=64 (intervals "
+     "too wide): no break is seen, nor can one be ruled out."),
+])
+def test_goyal_a_wide_interval_is_undecided_not_kept(n256, status, said):
+    cells = goyal_cells(n1=N1, n4=N1, n16=N1, n64=SPLIT, n256=n256)
+    accuracy = table(cells)
+    wide = accuracy[accuracy["workers"] == 64].iloc[0]
+    assert round(wide["top1_low"], 2) == -0.54 and round(wide["top1_high"], 2) == 1.12  # unclipped
+    verdict = claims.goyal_batch_limit(accuracy)
+    assert verdict.status == status and verdict.from_n is None and verdict.summary == said
+    assert verdict.evidence[3] == (
+        "N=64, global batch 512: test top-1 0.2923 [-0.5352, 1.1199], undecided against N=1's: the interval "
+        "[-0.5352, 1.1199] is too wide to tell (3 seeds; it reaches outside [0, 1], where no top-1 lies: too few "
+        "seeds for their spread); the difference lies in [-1.39, +0.27], wider than a margin of 0.03 allows")
+
+
+def test_goyal_is_undecided_when_no_n_is_kept_or_below():
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n4=SPLIT, n16=SPLIT, n64=SPLIT, n256=SPLIT)))
+    assert verdict.status == claims.UNDECIDED and verdict.from_n is None
+    assert verdict.summary == "No N > 1 is kept: the study cannot tell at N=4, 16, 64, 256 (intervals too wide)."
+    assert "**Undecided**: No N > 1 is kept" in "\n".join(claims_markdown([verdict], "emulated"))
+
+
+def test_reading_a_difference_apart_level_or_undecided():
+    reference = Interval(0.85, 0.84, 0.86, 3, "t95")
+    read = claims.read
+    assert read(Interval(0.80, 0.79, 0.81, 3, "t95"), reference, "top1", "N=1's").side == claims.BELOW
+    assert read(Interval(0.90, 0.89, 0.91, 3, "t95"), reference, "top1", "N=1's").side == claims.ABOVE
+    # overlapping and narrow: level within the margin; 2.5 points higher is level only on the lower side
+    assert read(Interval(0.845, 0.835, 0.855, 3, "t95"), reference, "top1", "N=1's").side == claims.LEVEL
+    higher = Interval(0.875, 0.855, 0.895, 3, "t95")
+    assert read(higher, reference, "top1", "N=1's", guard=claims.BELOW).side == claims.LEVEL
+    assert read(higher, reference, "top1", "N=1's").side == claims.UNDECIDED_READING
+    # the reference's own width counts: a narrow cell against a wide reference is undecided too
+    reading = read(reference, Interval(0.85, 0.70, 1.00, 3, "t95"), "top1", "N=1's")
+    assert reading.side == claims.UNDECIDED_READING and "N=1's interval [0.7000, 1.0000] is too wide" in reading.text
+    # two seeds give a range, no CI: however narrow, it cannot show a difference small
+    reading = read(Interval(0.85, 0.849, 0.851, 2, "range"), reference, "top1", "N=1's")
+    assert reading.side == claims.UNDECIDED_READING and "2 seeds give a range" in reading.text
+    # a relative margin: a tenth of the reference's time
+    times = Interval(1.0, 0.99, 1.01, 3, "t95")
+    assert read(Interval(1.05, 1.0, 1.08, 3, "t95"), times, "time_to_accuracy_s", "allreduce's").side == claims.LEVEL
+    assert read(Interval(1.05, 0.9, 1.2, 3, "t95"), times, "time_to_accuracy_s", "allreduce's").side \
+        == claims.UNDECIDED_READING
+
+
+def test_findings_read_efficiency_against_allreduce_three_ways():
+    allreduce = Interval(0.90, 0.88, 0.92, 0, "bootstrap95")
+    assert _versus_allreduce(Interval(0.89, 0.87, 0.91, 0, "bootstrap95"), allreduce).startswith(
+        "; level with allreduce (the difference lies in [-0.04, +0.02], within ±0.09")
+    assert _versus_allreduce(Interval(0.80, 0.60, 1.00, 0, "bootstrap95"), allreduce).startswith(
+        "; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [-0.30, +0.10]")
+    assert _versus_allreduce(Interval(0.70, 0.65, 0.75, 0, "bootstrap95"), allreduce) == "; below allreduce (CIs apart)"
 
 
 def test_a_single_seed_gives_no_verdict():
@@ -179,14 +250,18 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     low = [0.70, 0.71, 0.72]
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {16: low, 64: low, 256: low})))
     assert verdict.status == claims.HOLDS and verdict.from_n == 16
-    assert verdict.evidence[1].startswith("N=16: ps_backup top-1 0.8850 [") and ": above;" in verdict.evidence[1]
-    # above at 64 only, not at the largest N: it does not hold at Chen's scale
+    assert verdict.evidence[1].startswith("N=16: ps_backup top-1 0.8850 [")
+    assert ": above ps_async's (intervals apart);" in verdict.evidence[1]
+    # above at 64 only, level at the largest N: it does not hold at Chen's scale
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: low})))
     assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
-    # a lower async mean whose seeds spread over backup's is within the noise, not beaten
+    assert ": level with ps_async's within ±0.03:" in verdict.evidence[-1]
+    # a lower async mean whose seeds spread over backup's: overlapping but too wide to call level
     noisy = [0.80, 0.95, 0.84]
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: noisy, 256: noisy})))
-    assert verdict.status == claims.DOES_NOT_HOLD and "within the noise" in verdict.evidence[-1]
+    assert verdict.status == claims.UNDECIDED and verdict.from_n is None
+    assert verdict.summary.startswith("At N=256 the study cannot tell whether ps_backup's top-1 is above ps_async's")
+    assert ": undecided against ps_async's: ps_async's interval [0.6704, 1.0563] is too wide" in verdict.evidence[-1]
 
 
 def test_claims_of_strategies_not_run_are_not_measured_and_say_why():
@@ -223,10 +298,17 @@ def test_jin_crossover_with_gossip_only_holds_in_part():
 def test_jin_holds_with_both_challengers_and_fails_without_a_crossover():
     verdict = claims.jin_crossover(table(jin_cells({4: FAST, 256: SLOW}, {4: FAST, 16: FAST, 64: SLOW, 256: SLOW})))
     assert verdict.status == claims.HOLDS and verdict.from_n == 256  # the later of the two crossovers
-    # gossip faster everywhere: no crossover; level at N=4, or ahead within the noise: not faster at few nodes
-    for gossip in ({n: FAST for n in (4, 16, 64, 256)}, {256: SLOW}, {4: [0.9, 1.0, 1.05], 256: SLOW}):
+    # gossip faster everywhere: no crossover; level at N=4: not faster at few nodes
+    for gossip in ({n: FAST for n in (4, 16, 64, 256)}, {256: SLOW}):
         verdict = claims.jin_crossover(table(jin_cells(gossip)))
         assert verdict.status == claims.DOES_NOT_HOLD
+    assert "N=4: time to target gossip 1.01 [0.985, 1.03] s (reached in 3/3 seeds) vs allreduce 1.01 [0.985, 1.03] s " \
+           "(reached in 3/3 seeds): level with allreduce's within ±0.101" in verdict.evidence[1]
+    # ahead at N=4 by a mean within a wide interval: the study cannot tell, not "does not hold"
+    verdict = claims.jin_crossover(table(jin_cells({4: [0.9, 1.0, 1.05], 256: SLOW})))
+    assert verdict.status == claims.UNDECIDED and verdict.from_n is None
+    assert "gossip: undecided, the times' intervals are too wide to tell" in verdict.summary
+    assert "undecided against allreduce's: the interval [0.794, 1.17] is too wide" in verdict.evidence[1]
 
 
 def dai_cells(staleness: dict, top1: dict, steps: dict) -> dict:
@@ -249,11 +331,14 @@ def test_dai_holds_from_the_n_where_staleness_accuracy_and_steps_all_cost():
 
 
 def test_dai_does_not_hold_without_growth_or_cost_and_in_part_with_growth_only():
-    verdict = claims.dai_staleness(table(dai_cells({n: [1.0, 1.5, 2.0] for n in (1, 4, 16, 64, 256)}, {}, {})))
+    verdict = claims.dai_staleness(table(dai_cells({n: [1.0, 1.01, 1.02] for n in (1, 4, 16, 64, 256)}, {}, {})))
     assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
-    # higher means within the noise: staleness, the accuracy gap and the steps do not count
+    assert verdict.summary == "Staleness grows at no N; accuracy is lost at no N; more steps are needed at no N."
+    # higher means in wide intervals: staleness, the accuracy gap and the steps are undecided, not absent
     noisy = claims.dai_staleness(table(dai_cells({1: [1.0, 1.5, 2.0], 256: [1.0, 1.5, 2.6]}, {256: [0.80, 0.95, 0.84]},
                                                  {256: [90, 100, 125]})))
-    assert noisy.status == claims.DOES_NOT_HOLD
+    assert noisy.status == claims.UNDECIDED and noisy.from_n is None
+    assert noisy.summary == ("Whether staleness grows is undecided (N=256); whether accuracy is lost is "
+                             "undecided (N=256); whether more steps are needed is undecided (N=256).")
     verdict = claims.dai_staleness(table(dai_cells({256: [9.0, 9.5, 10.0]}, {}, {})))
     assert verdict.status == claims.PARTLY and verdict.summary.startswith("Staleness grows from N=256; accuracy is lost at no N")

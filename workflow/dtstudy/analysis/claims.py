@@ -3,8 +3,9 @@ accuracy table (dtstudy.analysis.tables.accuracy_table): whether it holds here, 
 and the figures with their intervals that say so.
 
 - Goyal et al. 2017: the linear learning-rate rule with warm-up keeps accuracy up to a global
-  batch, then breaks: allreduce's test top-1 against N (the global batch grows with N), the
-  first N whose interval lies below N=1's;
+  batch, then breaks: allreduce's test top-1 against N (the global batch grows with N), kept up
+  to the largest N read "kept" against N=1, broken from the first N whose interval lies below
+  N=1's;
 - Chen et al. 2016: synchronous SGD with backup workers (ps_backup) beats asynchronous SGD
   (ps_async) at about 100 workers: their test top-1 at each N;
 - Jin et al. 2016: asynchronous (ps_async) and decentralised (gossip) SGD reach the target faster
@@ -14,14 +15,22 @@ and the figures with their intervals that say so.
   ps_async's mean staleness, its paired top-1 difference to allreduce and its steps to the
   target at each N.
 
-"Above"/"below" always means the two intervals are apart (dtstudy.analysis.intervals.overlaps);
-overlapping intervals are within the noise. A claim whose strategies the study did not run is
-"not measured", with the reason (e.g. the parameter servers are not emulated yet: their
-spec's not_emulated_because), so that running them needs no change here.
+Every comparison is read three ways (`read`): "above"/"below" when the two intervals are apart
+(dtstudy.analysis.intervals.overlaps); "level" (for Goyal "kept") only when the difference's
+plausible range lies within a stated margin (`SCALES`: TOP1_MARGIN of top-1, RELATIVE_MARGIN of a
+time, a count of steps or a staleness), an equivalence reading like TOST; otherwise "undecided":
+the intervals are too wide (or too few seeds) to tell, which is not "within the noise" and not a
+sign that nothing changed. A claim some of whose comparisons are undecided is UNDECIDED or PARTLY
+and names them. Intervals are read as the table gives them, unclipped: a top-1 interval
+outside [0, 1] says that there are too few seeds for its spread, and the reading says so.
+A claim whose strategies the study did not run is "not measured", with the reason (e.g. the
+parameter servers are not emulated yet: their spec's not_emulated_because), so that running
+them needs no change here.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +38,7 @@ import pandas as pd
 
 from dtstudy.analysis import intervals
 from dtstudy.analysis.intervals import Interval
+from dtstudy.analysis.tables import GAP_POINTS
 from dtstudy.strategies.specs import SPECS
 
 SYNC = "allreduce"
@@ -37,14 +47,18 @@ ASYNC = "ps_async"
 DECENTRALISED = "gossip"
 CHEN_SCALE = 64  # "about 100 workers": the claim is judged at the study's largest N, said short of it below this
 
-HOLDS, PARTLY, DOES_NOT_HOLD, NOT_MEASURED = "holds", "holds in part", "does not hold", "not measured"
+HOLDS, PARTLY, UNDECIDED, DOES_NOT_HOLD, NOT_MEASURED = (
+    "holds", "holds in part", "undecided", "does not hold", "not measured")
+#: every status a verdict can have, in the order findings.md and the docs list them
+STATUSES = (HOLDS, PARTLY, UNDECIDED, DOES_NOT_HOLD, NOT_MEASURED)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """One claim's verdict on this study: `status` (HOLDS, PARTLY, DOES_NOT_HOLD, NOT_MEASURED),
-    `summary` (a sentence, with the N from which it holds), `evidence` (one line per N or
-    comparison, every figure with its interval)."""
+    """One claim's verdict on this study: `status` (one of STATUSES; UNDECIDED: the intervals
+    that would decide it are too wide), `summary` (a sentence, with the N from which it holds
+    and the N the study cannot tell), `evidence` (one line per N or comparison, every figure
+    with its interval)."""
 
     claim: str
     source: str
@@ -52,6 +66,104 @@ class Verdict:
     summary: str
     from_n: int | None = None
     evidence: list[str] = field(default_factory=list)
+
+
+# --- reading a difference: apart, level within a margin, or undecided ------------------
+
+#: two top-1 accuracies within this of each other are level (Goyal: "kept"): the study's own
+#: "within about 3 points" (tables.GAP_POINTS, the gap the accuracy table marks as a loss). The
+#: claims' effects are larger (a batch limit costs tens of points) and the seeds of runs that
+#: all learned spread far less (the at-scale study's N=1 intervals), so a difference whose
+#: plausible range does not fit in it is too wide to call level
+TOP1_MARGIN = GAP_POINTS / 100
+#: times, steps, staleness and efficiencies within this share of the reference's value are
+#: level: the claims on them are about factors (faster at few nodes, staleness growing with N)
+RELATIVE_MARGIN = 0.1
+
+BELOW, ABOVE, LEVEL, UNDECIDED_READING = "below", "above", "level", "undecided"
+#: the only kinds of interval that can show a difference is small (a range of 2 seeds is no CI)
+CONFIDENCE_KINDS = ("t95", "bootstrap95", "exact")
+#: a difference to nothing: the reference of a paired difference
+ZERO = Interval(0.0, 0.0, 0.0, 0, "exact")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How differences of one quantity are read: the margin within which two values are level
+    (absolute, or a share of the reference's value), the values it can take, how it is written."""
+
+    noun: str
+    margin: float
+    relative: bool = False
+    bounds: tuple[float, float] = (-math.inf, math.inf)
+    fmt: str = ".4f"
+
+    def margin_of(self, reference: Interval) -> float:
+        return self.margin * abs(reference.value) if self.relative else self.margin
+
+
+#: the table's columns that claims compare -> how their differences are read
+SCALES = {
+    "top1": Scale("top-1", TOP1_MARGIN, bounds=(0.0, 1.0)),
+    "top1_vs_allreduce": Scale("difference of two top-1", TOP1_MARGIN, bounds=(-1.0, 1.0), fmt="+.4f"),
+    "time_to_accuracy_s": Scale("time", RELATIVE_MARGIN, relative=True, bounds=(0.0, math.inf), fmt=".3g"),
+    "steps_to_accuracy": Scale("count of steps", RELATIVE_MARGIN, relative=True, bounds=(0.0, math.inf), fmt=".0f"),
+    "staleness": Scale("staleness", RELATIVE_MARGIN, relative=True, bounds=(0.0, math.inf), fmt=".2f"),
+    "efficiency": Scale("efficiency", RELATIVE_MARGIN, relative=True, bounds=(0.0, math.inf), fmt=".2f"),
+}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A cell against a reference: `side` BELOW/ABOVE (intervals apart), LEVEL (the difference
+    lies within the margin on the side asked about) or UNDECIDED_READING; `text` says so with
+    the figures."""
+
+    side: str
+    text: str
+
+
+def difference_range(cell: Interval, reference: Interval) -> tuple[float, float]:
+    """The plausible range of cell − reference from the two intervals, each side combined in
+    quadrature (MOVER, Zou & Donner 2008): for two t intervals about the t interval of the
+    difference, and the reference's own spread counts as well as the cell's."""
+    difference = cell.value - reference.value
+    low = difference - math.hypot(cell.value - cell.low, reference.high - reference.value)
+    high = difference + math.hypot(cell.high - cell.value, reference.value - reference.low)
+    return low, high
+
+
+def read(cell: Interval, reference: Interval, quantity: str, versus: str, guard: str | None = None) -> Reading:
+    """`cell` against `reference` (`versus` names it, e.g. "N=1's"): BELOW or ABOVE when the
+    intervals are apart; LEVEL when the difference's plausible range (difference_range) lies
+    within the quantity's margin, on the side `guard` only (BELOW: it is not lower by more than
+    the margin; ABOVE: not higher) or on both (None); UNDECIDED_READING otherwise: too wide,
+    or no confidence interval (a single value, a range of 2 seeds) to show it small."""
+    scale = SCALES[quantity]
+    if not intervals.overlaps(cell, reference):
+        side = BELOW if cell.high < reference.low else ABOVE
+        return Reading(side, f"{side} {versus} (intervals apart)")
+    if any(math.isnan(x) for x in (cell.low, cell.high, reference.low, reference.high)):
+        return Reading(UNDECIDED_READING, f"undecided against {versus}: no interval (a single value)")
+    ranged = [x for x in (cell, reference) if x.kind not in CONFIDENCE_KINDS]
+    if ranged:
+        return Reading(UNDECIDED_READING, f"undecided against {versus}: {ranged[0].n} seeds give a range, "
+                       "not a confidence interval, too few to show a difference small")
+    margin = scale.margin_of(reference)
+    low, high = difference_range(cell, reference)
+    lies = f"the difference lies in [{low:+.3g}, {high:+.3g}]"
+    if {BELOW: low >= -margin, ABOVE: high <= margin, None: low >= -margin and high <= margin}[guard]:
+        side = {BELOW: f"not below {versus} by more than {margin:.3g}",
+                ABOVE: f"not above {versus} by more than {margin:.3g}", None: f"level with {versus} within ±{margin:.3g}"}
+        return Reading(LEVEL, f"{side[guard]}: {lies}")
+    wide = cell if cell.high - cell.low >= reference.high - reference.low else reference
+    lo, hi = scale.bounds
+    outside = (f"; it reaches outside [{lo:g}, {hi:g}], where no {scale.noun} lies: too few seeds for their spread"
+               if wide.low < lo or wide.high > hi else "")
+    return Reading(UNDECIDED_READING, f"undecided against {versus}: "
+                   + ("the interval" if wide is cell else f"{versus} interval")
+                   + f" [{wide.low:{scale.fmt}}, {wide.high:{scale.fmt}}] is too wide to tell ({wide.n} seeds{outside});"
+                   f" {lies}, wider than a margin of {margin:.3g} allows")
 
 
 # --- reading the table ----------------------------------------------------------------
@@ -70,11 +182,6 @@ def _interval(row, prefix: str) -> Interval:
     n = int(row["reached_target"].split("/")[0]) if prefix in OVER_REACHED else int(row["seeds"])
     kind = "none" if n < 2 else "range" if n < intervals.MIN_SEEDS_FOR_CI else "t95"
     return Interval(row[prefix], row[f"{prefix}_low"], row[f"{prefix}_high"], n, kind)
-
-
-def _apart_below(a: Interval, b: Interval) -> bool:
-    """a lies below b with both intervals known and apart."""
-    return not intervals.overlaps(a, b) and a.high < b.low
 
 
 def _cell(row, prefix: str, fmt: str) -> str:
@@ -100,13 +207,23 @@ def _time(row) -> str:
     return f"{_cell(row, 'time_to_accuracy_s', '.3g')} s (reached in {row['reached_target']} seeds)"
 
 
-def faster(a, b) -> bool:
-    """Run-set a reaches the target faster than b: both in every seed with a's time interval
-    below b's, or a in every seed and b in none."""
+NEITHER = "neither"  # a side of a reading to the target: neither run-set reached it, nothing to compare
+
+
+def to_target(a, b, prefix: str, versus: str) -> Reading:
+    """Run-set a's time or steps (`prefix`) to the target against b's: read as `read` does when
+    both reached it in every seed; BELOW (ABOVE) when only a (b) reached it, in every seed;
+    NEITHER when neither did; undecided when some seeds did not (the mean leaves them out)."""
+    if _reached_none(a) and _reached_none(b):
+        return Reading(NEITHER, "neither reached the target")
     if _reached_all(a) and _reached_none(b):
-        return True
-    return _reached_all(a) and _reached_all(b) and _apart_below(_interval(a, "time_to_accuracy_s"),
-                                                               _interval(b, "time_to_accuracy_s"))
+        return Reading(BELOW, f"below {versus}: only it reached the target")
+    if _reached_none(a) and _reached_all(b):
+        return Reading(ABOVE, f"above {versus}: only the other reached the target")
+    if not (_reached_all(a) and _reached_all(b)):
+        return Reading(UNDECIDED_READING, f"undecided against {versus}: not every seed reached the target "
+                       f"({a['reached_target']} vs {b['reached_target']})")
+    return read(_interval(a, prefix), _interval(b, prefix), prefix, versus)
 
 
 def _trailing_start(ns: Sequence[int], flags: Sequence[bool]) -> int | None:
@@ -115,6 +232,10 @@ def _trailing_start(ns: Sequence[int], flags: Sequence[bool]) -> int | None:
     for n, flag in zip(ns, flags):
         start = (n if start is None else start) if flag else None
     return start
+
+
+def _ns(ns: Sequence[int]) -> str:
+    return "N=" + ", ".join(str(n) for n in ns)
 
 
 def not_run(table: pd.DataFrame, strategies: Sequence[str]) -> str | None:
@@ -146,6 +267,9 @@ def _not_measured(claim: str, source: str, why: str) -> Verdict:
 # --- the claims -----------------------------------------------------------------------
 
 def goyal_batch_limit(table: pd.DataFrame) -> Verdict:
+    """HOLDS up to the largest N read "kept" (not below N=1's by more than TOP1_MARGIN) and
+    broken from the first N below N=1's (intervals apart); an undecided N before the break makes
+    it PARTLY (some N kept) or UNDECIDED (none), and the summary names it."""
     claim, source = "linear learning-rate scaling with warm-up keeps accuracy up to a global batch, then breaks", \
         "Goyal et al. 2017 (8k images on ImageNet)"
     why = unmeasured(table, [SYNC])
@@ -157,15 +281,30 @@ def goyal_batch_limit(table: pd.DataFrame) -> Verdict:
     base = rows[rows["workers"] == 1].iloc[0]
     base_ci = _interval(base, "top1")
     evidence = [f"N=1{_batch(base)}: test top-1 {_cell(base, 'top1', '.4f')} (the reference)"]
-    kept, broken = [], None
+    kept, undecided, broken = [], [], None
     for _, row in rows[rows["workers"] > 1].iterrows():
-        below = _apart_below(_interval(row, "top1"), base_ci)
+        reading = read(_interval(row, "top1"), base_ci, "top1", "N=1's", guard=BELOW)
         evidence.append(f"N={row['workers']}{_batch(row)}: test top-1 {_cell(row, 'top1', '.4f')}, "
-                        + ("below N=1's (intervals apart)" if below else "within N=1's noise (intervals overlap)"))
-        if below and broken is None:
+                        + ("kept, " if reading.side in (LEVEL, ABOVE) else "") + reading.text)
+        if broken is not None:
+            continue
+        if reading.side == BELOW:
             broken = row
-        elif broken is None:
+        elif reading.side == UNDECIDED_READING:
+            undecided.append(int(row["workers"]))
+        else:
             kept.append(row)
+    kept_to = f"kept up to N={kept[-1]['workers']}{_batch(kept[-1])}" if kept else ""
+    breaks = f"below N=1's from N={broken['workers']}{_batch(broken)}" if broken is not None else ""
+    if undecided:
+        cannot = f"the study cannot tell at {_ns(undecided)} (intervals too wide)"
+        said = "; ".join(x for x in (kept_to, cannot, breaks) if x)
+        if not kept:
+            return Verdict(claim, source, UNDECIDED, f"No N > 1 is kept: {said}.", None, evidence)
+        return Verdict(claim, source, PARTLY, f"Accuracy is {said}: "
+                       + (f"where between N={kept[-1]['workers']} and N={broken['workers']} it breaks is not known."
+                          if broken is not None
+                          else "no break is seen, nor can one be ruled out."), None, evidence)
     if broken is None:
         last = rows.iloc[-1]
         return Verdict(claim, source, HOLDS, f"Accuracy is kept at every N up to N={last['workers']}"
@@ -174,11 +313,13 @@ def goyal_batch_limit(table: pd.DataFrame) -> Verdict:
         return Verdict(claim, source, DOES_NOT_HOLD, f"Accuracy is below N=1's already at N={broken['workers']}"
                        f"{_batch(broken)}, the smallest N > 1: no batch range where the rule keeps it.",
                        int(broken["workers"]), evidence)
-    return Verdict(claim, source, HOLDS, f"Accuracy is kept up to N={kept[-1]['workers']}{_batch(kept[-1])} and "
-                   f"breaks from N={broken['workers']}{_batch(broken)}.", int(broken["workers"]), evidence)
+    return Verdict(claim, source, HOLDS, f"Accuracy is {kept_to} and breaks from N={broken['workers']}"
+                   f"{_batch(broken)}.", int(broken["workers"]), evidence)
 
 
 def chen_backup_vs_async(table: pd.DataFrame) -> Verdict:
+    """HOLDS from the N where ps_backup's top-1 is above ps_async's (apart) up to the largest N;
+    UNDECIDED when the largest N is undecided; DOES_NOT_HOLD when it is level or below there."""
     claim, source = "synchronous SGD with backup workers beats asynchronous SGD at about 100 workers", "Chen et al. 2016"
     why = unmeasured(table, [BACKUP, ASYNC])
     if why:
@@ -187,43 +328,44 @@ def chen_backup_vs_async(table: pd.DataFrame) -> Verdict:
     ns = sorted(set(backup.index) & set(asynchronous.index) - {1})
     if not ns:
         return _not_measured(claim, source, "ps_backup and ps_async share no N > 1")
-    evidence, beats = [], []
+    evidence, readings = [], []
     for n in ns:
         b, a = backup.loc[n], asynchronous.loc[n]
-        above, below = (_apart_below(_interval(a, "top1"), _interval(b, "top1")),
-                        _apart_below(_interval(b, "top1"), _interval(a, "top1")))
-        beats.append(above)
+        readings.append(read(_interval(b, "top1"), _interval(a, "top1"), "top1", "ps_async's"))
         evidence.append(f"N={n}: ps_backup top-1 {_cell(b, 'top1', '.4f')} vs ps_async {_cell(a, 'top1', '.4f')}: "
-                        + ("above" if above else "below" if below else "within the noise")
-                        + f"; time to target {_time(b)} vs {_time(a)}")
-    start = _trailing_start(ns, beats)
+                        f"{readings[-1].text}; time to target {_time(b)} vs {_time(a)}")
+    start = _trailing_start(ns, [r.side == ABOVE for r in readings])
     short = f" (this study's largest N, {ns[-1]}, is short of Chen's ~100)" if ns[-1] < CHEN_SCALE else ""
-    if start is None:
-        return Verdict(claim, source, DOES_NOT_HOLD, f"At N={ns[-1]} ps_backup's top-1 is not above ps_async's"
-                       f"{short}.", None, evidence)
-    return Verdict(claim, source, HOLDS, f"ps_backup's top-1 is above ps_async's from N={start} up to N={ns[-1]}"
-                   f"{short}.", start, evidence)
+    if start is not None:
+        return Verdict(claim, source, HOLDS, f"ps_backup's top-1 is above ps_async's from N={start} up to N={ns[-1]}"
+                       f"{short}.", start, evidence)
+    if readings[-1].side == UNDECIDED_READING:
+        return Verdict(claim, source, UNDECIDED, f"At N={ns[-1]} the study cannot tell whether ps_backup's top-1 is "
+                       f"above ps_async's (intervals too wide){short}.", None, evidence)
+    return Verdict(claim, source, DOES_NOT_HOLD, f"At N={ns[-1]} ps_backup's top-1 is not above ps_async's"
+                   f"{short}.", None, evidence)
 
 
 def _crossover(table: pd.DataFrame, challenger: str) -> tuple[str, int | None, list[str]]:
-    """Jin's claim for one challenger of allreduce: (status, crossover N, evidence)."""
+    """Jin's claim for one challenger of allreduce: (status, crossover N, evidence). HOLDS: the
+    challenger faster at the smallest N > 1 and allreduce faster from an N up to the largest;
+    UNDECIDED: neither part is refuted and one is undecided there; DOES_NOT_HOLD otherwise."""
     sync, other = _rows(table, SYNC).set_index("workers"), _rows(table, challenger).set_index("workers")
     ns = sorted(set(sync.index) & set(other.index) - {1})
     if not ns:
         return NOT_MEASURED, None, [f"{challenger}: no N > 1 shared with allreduce"]
-    evidence, challenger_ahead, sync_ahead = [], [], []
+    evidence, readings = [], []
     for n in ns:
         s, o = sync.loc[n], other.loc[n]
-        challenger_ahead.append(faster(o, s))
-        sync_ahead.append(faster(s, o))
-        evidence.append(f"N={n}: time to target {challenger} {_time(o)} vs allreduce {_time(s)}: "
-                        + (f"{challenger} faster" if challenger_ahead[-1] else
-                           "allreduce faster" if sync_ahead[-1] else
-                           "neither reached the target" if _reached_none(o) and _reached_none(s) else
-                           "within the noise"))
-    crossover = _trailing_start(ns, sync_ahead)
-    if challenger_ahead[0] and crossover is not None:
+        readings.append(to_target(o, s, "time_to_accuracy_s", "allreduce's"))
+        said = {BELOW: f"{challenger} faster", ABOVE: "allreduce faster"}.get(readings[-1].side, readings[-1].text)
+        evidence.append(f"N={n}: time to target {challenger} {_time(o)} vs allreduce {_time(s)}: {said}")
+    crossover = _trailing_start(ns, [r.side == ABOVE for r in readings])
+    few, far = readings[0].side, readings[-1].side
+    if few == BELOW and crossover is not None:
         return HOLDS, crossover, evidence
+    if few in (BELOW, UNDECIDED_READING) and (crossover is not None or far == UNDECIDED_READING):
+        return UNDECIDED, crossover, evidence
     return DOES_NOT_HOLD, crossover, evidence
 
 
@@ -245,11 +387,14 @@ def jin_crossover(table: pd.DataFrame) -> Verdict:
     if not parts:
         return Verdict(claim, source, NOT_MEASURED, "Neither ps_async nor gossip ran.", None, evidence)
     said = [f"{name} faster at the smallest N > 1 and allreduce faster from N={n}" if status == HOLDS
+            else f"{name}: undecided, the times' intervals are too wide to tell" if status == UNDECIDED
             else f"{name}: no such crossover" + (f" (allreduce faster from N={n})" if n else "")
             for name, (status, n) in parts.items()]
     held = [name for name, (status, _) in parts.items() if status == HOLDS]
+    open_ = [name for name, (status, _) in parts.items() if status == UNDECIDED]
     missing = [name for name in (ASYNC, DECENTRALISED) if name not in parts]
-    status = HOLDS if held and len(held) == len(parts) and not missing else PARTLY if held else DOES_NOT_HOLD
+    status = (HOLDS if held and len(held) == len(parts) and not missing else PARTLY if held
+              else UNDECIDED if open_ else DOES_NOT_HOLD)
     crossovers = [parts[name][1] for name in held]
     tail = f"; {', '.join(missing)} not measured" if missing else ""
     return Verdict(claim, source, status, "; ".join(said) + tail + ".", max(crossovers) if crossovers else None,
@@ -257,6 +402,9 @@ def jin_crossover(table: pd.DataFrame) -> Verdict:
 
 
 def dai_staleness(table: pd.DataFrame) -> Verdict:
+    """Each of Dai's three effects is found from the first N where it is apart, undecided when it
+    is found nowhere and some N is undecided, absent otherwise: HOLDS with all three found,
+    PARTLY with some, UNDECIDED with none found and some undecided, DOES_NOT_HOLD with none."""
     claim = "staleness grows with N and costs asynchronous SGD accuracy and steps"
     source = "Dai et al. 2019"
     why = unmeasured(table, [ASYNC, SYNC])
@@ -267,35 +415,39 @@ def dai_staleness(table: pd.DataFrame) -> Verdict:
         return _not_measured(claim, source, "ps_async's runs record no staleness")
     sync = _rows(table, SYNC).set_index("workers")
     first = rows.iloc[0]
-    grows_from = cost_from = steps_from = None
+    effects = {"staleness grows": ABOVE, "accuracy is lost": BELOW, "more steps are needed": ABOVE}
+    found, open_ = dict.fromkeys(effects), {what: [] for what in effects}
     evidence = []
     for _, row in rows.iterrows():
         n = int(row["workers"])
-        grows = n > first["workers"] and _apart_below(_interval(first, "staleness"), _interval(row, "staleness"))
-        costs = n > 1 and _apart_below(_interval(row, "top1_vs_allreduce"), Interval(0.0, 0.0, 0.0, 1, "t95"))
-        more_steps = n in sync.index and _more_steps(row, sync.loc[n])
-        grows_from = grows_from or (n if grows else None)
-        cost_from = cost_from or (n if costs else None)
-        steps_from = steps_from or (n if more_steps else None)
+        readings = {}
+        if n > first["workers"]:
+            readings["staleness grows"] = read(_interval(row, "staleness"), _interval(first, "staleness"), "staleness",
+                                               f"N={first['workers']}'s", guard=ABOVE)
+        if n > 1:
+            readings["accuracy is lost"] = read(_interval(row, "top1_vs_allreduce"), ZERO, "top1_vs_allreduce",
+                                                "allreduce's", guard=BELOW)
+        if n in sync.index:
+            readings["more steps are needed"] = to_target(row, sync.loc[n], "steps_to_accuracy", "allreduce's")
+        for what, reading in readings.items():
+            if reading.side == effects[what]:
+                found[what] = found[what] or n
+            elif reading.side in (UNDECIDED_READING, NEITHER):  # neither reached: no steps to compare
+                open_[what].append(n)
         steps_vs = (f"; steps to target {_cell(row, 'steps_to_accuracy', '.0f')} vs allreduce "
                     f"{_cell(sync.loc[n], 'steps_to_accuracy', '.0f')}" if n in sync.index else "")
+        undecided = [what for what, reading in readings.items() if reading.side in (UNDECIDED_READING, NEITHER)]
         evidence.append(f"N={n}: mean staleness {_cell(row, 'staleness', '.2f')}; top-1 − allreduce "
-                        f"{_cell(row, 'top1_vs_allreduce', '+.4f')}{steps_vs}")
-    found = {"staleness grows": grows_from, "accuracy is lost": cost_from, "more steps are needed": steps_from}
-    said = "; ".join(f"{what} from N={n}" if n else f"{what} at no N" for what, n in found.items())
+                        f"{_cell(row, 'top1_vs_allreduce', '+.4f')}{steps_vs}"
+                        + "".join(f"; whether {what}: {readings[what].text}" for what in undecided))
+    said = "; ".join(f"{what} from N={found[what]}" if found[what]
+                     else f"whether {what} is undecided ({_ns(open_[what])})" if open_[what]
+                     else f"{what} at no N" for what in effects)
     held = [n for n in found.values() if n]
-    status = HOLDS if len(held) == len(found) else PARTLY if held else DOES_NOT_HOLD
+    status = (HOLDS if len(held) == len(found) else PARTLY if held
+              else UNDECIDED if any(open_.values()) else DOES_NOT_HOLD)
     return Verdict(claim, source, status, said[0].upper() + said[1:] + ".", max(held) if status == HOLDS else None,
                    evidence)
-
-
-def _more_steps(row, sync_row) -> bool:
-    """ps_async needs more steps to the target than allreduce at the same N: both reached it in
-    every seed with the intervals apart, or only allreduce reached it."""
-    if _reached_all(sync_row) and _reached_none(row):
-        return True
-    return (_reached_all(row) and _reached_all(sync_row)
-            and _apart_below(_interval(sync_row, "steps_to_accuracy"), _interval(row, "steps_to_accuracy")))
 
 
 #: each claim's verdict from the accuracy table, in the order findings.md states them

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from dtstudy.analysis import intervals
-from dtstudy.analysis.claims import Verdict
+from dtstudy.analysis.claims import ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, Verdict, difference_range, read
 from dtstudy.analysis.intervals import Interval
 from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
 from dtstudy.config.run_kinds import ACCURACY, SCALING
@@ -114,12 +114,30 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
     """findings.md's section on the published claims (dtstudy.analysis.claims), one per claim."""
     lines = ["", f"## The published claims at scale ({cluster})", "",
              "Each claim read off the accuracy table: \"above\"/\"below\" means the 95% intervals (or ranges) "
-             "are apart; overlapping ones are within the noise. Times are the emulated cluster's training seconds.", ""]
+             "are apart; \"level\" (for a batch limit \"kept\") that they overlap and the difference's plausible "
+             f"range lies within a margin ({GAP_POINTS} points of top-1, {RELATIVE_MARGIN:.0%} of a time, a count of "
+             "steps or a staleness); \"undecided\" that they overlap but are too wide (or too few seeds) to tell. "
+             "Times are the emulated cluster's training seconds.", ""]
     for verdict in verdicts:
         lines.append(f"- **{verdict.source}**: {verdict.claim}. **{verdict.status.capitalize()}**"
                      + (f" (from N={verdict.from_n})" if verdict.from_n else "") + f": {verdict.summary}")
         lines += [f"  - {line}" for line in verdict.evidence]
     return lines
+
+
+def _versus_allreduce(efficiency: Interval, allreduce: Interval) -> str:
+    """A strategy's E against allreduce's, read as the claims read a difference (claims.read):
+    apart, level within the margin, or undecided (wide CI) -- an overlap alone shows no equality."""
+    reading = read(efficiency, allreduce, "efficiency", "allreduce's")
+    if reading.side in (ABOVE, BELOW):
+        return f"; {reading.side} allreduce (CIs apart)"
+    low, high = difference_range(efficiency, allreduce)
+    margin = SCALES["efficiency"].margin_of(allreduce)
+    if reading.side == LEVEL:
+        return (f"; level with allreduce (the difference lies in [{low:+.2f}, {high:+.2f}], within ±{margin:.2f}, "
+                f"{RELATIVE_MARGIN:.0%} of its E)")
+    return (f"; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [{low:+.2f}, {high:+.2f}], "
+            f"wider than ±{margin:.2f} ({RELATIVE_MARGIN:.0%} of allreduce's E)")
 
 
 def _largest_timed_n(scaling: pd.DataFrame) -> int | None:
@@ -152,8 +170,7 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
             interval = _interval(r, "efficiency")
             versus = ""
             if base_ci is not None and r["strategy"] != BASELINE_STRATEGY:
-                versus = ("; within the noise of allreduce (CIs overlap)" if intervals.overlaps(interval, base_ci)
-                          else ("; above" if interval.low > base_ci.high else "; below") + " allreduce (CIs apart)")
+                versus = _versus_allreduce(interval, base_ci)
             ceiling_part = ("" if pd.isna(r["efficiency_vs_ceiling"])
                             else f", {_cell(r, 'efficiency_vs_ceiling', '.2f')} of the ceiling")
             lines.append(f"  - {r['strategy']}: E = {_cell(r, 'efficiency', '.2f')}{ceiling_part}{versus}")
