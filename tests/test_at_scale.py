@@ -32,6 +32,7 @@ from dtstudy.strategies.specs import SPECS
 from test_workflow import job_counts, train_threads
 
 AT_SCALE = REPO / "config/at-scale.yaml"
+AT_SCALE_ASYNC = REPO / "config/at-scale-async.yaml"
 PARAMETER_SERVERS = ["ps_sync", "ps_backup", "ps_async", "ssp"]
 EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 
@@ -64,15 +65,28 @@ def run_dry(args):
     return result.stdout
 
 
-def test_enabling_the_parameter_servers_is_one_line():
-    """The four parameter-server strategies sit commented on one line of config/at-scale.yaml
-    (left out for their host cost); uncommenting it adds exactly those four."""
-    text = AT_SCALE.read_text()
-    commented = [line for line in text.splitlines() if re.match(r"^\s*#\s*ps_sync\b", line)]
-    assert len(commented) == 1, commented
-    enabled = yaml.safe_load(text.replace(commented[0], commented[0].replace("#", "", 1)))
-    assert set(PARAMETER_SERVERS) <= set(enabled["strategies"])
-    assert set(enabled["strategies"]) - set(yaml.safe_load(text)["strategies"]) == set(PARAMETER_SERVERS)
+def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference():
+    """config/at-scale-async.yaml, on top of at-scale.yaml, runs the four parameter servers with
+    what the asynchronous claims compare them to (allreduce, gossip), at-scale.yaml's budget
+    unchanged, each server run with 4 shards at every N (its host cost); the halves together
+    run every strategy of the at-scale study."""
+    from dtstudy.analysis import claims
+
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2", "--configfile",
+                             str(AT_SCALE), str(AT_SCALE_ASYNC)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    overlay = yaml.safe_load(AT_SCALE_ASYNC.read_text())
+    strategies = overlay["strategies"]
+    assert set(PARAMETER_SERVERS) <= set(strategies)
+    assert {claims.SYNC, claims.BACKUP, claims.ASYNC, claims.DECENTRALISED} <= set(strategies)
+    assert set(overlay) == {"strategies", "strategy_params"}  # the budget is at-scale.yaml's
+    assert {name: knobs["shards"] for name, knobs in overlay["strategy_params"].items()} == \
+        dict.fromkeys(PARAMETER_SERVERS, 4)
+    runs = len(strategies) * 5 * 3
+    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
+                                         "aggregate": 1, "all": 1}
+    synchronous = yaml.safe_load(AT_SCALE.read_text())["strategies"]
+    assert not set(PARAMETER_SERVERS) & set(synchronous)
 
 
 # --- a tiny emulated study through Snakemake -------------------------------------------------
