@@ -172,7 +172,8 @@ class EmulatedWorld:
         self.scheduler = scheduler
         self.costs = costs
         self._collectives: dict[tuple[str, int], _Collective] = {}
-        self._mail: dict[tuple[str, int], list[_Message]] = defaultdict(list)
+        # (group, receiver's rank in it) -> tag -> its messages in the order sent
+        self._mail: dict[tuple[str, int], dict[int, list[_Message]]] = defaultdict(lambda: defaultdict(list))
         self.collectives = 0  # how many ran (a cost figure)
 
     def collective(self, group: str, sequence: int, size: int) -> _Collective:
@@ -235,8 +236,8 @@ class _RecvWork(dist.Work):
         self.source: int | None = None
 
     def _match(self) -> _Message | None:
-        mailbox = _active._mail[self.mailbox]
-        found = [m for m in mailbox if (self.src is None or m.src == self.src) and m.tag == self.tag]
+        tagged = _active._mail[self.mailbox][self.tag]
+        found = tagged if self.src is None else [m for m in tagged if m.src == self.src]
         if not found:
             return None
         # from one source: the first sent (messages of a pair keep their order); from any:
@@ -254,7 +255,7 @@ class _RecvWork(dist.Work):
 
         scheduler.wait_until(rank, arrival)  # also when the message is there: an earlier one may still come
         message = self._match()
-        _active._mail[self.mailbox].remove(message)
+        _active._mail[self.mailbox][self.tag].remove(message)
         with torch.no_grad():
             self.tensors[0].copy_(message.tensor)
         self.source = message.src
@@ -286,6 +287,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size, self._world = rank, size, world
         self._sequence = 0
+        self._name: str | None = None
+        self._globals: dict[int, int] = {}  # group rank -> global rank
 
     def size(self) -> int:
         return self._size
@@ -304,7 +307,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:
-        return dist.distributed_c10d._world.pg_names[self]
+        # a group's name and ranks never change once torch registered it: looked up once (each
+        # lookup goes through the thread-local world, and a parameter server asks at every message)
+        if self._name is None:
+            self._name = dist.distributed_c10d._world.pg_names[self]
+        return self._name
 
     @property
     def pg_name(self) -> str:
@@ -314,8 +321,10 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         return f"EmulatedProcessGroup(rank {self._rank} of {self._size})"
 
     def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self, group_rank) if self is not dist.distributed_c10d._world.default_pg \
-            else group_rank
+        if group_rank not in self._globals:
+            self._globals[group_rank] = dist.get_global_rank(self, group_rank) \
+                if self is not dist.distributed_c10d._world.default_pg else group_rank
+        return self._globals[group_rank]
 
     # ----- the collectives -------------------------------------------------------------------
     def _collective(self, kind: str, data, nbytes: int, maths: Callable[[list], None], result=None):
@@ -432,7 +441,7 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         me, receiver = current_rank(), self._global(dst)
         nbytes = _nbytes(tensors)
         arrival = self._world.arrival(nbytes, me, receiver)
-        self._world._mail[(self.group_name, dst)].append(
+        self._world._mail[(self.group_name, dst)][tag].append(
             _Message(self._rank, tag, tensors[0].detach().clone(), arrival))
         self._world.scheduler.touch((receiver,))  # a receive it waits in may match this message
         return _SendWork(arrival, tensors)
