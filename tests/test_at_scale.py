@@ -79,7 +79,8 @@ def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference()
     strategies = overlay["strategies"]
     assert set(PARAMETER_SERVERS) <= set(strategies)
     assert {claims.SYNC, claims.BACKUP, claims.ASYNC, claims.DECENTRALISED} <= set(strategies)
-    assert set(overlay) == {"strategies", "strategy_params"}  # the budget is at-scale.yaml's
+    assert set(overlay) == {"strategies", "strategy_params", "train"}  # the budget is at-scale.yaml's
+    assert overlay["train"] == {"lr_scaling": "sqrt", "base_lr": 0.05}  # but for the rule: every N learns
     assert {name: knobs["shards"] for name, knobs in overlay["strategy_params"].items()} == \
         dict.fromkeys(PARAMETER_SERVERS, 4)
     runs = len(strategies) * 5 * 3
