@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from dtstudy.strategies.onebit_codec import Chunks, chunk_groups, compress_chunk, decode, decompress_chunk, dequantize, encode, group_index, levels_per_group, message_bytes, quantization_groups, quantize, reduce_chunk
+from dtstudy.strategies.onebit_codec import Chunks, chunk_layout, decode, dequantize, encode, group_index, levels_per_group, quantization_groups, quantize, reduce_chunk
 from dtstudy.strategies.allreduce import AllReduce, ring_allreduce_bytes
 
 
@@ -259,13 +259,12 @@ class AllReduceOneBit(CompressedAllReduce):
             summary["server_quantization_error"] = float(self._server_error_sum) / self._reductions
         return summary
 
-    def _groups_of(self, parameters) -> tuple[list[int], torch.Tensor | None]:
+    def _groups_of(self, parameters) -> tuple[list[int], torch.Tensor]:
         key = tuple(id(p) for p in parameters)
         if key not in self._groups:
             quantizer = self.params["quantizer"]
             groups = quantization_groups([p.shape for p in parameters], quantizer)
-            index = group_index(groups, parameters[0].device) if quantizer == "column" else None
-            self._groups[key] = (groups, index)
+            self._groups[key] = (groups, group_index(groups, parameters[0].device))
         return self._groups[key]
 
     def exchange(self, bucket):
@@ -302,20 +301,17 @@ class AllReduceOneBit(CompressedAllReduce):
         if key not in self._chunks:
             quantizer, workers, rank = self.params["quantizer"], self.ctx.workers, self.ctx.rank
             groups = quantization_groups([p.shape for p in parameters], quantizer)
-            per_chunk = chunk_groups(groups, workers, cut=quantizer == "tensor")
-            sizes = [sum(g) for g in per_chunk]
             device = parameters[0].device
-            index = [group_index(g, device) if quantizer == "column" and g else None for g in per_chunk]
-            per_group = levels_per_group(quantizer)
-            start = sum(sizes[:rank])
-            end, owned, offset = start + sizes[rank], [], 0
+            layout = chunk_layout(groups, workers, quantizer, device)
+            start = sum(layout.sizes[:rank])
+            end, owned, offset = start + layout.sizes[rank], [], 0
             for p in parameters:
                 lo, hi = max(start, offset), min(end, offset + p.numel())
                 if hi > lo:
                     owned.append((p, lo - offset, hi - offset))
                 offset += p.numel()
-            self._chunks[key] = Chunks(sizes, per_chunk, index,
-                                       [message_bytes(n, len(g), per_group) for n, g in zip(sizes, per_chunk)], owned)
+            own_groups = layout.groups[rank]
+            self._chunks[key] = Chunks(layout, group_index(own_groups, device) if own_groups else None, owned)
             self._hand_over(parameters, owned)
         return self._chunks[key]
 
@@ -335,27 +331,29 @@ class AllReduceOneBit(CompressedAllReduce):
                 self.server_residuals[p].sub_(moved)
 
     def _reduce_scatter(self, bucket):
+        """Every step's tensor ops are as many whatever N: the N chunk messages are encoded,
+        reduced and decoded in one go each (`ChunkLayout`, `reduce_chunk`)."""
         buffer, parameters = bucket.buffer(), bucket.parameters()
         chunks = self._chunks_of(parameters)
+        layout = chunks.layout
         quantizer, workers, rank, group = self.params["quantizer"], self.ctx.workers, self.ctx.rank, self.ctx.worker_group
         corrected = self._worker_update(buffer, parameters) + torch.cat([self.residuals[p] for p in parameters])
         decay = self._decay_update(parameters)
-        messages, decoded = zip(*(compress_chunk(values, groups, quantizer, index) for values, groups, index
-                                  in zip(corrected.split(chunks.sizes), chunks.groups, chunks.index)))
-        self._keep_residual(parameters, corrected, corrected - torch.cat(decoded))
-        mine = chunks.message_bytes[rank]
+        messages, decoded = layout.compress(corrected)
+        self._keep_residual(parameters, corrected, corrected - decoded)
+        mine = layout.message_bytes[rank]
         received = torch.empty(workers * mine, dtype=torch.uint8, device=buffer.device)
         self.meter.bytes_sent += chunks.bytes_sent(rank)
         # gloo has all_to_all_single with uneven splits (checked on torch 2.14.1); chunk j to worker j
-        future = dist.all_to_all_single(received, torch.cat(messages), [mine] * workers, chunks.message_bytes,
+        future = dist.all_to_all_single(received, messages, [mine] * workers, layout.message_bytes,
                                         group=group, async_op=True).get_future()
 
         def reduce_and_gather(_):
             device = buffer.device
             server = [self.server_residuals[p][lo:hi] for p, lo, hi in chunks.owned]
             owned = torch.cat(server) if server else torch.empty(0, device=device)
-            message, kept, error = reduce_chunk(received.view(workers, mine).unbind(), owned,
-                                                chunks.groups[rank], quantizer, chunks.index[rank])
+            message, kept, error = reduce_chunk(received.view(workers, mine), owned,
+                                                layout.groups[rank], quantizer, chunks.index)
             for piece, value in zip(server, kept.split([piece.numel() for piece in server])):
                 piece.copy_(value)
             if server:
@@ -364,11 +362,9 @@ class AllReduceOneBit(CompressedAllReduce):
             # the all-gather of uneven chunks: each owner's message to every worker (gloo's
             # all_gather wants equal sizes; this sends no padding); waited here, as
             # torch's PowerSGD hook waits for its second all-reduce
-            gathered = torch.empty(sum(chunks.message_bytes), dtype=torch.uint8, device=device)
-            dist.all_to_all_single(gathered, message.repeat(workers), chunks.message_bytes, [mine] * workers,
+            gathered = torch.empty(sum(layout.message_bytes), dtype=torch.uint8, device=device)
+            dist.all_to_all_single(gathered, message.repeat(workers), layout.message_bytes, [mine] * workers,
                                    group=group, async_op=True).wait()
-            averaged = [decompress_chunk(m, groups, quantizer, index) for m, groups, index
-                        in zip(gathered.split(chunks.message_bytes), chunks.groups, chunks.index)]
-            return self._deliver(buffer, torch.cat(averaged), decay)
+            return self._deliver(buffer, layout.decompress(gathered), decay)
 
         return future.then(reduce_and_gather)
