@@ -243,6 +243,17 @@ def test_findings_read_efficiency_against_allreduce_three_ways():
     assert _versus_allreduce(Interval(0.70, 0.65, 0.75, 0, "bootstrap95"), allreduce) == "; below allreduce (CIs apart)"
 
 
+
+def test_goyal_is_not_judged_on_a_study_that_does_not_scale_linearly():
+    """The claim is about the linear rule: a study scaled by the square-root rule (the
+    asynchronous half) says so instead of reading its allreduce rows as the linear rule's."""
+    cells = table(goyal_cells(n64=[0.10, 0.10, 0.11]))
+    assert claims.goyal_batch_limit(cells).status == claims.HOLDS
+    verdict = claims.goyal_batch_limit(cells, claims.StudyFacts(lr_rules=("sqrt",)))
+    assert verdict.status == claims.NOT_MEASURED and "sqrt rule, not linearly" in verdict.summary
+    assert [v.status for v in claims.verdicts(cells, claims.StudyFacts(("sqrt",)))][0] == claims.NOT_MEASURED
+
+
 def test_a_single_seed_gives_no_verdict():
     verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.10, 0.10, 0.10]), seeds=1))
     assert verdict.status == claims.NOT_MEASURED and "single seed" in verdict.summary

@@ -68,6 +68,14 @@ class Verdict:
     evidence: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StudyFacts:
+    """What a claim needs to know of the study besides its accuracy table: the learning-rate
+    rules its runs were scaled by (metrics.json's lr_schedule.rule)."""
+
+    lr_rules: tuple[str, ...] = ("linear",)
+
+
 # --- reading a difference: apart, level within a margin, or undecided ------------------
 
 #: two top-1 accuracies within this of each other are level (Goyal: "kept"): the study's own
@@ -266,7 +274,7 @@ def _not_measured(claim: str, source: str, why: str) -> Verdict:
 
 # --- the claims -----------------------------------------------------------------------
 
-def goyal_batch_limit(table: pd.DataFrame) -> Verdict:
+def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     """HOLDS up to the largest N read "kept" (not below N=1's by more than TOP1_MARGIN) and
     broken from the first N below N=1's (intervals apart); an undecided N before the break makes
     it PARTLY (some N kept) or UNDECIDED (none), and the summary names it."""
@@ -276,6 +284,9 @@ def goyal_batch_limit(table: pd.DataFrame) -> Verdict:
     rows = _rows(table, SYNC)
     if why is None and not ((rows["workers"] == 1).any() and (rows["workers"] > 1).any()):
         why = "allreduce needs N=1 and a larger N"
+    if why is None and tuple(study.lr_rules) != ("linear",):
+        why = (f"the study scales the learning rate by the {' and '.join(study.lr_rules)} rule, "
+               "not linearly: the claim is about the linear rule")
     if why:
         return _not_measured(claim, source, why)
     base = rows[rows["workers"] == 1].iloc[0]
@@ -317,7 +328,7 @@ def goyal_batch_limit(table: pd.DataFrame) -> Verdict:
                    f"{_batch(broken)}.", int(broken["workers"]), evidence)
 
 
-def chen_backup_vs_async(table: pd.DataFrame) -> Verdict:
+def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     """HOLDS from the N where ps_backup's top-1 is above ps_async's (apart) up to the largest N;
     UNDECIDED when the largest N is undecided; DOES_NOT_HOLD when it is level or below there."""
     claim, source = "synchronous SGD with backup workers beats asynchronous SGD at about 100 workers", "Chen et al. 2016"
@@ -369,7 +380,7 @@ def _crossover(table: pd.DataFrame, challenger: str) -> tuple[str, int | None, l
     return DOES_NOT_HOLD, crossover, evidence
 
 
-def jin_crossover(table: pd.DataFrame) -> Verdict:
+def jin_crossover(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     claim = "asynchronous and decentralised SGD are faster at few nodes, synchronous SGD scales further"
     source = "Jin et al. 2016"
     why = unmeasured(table, [SYNC])
@@ -401,7 +412,7 @@ def jin_crossover(table: pd.DataFrame) -> Verdict:
                    evidence)
 
 
-def dai_staleness(table: pd.DataFrame) -> Verdict:
+def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     """Each of Dai's three effects is found from the first N where it is apart, undecided when it
     is found nowhere and some N is undecided, absent otherwise: HOLDS with all three found,
     PARTLY with some, UNDECIDED with none found and some undecided, DOES_NOT_HOLD with none."""
@@ -459,5 +470,5 @@ CLAIMS: dict[str, Callable[[pd.DataFrame], Verdict]] = {
 }
 
 
-def verdicts(accuracy: pd.DataFrame) -> list[Verdict]:
-    return [judge(accuracy) for judge in CLAIMS.values()]
+def verdicts(accuracy: pd.DataFrame, study: StudyFacts = StudyFacts()) -> list[Verdict]:
+    return [judge(accuracy, study) for judge in CLAIMS.values()]
