@@ -188,8 +188,7 @@ def _interval(row, prefix: str) -> Interval:
     """The interval of columns prefix, prefix_low, prefix_high; its kind as intervals.mean_interval
     gives it for that many values (seeds, or the seeds that reached the target)."""
     n = int(row["reached_target"].split("/")[0]) if prefix in OVER_REACHED else int(row["seeds"])
-    kind = "none" if n < 2 else "range" if n < intervals.MIN_SEEDS_FOR_CI else "t95"
-    return Interval(row[prefix], row[f"{prefix}_low"], row[f"{prefix}_high"], n, kind)
+    return Interval(row[prefix], row[f"{prefix}_low"], row[f"{prefix}_high"], n, intervals.mean_interval_kind(n))
 
 
 def _cell(row, prefix: str, fmt: str) -> str:

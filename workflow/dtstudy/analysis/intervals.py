@@ -35,7 +35,7 @@ class Interval:
     low: float
     high: float
     n: int
-    kind: str  # "t95" | "range" | "bootstrap95" | "none"
+    kind: str  # "t95" | "range" | "bootstrap95" | "none" | "exact" (a known value, e.g. a zero reference)
 
     @property
     def half_width(self) -> float:
@@ -51,6 +51,11 @@ class Interval:
 NAN_INTERVAL = Interval(math.nan, math.nan, math.nan, 0, "none")
 
 
+def mean_interval_kind(n: int) -> str:
+    """The kind of interval `mean_interval` gives for n values."""
+    return "none" if n < 2 else "range" if n < MIN_SEEDS_FOR_CI else "t95"
+
+
 def mean_interval(values: Sequence[float], level: float = LEVEL) -> Interval:
     """The mean of `values` with a t interval (n >= MIN_SEEDS_FOR_CI), the min-max range
     (n == 2), or no interval (n == 1)."""
@@ -59,10 +64,11 @@ def mean_interval(values: Sequence[float], level: float = LEVEL) -> Interval:
     if n == 0:
         return NAN_INTERVAL
     mean = float(data.mean())
-    if n == 1:
-        return Interval(mean, math.nan, math.nan, 1, "none")
-    if n < MIN_SEEDS_FOR_CI:
-        return Interval(mean, float(data.min()), float(data.max()), n, "range")
+    kind = mean_interval_kind(n)
+    if kind == "none":
+        return Interval(mean, math.nan, math.nan, n, kind)
+    if kind == "range":
+        return Interval(mean, float(data.min()), float(data.max()), n, kind)
     half = float(stats.t.ppf(0.5 + level / 2, n - 1) * data.std(ddof=1) / math.sqrt(n))
     return Interval(mean, mean - half, mean + half, n, "t95")
 
