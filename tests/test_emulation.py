@@ -320,14 +320,17 @@ def test_equal_emulated_workers_push_in_turn_as_the_theory_says(tmp_path, tiny_d
 STRAGGLER = {"ranks": [1], "delay_ms": 5, "distribution": "fixed"}  # about 3 steps' compute
 
 
-def test_ps_backup_drops_the_stragglers_pushes(tmp_path, tiny_data):
-    """ps_backup, N=4, k=1, rank 1 slowed by 5 ms a step on the emulated clock: the others make
-    every update without it, so its pushes, and only its, are dropped while they train (its
-    later ones, once the others are done, are applied on their own); the host never sleeps."""
+@pytest.mark.parametrize("knobs", [{"backup": 1}, {"backup_fraction": 0.25}], ids=["count", "share"])
+def test_ps_backup_drops_the_stragglers_pushes(tmp_path, tiny_data, knobs):
+    """ps_backup, N=4, k=1 (as a count, or as a quarter of N), rank 1 slowed by 5 ms a step on
+    the emulated clock: the others make every update without it, so its pushes, and only its,
+    are dropped while they train (its later ones, once the others are done, are applied on
+    their own); the host never sleeps."""
     steps = 12
     metrics, _, _ = emulated_run(tmp_path, tiny_data, workers=4, batch_size=16, steps=steps, strategy="ps_backup",
-                                 strategy_params={"backup": 1}, stragglers=STRAGGLER)
+                                 strategy_params=knobs, stragglers=STRAGGLER)
     ps = metrics["strategy_metrics"]
+    assert ps["backups"] == 1 and metrics["lr_schedule"]["update_batch"] == 3 * 16
     dropped = ps["dropped_by_worker"]
     assert dropped[1] >= 3 and dropped[0] == dropped[2] == dropped[3] == 0, dropped
     assert ps["gradients_applied"] == 4 * steps - dropped[1]

@@ -462,13 +462,15 @@ def test_implicit_momentum_keeps_asynchronous_updates_stable_where_uncounted_the
 
 def test_registry_and_knob_defaults():
     asynchronous = {"shards": None, "staleness_lr": True, "momentum": None, "implicit_momentum": True}
-    defaults = {"ps_sync": {"shards": None}, "ps_backup": {"shards": None, "backup": 1},
+    defaults = {"ps_sync": {"shards": None}, "ps_backup": {"shards": None, "backup": None, "backup_fraction": None},
                 "ps_async": asynchronous, "ssp": {**asynchronous, "staleness": 2}}
     for name, knobs in defaults.items():
         assert STRATEGIES[name].check_params({}, workers=2) == knobs
         assert STRATEGIES[name].extra_processes({**knobs, "shards": 3}, workers=2) == 3
         with pytest.raises(ValueError, match="one per node"):  # null: the run's nodes decide
             STRATEGIES[name].extra_processes(knobs, workers=2)
+    # ps_backup's k when neither knob is given: one
+    assert STRATEGIES["ps_backup"].spec().quorum(4, defaults["ps_backup"]) == 3
 
 
 @pytest.mark.parametrize("launcher, workers, knob, shards", [

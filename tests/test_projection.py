@@ -404,6 +404,9 @@ def test_stragglers_in_the_step(monkeypatch):
         0.05 * (1 / 4 + 1 / 3))
     # backup k=4: the 4 fast ones make the update
     assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup=4).straggler_s == 0
+    # as a share of N: round(0.25 * 8) = 2 backups, the same wait as backup=2
+    assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup_fraction=0.25).straggler_s == pytest.approx(
+        0.05 * (1 / 4 + 1 / 3))
     # asynchronous: 4 workers at 0.1802 s, 4 at 0.2302 s, nobody waits for anybody
     rate = 4 / 0.1802 + 4 / 0.2302
     assert step_time("ps_async", 8, stragglers=slow, shards=2).throughput == pytest.approx(10 * rate, rel=1e-9)

@@ -57,6 +57,27 @@ def test_update_batch_is_the_batch_one_update_averages(name, knobs, workers, exp
     assert cls.update_batch_rule  # described in metrics.json's lr_schedule
 
 
+@pytest.mark.parametrize("workers, backups", [(1, 0), (4, 0), (16, 1), (64, 4), (256, 16)])
+def test_ps_backups_as_a_share_of_n(workers, backups):
+    """backup_fraction 1/16: k = round(N/16), so the backups grow with N (Chen et al. 2016's ~5%)."""
+    cls = get_strategy("ps_backup")
+    params = cls.check_params({"backup_fraction": 1 / 16}, workers)
+    assert cls.spec().quorum(workers, params) == workers - backups
+    assert cls.update_batch(params, workers, 8) == (workers - backups) * 8
+
+
+def test_ps_backup_share_is_at_most_n_minus_1_and_excludes_a_count():
+    cls = get_strategy("ps_backup")
+    assert cls.spec().quorum(2, cls.check_params({"backup_fraction": 0.9}, 2)) == 1  # round(1.8) = 2, capped
+    with pytest.raises(ConfigError, match=r"strategy_params.ps_backup.backup_fraction': 0.1 .*not both"):
+        cls.check_params({"backup": 2, "backup_fraction": 0.1}, 16)
+    with pytest.raises(ConfigError, match="strategy_params.ps_backup.backup_fraction"):
+        cls.check_params({"backup_fraction": 1.0}, 16)
+    # a count must still be < N; a share cannot exceed it
+    with pytest.raises(ConfigError, match="strategy_params.ps_backup.backup'"):
+        cls.check_params({"backup": 4}, 4)
+
+
 def test_averaged_models_are_the_local_and_decentralized_strategies():
     averaging = {name for name, cls in STRATEGIES.items() if cls.averages_models}
     assert averaging == {"local_sgd", "easgd", "gossip"}

@@ -253,18 +253,33 @@ class PsSyncSpec(ParameterServerSpec):
 class PsBackupSpec(ParameterServerSpec):
     name = "ps_backup"
 
+    #: k when neither `backup` nor `backup_fraction` is given
+    DEFAULT_BACKUPS = 1
+
     @classmethod
     def validate(cls, params, workers):
-        backup = params["backup"]
+        backup, fraction = params["backup"], params["backup_fraction"]
+        if backup is not None and fraction is not None:
+            raise cls.bad_knob("backup_fraction", fraction, f"give backup (a count, here {backup!r}) or "
+                               "backup_fraction (a share of N), not both")
         # a single worker has nobody to back it up: N=1 runs as ps_sync, so a study's
-        # workers list may start at 1 with the default k=1
-        if workers > 1 and backup >= workers:
+        # workers list may start at 1 with a count of 1 (a share is at most N-1 by itself)
+        if backup is not None and workers > 1 and backup >= workers:
             raise cls.bad_knob("backup", backup, f"an integer from 0 to N-1 is needed and N={workers} is in workers")
+
+    @classmethod
+    def backups(cls, workers: int, params: dict[str, Any]) -> int:
+        """k at N=workers: `backup`, or round(backup_fraction * N) when a share is given (1 when
+        neither is); at most N-1."""
+        backup, fraction = params.get("backup"), params.get("backup_fraction")
+        if backup is None:
+            backup = cls.DEFAULT_BACKUPS if fraction is None else round(fraction * workers)
+        return max(0, min(backup, workers - 1))
 
     @classmethod
     def quorum(cls, workers: int, params: dict[str, Any]) -> int:
         """The gradients an update waits for: N-k (all N are still sent; N=1 waits for itself)."""
-        return workers - min(params["backup"], workers - 1)
+        return workers - cls.backups(workers, params)
 
     @classmethod
     def barrier(cls, workers, params):

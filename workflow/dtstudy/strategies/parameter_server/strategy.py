@@ -343,16 +343,18 @@ class PsBackup(ParameterServer):
     name = "ps_backup"
     update_batch_rule = "(N-k)*b: an update averages the first N-k gradients of the version they read"
 
-    @staticmethod
-    def backups(params, workers) -> int:
-        return min(params["backup"], workers - 1)
-
     @classmethod
     def update_batch(cls, params, workers, per_worker_batch):
-        return (workers - cls.backups(params, workers)) * per_worker_batch
+        return cls.spec().quorum(workers, params) * per_worker_batch
 
     def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy.synchronous(self.ctx.workers - self.backups(self.params, self.ctx.workers))
+        return UpdatePolicy.synchronous(self.spec().quorum(self.ctx.workers, self.params))
+
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary()
+        if summary:  # k as this run resolved it (a backup_fraction gives it per N)
+            summary["backups"] = self.ctx.workers - self.spec().quorum(self.ctx.workers, self.params)
+        return summary
 
 
 def implicit_momentum_compensation(momentum: float, workers: int) -> tuple[float, float]:
