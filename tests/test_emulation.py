@@ -304,10 +304,14 @@ def test_emulated_staleness_matches_the_real_runs(tmp_path, tiny_data, strategy)
     assert emulated["emulation"]["extra_processes"] == 1  # one node: one shard
 
 
-def test_equal_emulated_workers_push_in_turn_as_the_theory_says(tmp_path, tiny_data):
+def test_equal_emulated_workers_push_in_turn_as_the_theory_says(tmp_path, tiny_data, monkeypatch):
     """ps_async, N=4, h100_ib400 (no jitter: equal workers): the shard gets the pushes in turn,
     so the histogram is exactly the round-robin one and its mean (N-1)(1 - 1/(2 steps)); the
-    emulated wall time is the last of the threads' clocks, shards included."""
+    emulated wall time is the last of the threads' clocks, shards included. Its 5 ranks take
+    turns on one core: not oversubscribed (on a machine of one core)."""
+    from dtstudy.tracking import provenance
+
+    monkeypatch.setattr(provenance, "usable_cores", lambda: 1)
     steps = 10
     metrics, _, _ = emulated_run(tmp_path, tiny_data, workers=4, batch_size=16, steps=steps, strategy="ps_async")
     ps = metrics["strategy_metrics"]
@@ -315,6 +319,8 @@ def test_equal_emulated_workers_push_in_turn_as_the_theory_says(tmp_path, tiny_d
     assert ps["staleness_mean"] == pytest.approx(round_robin_staleness_mean(4, steps))
     assert ps["clock_ahead_max"] <= 1 and 0 < ps["shard_busy_fraction"] < 1
     assert metrics["wall_time_s"] == metrics["emulation"]["wall_time_s"] > steps * metrics["emulation"]["step_compute_s"]
+    environment = metrics["environment"]
+    assert (environment["processes"], environment["concurrent_ranks"], environment["oversubscribed"]) == (5, 1, False)
 
 
 STRAGGLER = {"ranks": [1], "delay_ms": 5, "distribution": "fixed"}  # about 3 steps' compute

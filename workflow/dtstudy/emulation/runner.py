@@ -87,7 +87,7 @@ class EmulatedRun:
             worker_group = dist.new_group(list(range(workers))) if self.world_size > workers else None
             ctx = DistContext(rank=rank, world_size=self.world_size, workers=workers, local_rank=rank,
                               device=self.device if rank < workers else torch.device("cpu"), backend=BACKEND,
-                              worker_group=worker_group)
+                              worker_group=worker_group, concurrent_ranks=1)
             return train_worker(self.spec, ctx, timings={**timings, "process_start": time.time()})
 
         with shared_splits():

@@ -55,6 +55,9 @@ class DistContext:
     comm_timeout_s: float = 1800.0  # the longest a wait on a peer may take (launcher.comm_timeout_s)
     startup_timeout_s: float = 1800.0  # waits that may legitimately be long (start-up, evaluation)
     gloo_loop_nice: int | str = 0  # gloo's event loops of groups made later run at it (launcher.gloo_loop_nice)
+    #: the job's ranks that compute at the same time on this machine (None: all, each its own
+    #: process); an emulated run's are threads taking turns: 1
+    concurrent_ranks: int | None = None
 
     @property
     def is_worker(self) -> bool:

@@ -70,8 +70,11 @@ def kernels(device: torch.device) -> dict | None:
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
-def environment(device: torch.device, backend: str, processes: int) -> dict:
-    """Facts about the machine and software of a run, for metrics.json and MLflow."""
+def environment(device: torch.device, backend: str, processes: int, concurrent: int | None = None) -> dict:
+    """Facts about the machine and software of a run, for metrics.json and MLflow. `processes`:
+    the job's ranks; `concurrent`: how many of them compute at once (None: all; an emulated
+    run's threads take turns, one)."""
+    concurrent = processes if concurrent is None else concurrent
     pinned = pinned_cores()
     # a pinned rank sees its one core; pinning happened only if every process got its own
     cores = (os.cpu_count() or 1) if pinned else usable_cores()
@@ -86,8 +89,9 @@ def environment(device: torch.device, backend: str, processes: int) -> dict:
         "backend": backend,
         "cores": cores,
         "processes": processes,
-        # on CPU each worker is one core; more processes than cores share them
-        "oversubscribed": device.type == "cpu" and processes > cores,
+        "concurrent_ranks": concurrent,
+        # on CPU each rank that computes is one core; more of them than cores share them
+        "oversubscribed": device.type == "cpu" and concurrent > cores,
         "pinned_cores": pinned,  # rank by rank (set by the warm pool, dtstudy.launch.cores); None = left to the OS scheduler
         "affinity": sorted(os.sched_getaffinity(0)),  # the cores rank 0 could run on
         "python": sys.version.split()[0],

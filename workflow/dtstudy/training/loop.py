@@ -438,7 +438,7 @@ def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
     write_checkpoint(spec, final_model, run.meta)
     timings["checkpoint_written"] = time.time()
     metrics = summarize(spec, logs, state.val_history, wall_time, run.schedule.describe(), strategy.summary(),
-                        environment(ctx.device, ctx.backend, ctx.world_size), timings,
+                        environment(ctx.device, ctx.backend, ctx.world_size, ctx.concurrent_ranks), timings,
                         compute=run.compute.describe(run.timer.clock.kind))
     timings["summarized"] = time.time()
     metrics["mlflow"] = tracker.finish(metrics)  # final metrics logged; the run stays RUNNING
