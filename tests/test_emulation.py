@@ -237,6 +237,34 @@ def test_messages_are_received_in_the_order_of_the_clusters_clock():
     assert [r[3] for r in results] == [3.0] * 3
 
 
+def test_gather_object_reaches_the_root_only():
+    """The training loop gathers the workers' logs to rank 0 (dist.gather_object: an all-gather
+    of the sizes, then a gather): the root gets every rank's object in rank order, in a group
+    of some ranks too; the others get nothing; each ends on the clock at max(arrivals) + cost."""
+    import torch
+    import torch.distributed as dist
+
+    from dtstudy.strategies import timing
+
+    def body(rank):
+        timing.sleep(float(rank))  # arrivals at 0, 1, 2, 3
+        everyone = [None] * 4 if rank == 0 else None
+        dist.gather_object({"rank": rank, "log": [rank] * (rank + 1)}, everyone, dst=0)
+        group = dist.new_group([1, 3])  # every rank makes every group
+        pair = None
+        if rank in (1, 3):
+            pair = [None, None] if rank == 3 else None
+            dist.gather_object(f"from {rank}", pair, dst=3, group=group)
+        return everyone, pair, timing.clock_for(torch.device("cpu")).mark()
+
+    results = logical_workers(4).run(body)
+    assert results[0][0] == [{"rank": r, "log": [r] * (r + 1)} for r in range(4)]
+    assert [r[0] for r in results[1:]] == [None] * 3
+    assert results[3][1] == ["from 1", "from 3"] and results[1][1] is None
+    # sizes, then data, 1 s each (FixedCosts) after the last arrival at 3 s: 5 s; the pair's two more: 7 s
+    assert [r[2] for r in results] == [5.0, 7.0, 5.0, 7.0]
+
+
 def test_workers_that_all_wait_are_a_deadlock_not_a_hang():
     import torch
     import torch.distributed as dist

@@ -54,7 +54,7 @@ class ExchangeCosts:
 
     def collective(self, kind: str, nbytes: float, members: list[int]) -> float:
         """`nbytes`: the tensor all-reduced or broadcast; each worker's contribution to an
-        all-gather; each worker's output of a reduce-scatter; what each worker sends each
+        all-gather or a gather; each worker's output of a reduce-scatter; what each worker sends each
         other one in an all-to-all."""
         p, machine = len(members), self.machine
         if p <= 1:
@@ -63,7 +63,8 @@ class ExchangeCosts:
             return allreduce_time(nbytes, p, machine)
         if kind == "broadcast":  # scatter then all-gather: each worker gets its 1/p from the root
             return allgather_time(nbytes / p, p, machine)
-        if kind in ("allgather", "reduce_scatter"):  # a ring's (p-1) steps of one worker's share
+        # a ring's (p-1) steps of one worker's share (a gather: the root's link takes the same)
+        if kind in ("allgather", "reduce_scatter", "gather"):
             return allgather_time(nbytes, p, machine)
         if kind == "alltoall":
             return alltoall_time(nbytes, p, machine)

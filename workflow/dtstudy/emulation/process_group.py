@@ -35,6 +35,7 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
+    GatherOptions,
     ReduceScatterOptions,
 )
 
@@ -388,6 +389,17 @@ class EmulatedProcessGroup(dist.ProcessGroup):
                     torch._foreach_copy_([output.detach() for output in outputs[i]], sources)
 
         return self._collective("allgather", (output_lists, inputs), _nbytes(inputs), maths, output_lists)
+
+    def gather(self, output_lists, inputs, opts=GatherOptions()):
+        root = opts.rootRank
+
+        def maths(data):  # only the root has output lists (the others pass none)
+            root_outputs = data[root][0]
+            for i in range(len(data[0][1])):
+                torch._foreach_copy_([output.detach() for output in root_outputs[i]],
+                                     [ranks_inputs[i] for _, ranks_inputs in data])
+
+        return self._collective("gather", (output_lists, inputs), _nbytes(inputs), maths, output_lists)
 
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
         return self.allgather([list(output.chunk(self._size))], [input], opts)

@@ -429,9 +429,9 @@ def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
     state.log.injected_delay_s = run.straggler.total_s
 
     logs: list[WorkerLog] = [state.log]
-    if spec.workers > 1:
-        logs = [None] * spec.workers  # type: ignore[list-item]
-        dist.all_gather_object(logs, state.log, group=ctx.worker_group)
+    if spec.workers > 1:  # to rank 0 only: N logs unpickled once, not N times each (N^2 when emulated)
+        logs = [None] * spec.workers if ctx.rank == 0 else None  # type: ignore[list-item]
+        dist.gather_object(state.log, logs, dst=0, group=ctx.worker_group)
     if ctx.rank != 0:
         return None
     timings["gathered"] = time.time()
