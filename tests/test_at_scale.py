@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_snakemake, tiny_study
+from dtstudy.strategies.specs import get_spec
 from dtstudy.analysis import claims
 from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
 from dtstudy.analysis.intervals import Interval
@@ -79,10 +80,17 @@ def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference()
     strategies = overlay["strategies"]
     assert set(PARAMETER_SERVERS) <= set(strategies)
     assert {claims.SYNC, claims.BACKUP, claims.ASYNC, claims.DECENTRALISED} <= set(strategies)
-    assert set(overlay) == {"strategies", "strategy_params", "train"}  # the budget is at-scale.yaml's
+    assert set(overlay) == {"strategies", "strategy_params", "train", "stragglers"}  # the budget is at-scale.yaml's
     assert overlay["train"] == {"lr_scaling": "sqrt", "base_lr": 0.05}  # but for the rule: every N learns
     assert {name: knobs["shards"] for name, knobs in overlay["strategy_params"].items()} == \
         dict.fromkeys(PARAMETER_SERVERS, 4)
+    # every worker a straggler of the same mean pace (so ssp's bound binds and no worker trails
+    # alone at an epoch's end), ps_backup backing up a share of N
+    assert overlay["stragglers"]["fraction"] == 1.0 and overlay["stragglers"]["distribution"] == "exponential"
+    backup = get_spec("ps_backup")
+    backups = {n: n - backup.quorum(n, backup.check_params(overlay["strategy_params"]["ps_backup"], n))
+               for n in (4, 16, 64, 256)}
+    assert backups == {4: 0, 16: 1, 64: 4, 256: 16}
     runs = len(strategies) * 5 * 3
     assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
                                          "aggregate": 1, "all": 1}
