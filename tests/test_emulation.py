@@ -265,6 +265,45 @@ def test_gather_object_reaches_the_root_only():
     assert [r[2] for r in results] == [5.0, 7.0, 5.0, 7.0]
 
 
+def test_flat_collectives_give_each_rank_its_share():
+    """The flat collectives hybrid exchanges its activations with, written as O(N) tensor ops:
+    all-gather into one tensor, reduce-scatter of one tensor (sum, average, and max through the
+    general path), all-to-all with equal pieces and with uneven ones, against their definitions."""
+    import torch
+    import torch.distributed as dist
+
+    n = 3
+    inputs = {rank: torch.arange(6 * n, dtype=torch.float32).reshape(2 * n, 3) * (rank + 1) + rank for rank in range(n)}
+    uneven = [[1, 2, 3], [3, 0, 3], [2, 2, 2]]  # rows rank r sends to each rank
+
+    def body(rank):
+        x = inputs[rank]
+        gathered = torch.empty(n * 2 * n, 3)
+        dist.all_gather_into_tensor(gathered, x)
+        reduced = {}
+        for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("max", dist.ReduceOp.MAX)):
+            reduced[name] = torch.empty(2, 3)
+            dist.reduce_scatter_tensor(reduced[name], x, op=op)
+        even = torch.empty_like(x)
+        dist.all_to_all_single(even, x)
+        received = [uneven[src][rank] for src in range(n)]
+        odd = torch.empty(sum(received), 3)
+        dist.all_to_all_single(odd, x, output_split_sizes=received, input_split_sizes=uneven[rank])
+        return gathered, reduced, even, odd
+
+    results = logical_workers(n).run(body)
+    stacked = torch.stack([inputs[r] for r in range(n)])
+    for rank, (gathered, reduced, even, odd) in enumerate(results):
+        assert torch.equal(gathered, torch.cat([inputs[r] for r in range(n)]))
+        mine = slice(2 * rank, 2 * rank + 2)
+        assert torch.equal(reduced["sum"], stacked.sum(0)[mine])
+        assert torch.allclose(reduced["avg"], stacked.mean(0)[mine])
+        assert torch.equal(reduced["max"], stacked.max(0).values[mine])
+        assert torch.equal(even, torch.cat([inputs[src][mine] for src in range(n)]))
+        expected = [inputs[src].split(uneven[src])[rank] for src in range(n)]
+        assert torch.equal(odd, torch.cat(expected))
+
+
 def test_workers_that_all_wait_are_a_deadlock_not_a_hang():
     import torch
     import torch.distributed as dist

@@ -402,7 +402,14 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         return self._collective("gather", (output_lists, inputs), _nbytes(inputs), maths, output_lists)
 
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
-        return self.allgather([list(output.chunk(self._size))], [input], opts)
+        def maths(data):
+            # the N inputs laid end to end once, then one copy into each output: O(N) tensor
+            # ops, not N^2 copies of one chunk (hybrid's activations at N = 256)
+            gathered = torch.cat([rank_input.detach().reshape(-1) for _, rank_input in data])
+            for rank_output, _ in data:
+                rank_output.detach().copy_(gathered.view(rank_output.shape))
+
+        return self._collective("allgather", (output, input), _nbytes([input]), maths, [output])
 
     def _allgather_base(self, output, input, opts=AllgatherOptions()):
         return self.all_gather_single(output, input, opts)
@@ -418,7 +425,26 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         return self._collective("reduce_scatter", (outputs, input_lists), _nbytes(outputs), maths, outputs)
 
     def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
-        return self.reduce_scatter([output], [list(input.chunk(self._size))], opts)
+        op = opts.reduceOp
+        # (a ReduceOp compares equal to a RedOpType only from its own side: not `op in (...)`)
+        if not (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG):
+            return self.reduce_scatter([output], [list(input.chunk(self._size))], opts)
+
+        def maths(data):
+            # the N whole inputs summed into one (at least fp32), then each rank's chunk of it:
+            # O(N) tensor ops and no N x N stack (hybrid's activation gradients at N = 256)
+            first = data[0][1].detach().reshape(-1)
+            wide = torch.promote_types(first.dtype, torch.float32) if first.is_floating_point() else first.dtype
+            total = first.to(wide, copy=True)
+            for _, rank_input in data[1:]:
+                total.add_(rank_input.detach().reshape(-1))
+            if op == dist.ReduceOp.AVG:
+                total.div_(len(data))
+            chunks = total.view(len(data), -1)
+            for rank, (rank_output, _) in enumerate(data):
+                rank_output.detach().copy_(chunks[rank].view(rank_output.shape))
+
+        return self._collective("reduce_scatter", (output, input), _nbytes([output]), maths, [output])
 
     def _reduce_scatter_base(self, output, input, opts=ReduceScatterOptions()):
         return self.reduce_scatter_single(output, input, opts)
@@ -430,7 +456,17 @@ class EmulatedProcessGroup(dist.ProcessGroup):
             splits = list(splits) if splits is not None and len(splits) else [tensor.shape[0] // size] * size
             return tensor.split(splits)
 
+        def even(splits) -> bool:
+            return splits is None or not len(splits) or len(set(splits)) == 1
+
         def maths(data):
+            if all(even(inp_splits) and even(out_splits) for _, _, out_splits, inp_splits in data):
+                # equal pieces: every input as (destination, piece) stacked by source, and each
+                # output the column of its destination, O(N) tensor ops, not N^2 pieces
+                stacked = torch.stack([inp.detach().reshape(size, -1) for _, inp, _, _ in data])
+                for dest, (out, _, _, _) in enumerate(data):
+                    out.detach().copy_(stacked[:, dest].reshape(out.shape))
+                return
             sent = [pieces(inp, inp_splits) for _, inp, _, inp_splits in data]
             for dest, (out, _, out_splits, _) in enumerate(data):
                 torch._foreach_copy_([piece.detach() for piece in pieces(out, out_splits)],
