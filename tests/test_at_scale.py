@@ -289,6 +289,8 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     # above at 64 only, level at the largest N: it does not hold at Chen's scale
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: low})))
     assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
+    assert verdict.summary.startswith("ps_backup's top-1 is above ps_async's at N=64, but at N=256 ps_backup's top-1 "
+                                      "is not above ps_async's")
     assert ": level with ps_async's within ±0.03:" in verdict.evidence[-1]
     # a lower async mean whose seeds spread over backup's: overlapping but too wide to call level
     noisy = [0.80, 0.95, 0.84]
@@ -296,6 +298,11 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     assert verdict.status == claims.UNDECIDED and verdict.from_n is None
     assert verdict.summary.startswith("At N=256 the study cannot tell whether ps_backup's top-1 is above ps_async's")
     assert ": undecided against ps_async's: ps_async's interval [0.6704, 1.0563] is too wide" in verdict.evidence[-1]
+    # above at 16 and 64, undecided at the largest N: the summary names where it was above
+    verdict = claims.chen_backup_vs_async(table(ps_cells({}, {16: low, 64: low, 256: noisy})))
+    assert verdict.status == claims.UNDECIDED
+    assert verdict.summary.startswith("ps_backup's top-1 is above ps_async's at N=16 and 64, but at N=256 the study "
+                                      "cannot tell")
 
 
 def test_claims_of_strategies_not_run_are_not_measured_and_say_why():
