@@ -301,7 +301,7 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     # above at 16 and 64, undecided at the largest N: the summary names where it was above
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {16: low, 64: low, 256: noisy})))
     assert verdict.status == claims.UNDECIDED
-    assert verdict.summary.startswith("ps_backup's top-1 is above ps_async's at N=16 and 64, but at N=256 the study "
+    assert verdict.summary.startswith("ps_backup's top-1 is above ps_async's at N=16, 64, but at N=256 the study "
                                       "cannot tell")
 
 

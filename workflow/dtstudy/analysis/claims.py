@@ -351,17 +351,12 @@ def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) 
                        f"{short}.", start, evidence)
     above = [n for n, reading in zip(ns, readings) if reading.side == ABOVE]
     # where it was above before the largest N: the verdict is the largest N's, and says so
-    earlier = f"ps_backup's top-1 is above ps_async's at N={_listed(above)}, but " if above else ""
+    earlier = f"ps_backup's top-1 is above ps_async's at {_ns(above)}, but " if above else ""
     if readings[-1].side == UNDECIDED_READING:
         return Verdict(claim, source, UNDECIDED, f"{earlier}{'a' if earlier else 'A'}t N={ns[-1]} the study cannot "
                        f"tell whether ps_backup's top-1 is above ps_async's (intervals too wide){short}.", None, evidence)
     return Verdict(claim, source, DOES_NOT_HOLD, f"{earlier}{'a' if earlier else 'A'}t N={ns[-1]} ps_backup's top-1 "
                    f"is not above ps_async's{short}.", None, evidence)
-
-
-def _listed(ns: list[int]) -> str:
-    """16, 64 and 128 -> "16, 64 and 128"."""
-    return str(ns[0]) if len(ns) == 1 else ", ".join(map(str, ns[:-1])) + f" and {ns[-1]}"
 
 
 def _crossover(table: pd.DataFrame, challenger: str) -> tuple[str, int | None, list[str]]:

@@ -353,7 +353,7 @@ class PsBackup(ParameterServer):
     def summary(self) -> dict[str, Any]:
         summary = super().summary()
         if summary:  # k as this run resolved it (a backup_fraction gives it per N)
-            summary["backups"] = self.ctx.workers - self.spec().quorum(self.ctx.workers, self.params)
+            summary["backups"] = self.spec().backups(self.ctx.workers, self.params)
         return summary
 
 
