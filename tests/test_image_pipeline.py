@@ -18,7 +18,7 @@ from conftest import dataset_config, read_json, tiny_study, validated
 from dtstudy.data import feed as feed_module
 from dtstudy.data.augment import ResizeCenterCrop
 from dtstudy.data.checks import check_loader
-from dtstudy.data.decoding import DECODERS, decode_pil, decode_torchvision, jpeg_frame
+from dtstudy.data.decoding import DALI_CHUNK, DECODERS, decode_pil, decode_torchvision, jpeg_frame, read_bytes
 from dtstudy.data.errors import DataConfigError
 from dtstudy.data.loading import load_split
 from dtstudy.data.prepare import prepare
@@ -47,16 +47,19 @@ def write_messy(path: Path, kind: str, rng, shape=(45, 60)) -> None:
         image.save(path, format="PNG")
 
 
-@pytest.fixture(scope="module")
-def messy_tree(tmp_path_factory) -> Path:
-    """root/<class>/*.JPEG, 3 classes of 12 files, each class with every kind of messy file."""
-    root = tmp_path_factory.mktemp("messy") / "tree"
-    rng = np.random.default_rng(0)
+def write_messy_tree(root: Path, per_class: int, seed: int) -> Path:
+    """root/<class>/*.JPEG, 3 classes of `per_class` files, each class with every kind of messy file."""
+    rng = np.random.default_rng(seed)
     for name in ("ant", "bee", "cow"):
         (root / name).mkdir(parents=True)
-        for i in range(12):
+        for i in range(per_class):
             write_messy(root / name / f"{i:02d}.JPEG", KINDS[i % len(KINDS)], rng)
     return root
+
+
+@pytest.fixture(scope="module")
+def messy_tree(tmp_path_factory) -> Path:
+    return write_messy_tree(tmp_path_factory.mktemp("messy") / "tree", per_class=12, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +128,53 @@ def test_nvjpeg_path_on_the_cpu_gives_the_torchvision_decoders_pixels(prepared, 
     assert torch.equal(pixels("nvjpeg", 0), pixels("torchvision", 0))
     if split == "train":  # control: the comparison sees another draw of the crops
         assert not torch.equal(pixels("nvjpeg", 0), pixels("torchvision", 1))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dali_cpu_decodes_only_the_crops_region_and_gives_the_torchvision_decoders_pixels(prepared, workers):
+    """DALI's fused decode-and-crop (training split) in the training process and in worker
+    processes: the same pixels as decoding the whole file first, for the same seed; the
+    grayscale, CMYK and PNG files take the workers' CPU path inside the same batch."""
+    def pixels(decoder: str, seed: int) -> torch.Tensor:
+        data = load_split(prepared, "train", loader_config(workers=workers, decoder=decoder))
+        torch.manual_seed(seed)  # the workers' seeds come from this draw, as in training
+        return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))])])
+
+    assert torch.equal(pixels("dali_cpu", 0), pixels("torchvision", 0))
+    assert not torch.equal(pixels("dali_cpu", 0), pixels("torchvision", 1))  # control: another draw
+
+
+def test_dali_cpu_decodes_the_region_alone(tmp_path):
+    """The region DALI hands back is the crop's (not the whole image cropped afterwards by
+    chance of equal sizes): each plan's region, for crops of every corner and size, over
+    more JPEGs than one DALI run takes."""
+    from dtstudy.data.augment import RandomResizedCropFlip
+
+    rng = np.random.default_rng(3)
+    write_messy(tmp_path / "x.JPEG", "rgb", rng, shape=(90, 120))
+    whole = decode_torchvision(tmp_path / "x.JPEG")
+    decoder, generator = DECODERS["dali_cpu"](), torch.Generator().manual_seed(0)
+    crop = RandomResizedCropFlip(SIZE)
+    data = read_bytes(tmp_path / "x.JPEG")
+    items = [decoder.load(data, crop, generator) for _ in range(DALI_CHUNK + 4)]  # two of DALI's runs
+    assert {item[0] for item in items} == {"jpeg"}  # every one took DALI's path
+    plans = [plan for _, _, plan in items]
+    regions = decoder._decode_regions([data for _, data, _ in items], plans)
+    for region, (top, left, h, w, _) in zip(regions, (plan.tolist() for plan in plans)):
+        assert torch.equal(region, whole[:, top:top + h, left:left + w])
+    assert len({tuple(region.shape) for region in regions}) > 1  # control: the plans differ
+    # evaluation's transform reads the whole image: the file is decoded whole, as torchvision does
+    assert decoder.load(data, ResizeCenterCrop(SIZE))[0] == "pixels"
+
+
+def test_dali_cpu_without_dali_installed_is_refused_naming_the_key(monkeypatch):
+    from dtstudy.data import checks
+
+    check_loader(loader_config(decoder="dali_cpu"), "cpu")  # installed here (envs/requirements.txt)
+    monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataConfigError, match=r"loader\.decoder: 'dali_cpu' needs NVIDIA DALI.*torchvision"):
+        check_loader(loader_config(decoder="dali_cpu"), "cpu")
+    check_loader(loader_config(decoder="torchvision"), "cpu")  # control: other decoders need no DALI
 
 
 def test_nvjpeg_on_a_cpu_run_is_refused_naming_the_key():
@@ -232,7 +282,10 @@ def test_in_memory_data_ignore_the_loader_section(tiny_data):
 # ----- end to end -----------------------------------------------------------------------------
 
 
-def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path):
+@pytest.mark.parametrize("decoder, shard_mb", [("torchvision", None), ("dali_cpu", 0.008)],
+                         ids=["files", "dali_from_shards"])
+def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path, decoder,
+                                                                               shard_mb):
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
@@ -240,17 +293,18 @@ def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(m
 
     study = validated(tiny_study(
         dataset={"name": "imagefolder", "root": str(messy_tree), "subset": None, "val_fraction": 0.2,
-                 "test_fraction": 0.25, "image_size": SIZE},
-        loader={"workers": 1},
+                 "test_fraction": 0.25, "image_size": SIZE, "shard_mb": shard_mb},
+        loader={"workers": 1, "decoder": decoder},
         workers=[2],
         train={"batch_size": 4, "epochs": 2, "log_every": 2, "steady_state_skip": 1, "precision": "bf16"},
     ))
     data = tmp_path / "data"
     meta = prepare(study["dataset"], data)
     assert meta["skipped_images"] == 0 and sum(meta["sizes"].values()) == 36  # every file kept
+    assert (meta["shards"] is None) == (shard_mb is None) and (data / "shards.json").exists() == (shard_mb is not None)
     spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(data), str(tmp_path / "run"))
     metrics = run_training_job(spec, tmp_path / "run" / "submitit")
-    assert metrics["config"]["loader"] == {"workers": 1, "decoder": "torchvision",
+    assert metrics["config"]["loader"] == {"workers": 1, "decoder": decoder,
                                            "train_augment": "random_resized_crop_flip", "prefetch": 2}
     assert metrics["steps"] == 2 * (meta["sizes"]["train"] // (2 * 4))
     assert metrics["compute"]["precision"] == "bf16" and metrics["compute"]["autocast_dtype"] == "bfloat16"

@@ -4,7 +4,8 @@ CenterCrop, as torchvision's references/classification use them.
 
 Each transform is split in two: `plan` draws the random parameters from the image's size
 alone and `apply` does the pixel work, so that a decoder may draw the crop from a JPEG's
-header in a loader worker and crop on the GPU after nvJPEG has decoded it (data.decoding).
+header in a loader worker and crop on the GPU after nvJPEG has decoded it, or decode only
+the crop's region (`reads_a_region`, `apply_to_region`; data.decoding).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class RandomResizedCropFlip:
     horizontal flip with probability 1/2: torchvision's reference training transform."""
 
     name = "random_resized_crop_flip"
+    reads_a_region = True  # only the crop's pixels matter: a decoder may decode that region alone
 
     def __init__(self, size: int):
         self.size = size
@@ -64,12 +66,17 @@ class RandomResizedCropFlip:
                              interpolation=InterpolationMode.BILINEAR, antialias=True)
         return F.horizontal_flip(out) if flip else out
 
+    def apply_to_region(self, region: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """`apply` on the plan's crop region alone (decoded by itself): the same pixels."""
+        return self.apply(region, torch.tensor([0, 0, *plan[2:].tolist()], dtype=torch.int64))
+
 
 class ResizeCenterCrop:
     """Resize the shorter side to size * 256/224, then the central size x size crop: evaluation's
     transform (and training's with `loader.train_augment: center_crop`); no randomness."""
 
     name = "center_crop"
+    reads_a_region = False  # the resize reads the whole image
 
     def __init__(self, size: int):
         self.size = size

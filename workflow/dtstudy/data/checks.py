@@ -6,6 +6,7 @@ import torch only inside the functions that need it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -34,6 +35,11 @@ def check_dataset(cfg: dict) -> int:
     }
     if cfg["name"] not in checks:
         raise DataConfigError(f"dataset.name: {cfg['name']!r} is unknown (one of {', '.join(checks)})")
+    if cfg.get("shard_mb") is not None and cfg["name"] != "imagefolder":
+        raise DataConfigError(
+            f"dataset.shard_mb: {cfg['shard_mb']} applies to imagefolder only ({cfg['name']} is prepared "
+            "into tensors held in memory); set it to null"
+        )
     available = checks[cfg["name"]](cfg)
     subset = cfg.get("subset")
     if subset is not None and subset > available:
@@ -52,6 +58,19 @@ def check_loader(loader: dict, device: str) -> None:
             "loader.decoder: 'nvjpeg' decodes on a GPU, but the run trains on the CPU (launcher.device "
             "cpu, or auto without a visible GPU); use loader.decoder torchvision or pil, or train on cuda"
         )
+    if loader["decoder"] == "dali_cpu" and not _installed("nvidia.dali"):
+        raise DataConfigError(
+            "loader.decoder: 'dali_cpu' needs NVIDIA DALI, which is not installed here (envs/requirements.txt "
+            "pins nvidia-dali-cuda130); install it, or use loader.decoder torchvision (the same pixels)"
+        )
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, found without importing it (its parents excepted)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def check_val_split(n: int, cfg: dict) -> None:

@@ -1,5 +1,6 @@
 """Decoding an image file to an RGB uint8 tensor [3, H, W], one decoder per `loader.decoder`
-(`DECODERS`): PIL, torchvision.io (libjpeg-turbo) on the CPU, or nvJPEG on the GPU in batches.
+(`DECODERS`): PIL, torchvision.io (libjpeg-turbo) on the CPU, NVIDIA DALI's fused
+decode-and-crop on the CPU (only the training crop's region), or nvJPEG on the GPU in batches.
 
 Real trees are messy (ImageNet's training set has all three): grayscale JPEGs, CMYK JPEGs and
 files whose extension lies about their format (a PNG named .JPEG) all decode to RGB, because
@@ -11,8 +12,11 @@ not installed here; DECODERS is where a TorchCodec decoder would be added.
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 JPEG_START = b"\xff\xd8"
@@ -50,45 +54,49 @@ def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
     return None
 
 
-def decode_pil(path: Path) -> torch.Tensor:
-    """PIL's decoder (torchvision's ImageFolder default): any format PIL reads, any mode, to RGB."""
-    import numpy as np
+def decode_pil(source: Path | np.ndarray) -> torch.Tensor:
+    """PIL's decoder (torchvision's ImageFolder default): any format PIL reads, any mode, to RGB;
+    `source` a file, or its bytes (uint8)."""
     from PIL import Image
 
-    with Image.open(path) as image:
+    stream = io.BytesIO(source.tobytes()) if isinstance(source, np.ndarray) else source
+    with Image.open(stream) as image:
         array = np.asarray(image.convert("RGB"))
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
-def decode_torchvision(path: Path) -> torch.Tensor:
+def decode_torchvision(source: Path | np.ndarray) -> torch.Tensor:
     """torchvision.io on the CPU (libjpeg-turbo for JPEG, also PNG, WebP, GIF), found by the
-    file's bytes; the formats it lacks (BMP, PPM, TIFF: ImageFolder's other extensions) via PIL."""
+    file's bytes; the formats it lacks (BMP, PPM, TIFF: ImageFolder's other extensions) via
+    PIL. `source` a file, or its bytes (uint8)."""
     from torchvision.io import ImageReadMode, decode_image
 
-    data = torch.from_numpy(_read(path))
+    data = read_bytes(source)
     try:
-        return decode_image(data, mode=ImageReadMode.RGB)
+        return decode_image(torch.from_numpy(data), mode=ImageReadMode.RGB)
     except RuntimeError:  # "Unsupported image file": not JPEG/PNG/WebP/GIF
-        return decode_pil(path)
+        return decode_pil(data)
 
 
-def _read(path: Path):
-    import numpy as np
-
-    return np.fromfile(path, dtype=np.uint8)
+def read_bytes(source: Path | np.ndarray) -> np.ndarray:
+    """A file's bytes as uint8 (bytes already read pass through)."""
+    if isinstance(source, np.ndarray):
+        return source
+    return np.fromfile(source, dtype=np.uint8)
 
 
 class CpuDecoder:
-    """Workers decode and transform each image; the batch is uint8 pixels [B, 3, S, S]."""
+    """Workers decode and transform each image; the batch is uint8 pixels [B, 3, S, S].
+    Every decoder's `load` takes an image's encoded bytes (data.storage reads them)."""
 
     def __init__(self, decode):
         self.decode = decode
 
-    def load(self, path: Path, transform, generator: torch.Generator | None = None):
-        image = self.decode(path)
+    def load(self, data: np.ndarray, transform, generator: torch.Generator | None = None):
+        image = self.decode(data)
         return transform.apply(image, transform.plan(*image.shape[-2:], generator))
 
-    def collate(self, items: list) -> torch.Tensor:
+    def collate(self, items: list, transform) -> torch.Tensor:
         return torch.stack(items)
 
     def finish(self, batch, transform, device: torch.device) -> torch.Tensor:
@@ -96,23 +104,24 @@ class CpuDecoder:
         return batch.to(device, non_blocking=True)
 
 
-class NvjpegDecoder:
-    """nvJPEG through torchvision.io.decode_jpeg on the run's GPU: workers read each file and
-    draw its crop from the JPEG's header (no pixels decoded on the CPU); the main process
-    decodes the batch's JPEGs in one call on the device and crops, resizes and flips there.
-    Files nvJPEG is not given (not a JPEG, grayscale or CMYK) are decoded by the workers on
-    the CPU as `torchvision` does, and joined to the batch. On a CPU device decode_jpeg runs
-    the same code with libjpeg-turbo (what the tests check)."""
+class _HeaderPlanDecoder:
+    """Workers read each file and draw its crop from the JPEG's header (no pixels decoded
+    yet); a batch's 3-component JPEGs are then decoded together (`decode_batch`, where the
+    subclass does it). Other files (not a JPEG, grayscale or CMYK) are decoded by the workers
+    on the CPU as `torchvision` does, and joined to the batch (`join`)."""
 
-    def load(self, path: Path, transform, generator: torch.Generator | None = None):
-        raw = _read(path)
-        frame = jpeg_frame(raw[:65536].tobytes())
+    def takes(self, transform) -> bool:
+        """Whether this decoder's batch path serves `transform` (else every file is decoded whole)."""
+        return True
+
+    def load(self, raw: np.ndarray, transform, generator: torch.Generator | None = None):
+        frame = jpeg_frame(raw[:65536].tobytes()) if self.takes(transform) else None
         if frame is None or frame[2] != 3:
-            image = decode_torchvision(path)
+            image = decode_torchvision(raw)
             return "pixels", transform.apply(image, transform.plan(*image.shape[-2:], generator))
         return "jpeg", torch.from_numpy(raw), transform.plan(frame[0], frame[1], generator)
 
-    def collate(self, items: list) -> dict:
+    def collate(self, items: list, transform) -> dict:
         pixels = [(i, item[1]) for i, item in enumerate(items) if item[0] == "pixels"]
         jpegs = [(i, item[1], item[2]) for i, item in enumerate(items) if item[0] == "jpeg"]
         return {
@@ -124,21 +133,107 @@ class NvjpegDecoder:
             "plans": [plan for _, _, plan in jpegs],
         }
 
-    def finish(self, batch: dict, transform, device: torch.device) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
+    @staticmethod
+    def join(batch: dict, decoded: list, transform, device: torch.device) -> torch.Tensor:
+        """The batch's uint8 pixels [B, 3, S, S] on `device`: the workers' CPU-decoded images
+        and `decoded` (the JPEGs' transformed images, in the batch's JPEG order) in their slots."""
         out = torch.empty((batch["size"], 3, transform.size, transform.size), dtype=torch.uint8, device=device)
         if len(batch["pixel_slots"]):
             out[batch["pixel_slots"].to(device)] = batch["pixels"].to(device, non_blocking=True)
+        if decoded:
+            out[batch["jpeg_slots"].to(device)] = torch.stack(decoded)
+        return out
+
+
+class NvjpegDecoder(_HeaderPlanDecoder):
+    """nvJPEG through torchvision.io.decode_jpeg on the run's GPU: the main process decodes
+    the batch's JPEGs in one call on the device and crops, resizes and flips there (the
+    workers only read the files and draw the crops). On a CPU device decode_jpeg runs the
+    same code with libjpeg-turbo (what the tests check)."""
+
+    def finish(self, batch: dict, transform, device: torch.device) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        decoded = []
         if batch["jpegs"]:
             images = decode_jpeg(batch["jpegs"], mode=ImageReadMode.RGB, device=device)
-            cropped = [transform.apply(image, plan) for image, plan in zip(images, batch["plans"])]
-            out[batch["jpeg_slots"].to(device)] = torch.stack(cropped)
-        return out
+            decoded = [transform.apply(image, plan) for image, plan in zip(images, batch["plans"])]
+        return self.join(batch, decoded, transform, device)
+
+
+DALI_CHUNK = 16  # JPEGs per DALI run: as fast per image as 64 on 1500x1125 JPEGs, without 64's stalls
+
+
+class DaliCpuDecoder(_HeaderPlanDecoder):
+    """NVIDIA DALI's fused decode-and-crop on the CPU, in the loader workers: of each training
+    JPEG only the crop's region is decoded (libjpeg-turbo's partial decoding, as DALI's
+    `decoders.image_slice` does it; the rows below the crop are never read), then resized and
+    flipped as `torchvision` would: the same pixels as decoding the whole file first. Splits
+    whose transform reads the whole image (Resize + CenterCrop) decode as `torchvision` does.
+
+    One DALI pipeline per worker process (its own thread, built on first use: DALI's threads
+    do not survive a fork), CPU only: it needs no GPU and touches no CUDA context."""
+
+    def __init__(self):
+        self._pipeline = None  # (pid, pipeline)
+
+    def takes(self, transform) -> bool:
+        return transform.reads_a_region
+
+    def collate(self, items: list, transform) -> torch.Tensor:
+        batch = super().collate(items, transform)
+        decoded = []
+        if batch["jpegs"]:
+            regions = self._decode_regions(batch["jpegs"], batch["plans"])
+            decoded = [transform.apply_to_region(region, plan) for region, plan in zip(regions, batch["plans"])]
+        return self.join(batch, decoded, transform, torch.device("cpu"))
+
+    def finish(self, batch, transform, device: torch.device) -> torch.Tensor:
+        return batch.to(device, non_blocking=True)
+
+    def _decode_regions(self, jpegs: list, plans: list) -> list:
+        """Each JPEG's crop region (plan's top, left, height, width) as uint8 [3, h, w], decoded
+        DALI_CHUNK at a time: DALI's output buffers stay small, where a whole batch of large
+        crops makes its first runs grow them for seconds."""
+        pipeline = self._pipeline_of_this_process()
+        regions = []
+        for start in range(0, len(jpegs), DALI_CHUNK):
+            chunk = range(start, min(start + DALI_CHUNK, len(jpegs)))
+            pipeline.feed_input("jpegs", [jpegs[i].numpy() for i in chunk])
+            pipeline.feed_input("anchors", [np.asarray(plans[i][:2].tolist(), dtype=np.int32) for i in chunk])
+            pipeline.feed_input("shapes", [np.asarray(plans[i][2:4].tolist(), dtype=np.int32) for i in chunk])
+            (decoded,) = pipeline.run()
+            regions += [torch.from_numpy(np.array(decoded[k])).permute(2, 0, 1) for k in range(len(chunk))]
+        return regions
+
+    def _pipeline_of_this_process(self):
+        if self._pipeline is None or self._pipeline[0] != os.getpid():
+            self._pipeline = (os.getpid(), _dali_slice_pipeline(DALI_CHUNK))
+        return self._pipeline[1]
+
+
+def _dali_slice_pipeline(batch_size: int):
+    """A CPU-only DALI pipeline: (JPEG bytes, anchor (y, x), shape (h, w)) -> RGB HWC uint8 of
+    that region, decoded alone; fed and run one batch at a time in the calling thread."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=batch_size, num_threads=1, device_id=None, prefetch_queue_depth=1,
+                  exec_async=False, exec_pipelined=False)
+    def region_of_each():
+        jpegs = fn.external_source(name="jpegs")
+        anchors = fn.external_source(name="anchors")
+        shapes = fn.external_source(name="shapes")
+        return fn.decoders.image_slice(jpegs, anchors, shapes, device="cpu", output_type=types.RGB,
+                                       axis_names="HW")
+
+    pipeline = region_of_each()
+    pipeline.build()
+    return pipeline
 
 
 DECODERS = {
     "pil": lambda: CpuDecoder(decode_pil),
     "torchvision": lambda: CpuDecoder(decode_torchvision),
     "nvjpeg": NvjpegDecoder,
+    "dali_cpu": DaliCpuDecoder,
 }

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dtstudy.data.augment import ResizeCenterCrop, split_transform
-from dtstudy.data.decoding import DECODERS, CpuDecoder, decode_torchvision
+from dtstudy.data.decoding import DECODERS, decode_torchvision
+from dtstudy.data.storage import FileStore
 
 
 def loader_workers(setting: int | None) -> int:
@@ -33,14 +34,16 @@ class ImageFolderSplit(Dataset):
     batch, label); `batches` feeds a device, `batch` gives evaluation's view on the CPU.
 
     `loader`: the config's `loader` section, or None for a plain reader (the evaluation
-    transform on every split, torchvision's decoder, no worker process)."""
+    transform on every split, torchvision's decoder, no worker process). `store`: where the
+    encoded images are read (data.storage: a split's shards; None for the tree's files)."""
 
     is_in_memory = False
 
     def __init__(self, meta: dict, samples: list, split: str, loader: dict | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", store=None):
         self.root = Path(meta["root"])
         self.samples = [(path, int(label)) for path, label in samples]
+        self.store = store if store is not None else FileStore(self.root, [path for path, _ in self.samples])
         self.num_classes = meta["classes"]
         self.channels = 3
         self.size = meta["image_size"]
@@ -67,11 +70,11 @@ class ImageFolderSplit(Dataset):
         """(float inputs normalised [B, 3, S, S], int64 labels) on the CPU, decoded in this process
         with the evaluation transform: the same pixels on every worker (BatchNorm's statistics)."""
         evaluation = ResizeCenterCrop(self.size)
-        paths_labels = [self.samples[i] for i in torch.as_tensor(indices, dtype=torch.long).tolist()]
-        pixels = torch.stack([evaluation.apply(decode_torchvision(self.root / path), evaluation.plan(0, 0))
-                              for path, _ in paths_labels])
+        chosen = torch.as_tensor(indices, dtype=torch.long).tolist()
+        pixels = torch.stack([evaluation.apply(decode_torchvision(self.store.read(i)), evaluation.plan(0, 0))
+                              for i in chosen])
         normalise = Normalise(self.mean, self.std, torch.device("cpu"))
-        return normalise(pixels), torch.tensor([label for _, label in paths_labels], dtype=torch.int64)
+        return normalise(pixels), torch.tensor([self.samples[i][1] for i in chosen], dtype=torch.int64)
 
     def batches(self, index_batches):
         """(inputs, labels) on this split's device for each list of indices, in order: inputs
@@ -100,20 +103,19 @@ class Normalise:
 
 
 class _Items(Dataset):
-    """What the loader workers read: the files, decoder and transform of a split, without the
-    split itself, so that no reference cycle keeps a dropped split's workers alive until a
-    garbage collection, possibly inside a forked child."""
+    """What the loader workers read: the store, labels, decoder and transform of a split,
+    without the split itself, so that no reference cycle keeps a dropped split's workers
+    alive until a garbage collection, possibly inside a forked child."""
 
     def __init__(self, split: ImageFolderSplit):
-        self.root, self.samples = split.root, split.samples
+        self.store, self.samples = split.store, split.samples
         self.decoder, self.transform = split.decoder, split.transform
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        path, label = self.samples[i]
-        return self.decoder.load(self.root / path, self.transform), label
+        return self.decoder.load(self.store.read(i), self.transform), self.samples[i][1]
 
 
 class _SwappableBatches:
@@ -133,11 +135,12 @@ class _SwappableBatches:
 class _Collate:
     """Worker-side: the decoder's batch of the items, and their labels."""
 
-    def __init__(self, decoder):
-        self.decoder = decoder
+    def __init__(self, decoder, transform):
+        self.decoder, self.transform = decoder, transform
 
     def __call__(self, items):
-        return self.decoder.collate([item for item, _ in items]), torch.tensor([label for _, label in items])
+        return (self.decoder.collate([item for item, _ in items], self.transform),
+                torch.tensor([label for _, label in items]))
 
 
 class Feed:
@@ -150,7 +153,7 @@ class Feed:
         workers = split.workers
         options = {"persistent_workers": True, "prefetch_factor": split.prefetch} if workers else {}
         self.loader = DataLoader(_Items(split), batch_sampler=self.batch_sampler, num_workers=workers,
-                                 collate_fn=_Collate(split.decoder), pin_memory=split.device.type == "cuda",
+                                 collate_fn=_Collate(split.decoder, split.transform), pin_memory=split.device.type == "cuda",
                                  **options)
         self.normalise = Normalise(split.mean, split.std, split.device)
 

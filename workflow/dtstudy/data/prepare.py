@@ -4,7 +4,8 @@ Prepared forms (written by `prepare`, read by dtstudy.data.loading.load_split):
 - "tensors" (fashion_mnist, cifar10, synthetic): train.pt / val.pt / test.pt, each
   {"images": uint8 [n, C, H, W], "labels": int64 [n]}, plus meta.json.
 - "imagefolder": index.json (relative paths + labels per split, class names, skipped
-  files) plus meta.json; pixels stay in the files and are decoded per batch. `root` is
+  files) plus meta.json; pixels stay in the files and are decoded per batch, or, with
+  `dataset.shard_mb`, the files are packed into tar shards (data.storage, shards.json). `root` is
   root/<class>/<image> (test split held out per class) or root/train/<class>/ (+ test/ or val/).
 """
 
@@ -18,6 +19,7 @@ from dtstudy.data.errors import DataConfigError
 from dtstudy.data.formats import (CIFAR10_DIR, CIFAR10_FILES, DEFAULT_FASHION_MNIST_ROOT, find_fashion_mnist_files,
                                   read_cifar_batch, read_idx, sha256)
 from dtstudy.data.image_folder import decodable, hold_out_test, image_tree
+from dtstudy.data.storage import SHARDS_INDEX, remove_shards, write_shards
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -29,7 +31,7 @@ SHOWN_PATHS = 5  # bad files named in an error or log line
 def prepared_files(cfg: dict) -> list[str]:
     """The files `prepare` writes for this dataset config (the prepare_data rule's outputs)."""
     if cfg["name"] == "imagefolder":
-        return ["meta.json", "index.json"]
+        return ["meta.json", "index.json", *([SHARDS_INDEX] if cfg.get("shard_mb") is not None else [])]
     return ["meta.json", *(f"{split}.pt" for split in SPLITS)]
 
 
@@ -222,6 +224,11 @@ def _prepare_imagefolder(cfg: dict, out_dir: Path) -> dict:
     }
     for split in SPLITS:
         print(f"prepare imagefolder: {split} {len(index[split])} files", flush=True)
+    shards = None
+    if cfg.get("shard_mb") is not None:
+        shards = write_shards(root, {split: index[split] for split in SPLITS}, out_dir, cfg["shard_mb"])
+    else:  # a previous preparation's shards would only take space
+        remove_shards(out_dir)
     write_json(out_dir / "index.json", index)
     return {
         "name": "imagefolder",
@@ -244,4 +251,5 @@ def _prepare_imagefolder(cfg: dict, out_dir: Path) -> dict:
         "corrupt_images": cfg["corrupt_images"],
         "skipped_images": len(bad),
         "skipped_examples": [path for path, _ in bad[:SHOWN_PATHS]],
+        "shards": shards,
     }
