@@ -84,6 +84,26 @@ def test_training_and_evaluation_read_the_same_pixels_from_shards_as_from_files(
     assert torch.equal(test["shards"].batch(range(4))[0], test["files"].batch(range(4))[0])
 
 
+def test_a_process_keeps_at_most_max_open_shards_open(tree, prepared, monkeypatch):
+    """Reading across more shards than the cap closes the least recently read, and every
+    read still gives the file's bytes (a closed shard is opened again)."""
+    from dtstudy.data import storage
+
+    monkeypatch.setattr(storage, "MAX_OPEN_SHARDS", 2)
+    data = prepared["shards"]
+    index = json.loads((data / "index.json").read_text())
+    shards = json.loads((data / SHARDS_INDEX).read_text())
+    store = ShardStore(data / SHARDS_DIR, shards["files"], shards["locations"]["train"])
+    used = {shard for shard, _, _ in shards["locations"]["train"]}
+    assert len(used) > 2  # control: the split spans more shards than the cap
+    for _ in range(2):  # twice round: shards closed by the cap are opened again
+        for i, (path, _) in enumerate(index["train"]):
+            assert store.read(i).tobytes() == (tree / path).read_bytes()
+            assert len(store._open[1]) <= 2
+    last = shards["locations"]["train"][-1][0]
+    assert last in store._open[1] and len(store._open[1]) == 2
+
+
 def test_a_truncated_shard_is_named(prepared, tmp_path):
     shards = json.loads((prepared["shards"] / SHARDS_INDEX).read_text())
     shard, offset, size = shards["locations"]["train"][-1]

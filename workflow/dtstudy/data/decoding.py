@@ -106,9 +106,10 @@ class CpuDecoder:
 
 class _HeaderPlanDecoder:
     """Workers read each file and draw its crop from the JPEG's header (no pixels decoded
-    yet); a batch's 3-component JPEGs are then decoded together (`decode_batch`, where the
-    subclass does it). Other files (not a JPEG, grayscale or CMYK) are decoded by the workers
-    on the CPU as `torchvision` does, and joined to the batch (`join`)."""
+    yet); a batch's 3-component JPEGs are then decoded together, where the subclass does it
+    (nvjpeg: on the GPU, in `finish`; dali_cpu: in the worker, in `collate`). Other files (not
+    a JPEG, grayscale or CMYK) are decoded by the workers on the CPU as `torchvision` does,
+    and joined to the batch (`join`)."""
 
     def takes(self, transform) -> bool:
         """Whether this decoder's batch path serves `transform` (else every file is decoded whole)."""

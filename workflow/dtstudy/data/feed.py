@@ -153,8 +153,8 @@ class Feed:
         workers = split.workers
         options = {"persistent_workers": True, "prefetch_factor": split.prefetch} if workers else {}
         self.loader = DataLoader(_Items(split), batch_sampler=self.batch_sampler, num_workers=workers,
-                                 collate_fn=_Collate(split.decoder, split.transform), pin_memory=split.device.type == "cuda",
-                                 **options)
+                                 collate_fn=_Collate(split.decoder, split.transform),
+                                 pin_memory=split.device.type == "cuda", **options)
         self.normalise = Normalise(split.mean, split.std, split.device)
 
     def __call__(self, index_batches):

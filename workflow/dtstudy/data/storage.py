@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tarfile
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from dtstudy.atomic_files import atomic_write, write_json
 SHARDS_DIR = "shards"
 SHARDS_INDEX = "shards.json"
 LABEL_SUFFIX = ".cls"
+MAX_OPEN_SHARDS = 256  # per process
 
 
 class FileStore:
@@ -42,11 +44,13 @@ class FileStore:
 
 class ShardStore:
     """A split's images packed in tar shards: image i is `size` bytes at `offset` of shard
-    `shard`. Each process opens the shards it reads once (loader workers are processes)."""
+    `shard`. Each process (loader workers are processes) keeps the shards it reads open, the
+    MAX_OPEN_SHARDS it read last: ImageNet in 64 MB shards is over 2000 files, and a
+    process may have 1024 open."""
 
     def __init__(self, folder: Path, files: list[str], locations: list[list[int]]):
         self.folder, self.files, self.locations = Path(folder), files, locations
-        self._open = None  # (pid, {shard: file descriptor})
+        self._open = None  # (pid, {shard: file descriptor}, least recently read first)
 
     def read(self, i: int) -> np.ndarray:
         shard, offset, size = self.locations[i]
@@ -59,10 +63,14 @@ class ShardStore:
     def _descriptor(self, shard: int) -> int:
         pid = os.getpid()
         if self._open is None or self._open[0] != pid:  # a forked worker opens its own
-            self._open = (pid, {})
+            self._open = (pid, OrderedDict())
         descriptors = self._open[1]
-        if shard not in descriptors:
-            descriptors[shard] = os.open(self.folder / self.files[shard], os.O_RDONLY)
+        if shard in descriptors:
+            descriptors.move_to_end(shard)
+            return descriptors[shard]
+        if len(descriptors) == MAX_OPEN_SHARDS:
+            os.close(descriptors.popitem(last=False)[1])
+        descriptors[shard] = os.open(self.folder / self.files[shard], os.O_RDONLY)
         return descriptors[shard]
 
     def __getstate__(self):  # to a spawned worker: the locations, not this process's descriptors
@@ -104,9 +112,9 @@ def write_shards(root: Path, splits: dict[str, list], out_dir: Path, shard_mb: f
             offsets = _data_offsets(folder / name)
             locations[split] += [[len(files), *offsets[_key(i) + _suffix(samples[i][0])]] for i in range(start, stop)]
             files.append(name)
+            print(f"prepare imagefolder: {split} shard {name}: images {start + 1}-{stop} of {len(samples)}",
+                  flush=True)
             start = stop
-        print(f"prepare imagefolder: {split} packed into {sum(f.startswith(split + '-') for f in files)} "
-              f"shard(s) of about {shard_mb} MB", flush=True)
     write_json(Path(out_dir) / SHARDS_INDEX, {"shard_mb": shard_mb, "files": files, "locations": locations})
     return {"shard_mb": shard_mb, "count": len(files), "folder": SHARDS_DIR}
 
