@@ -14,7 +14,7 @@ def test_schema_fills_every_default():
     config = validate_schema({})
     assert config["dataset"] == {
         "name": "fashion_mnist", "root": None, "download": False, "subset": None, "val_fraction": 0.1,
-        "split_seed": 0, "test_fraction": 0.1, "corrupt_images": "error", "image_size": 224,
+        "split_seed": 0, "test_fraction": 0.1, "corrupt_images": "error", "image_size": 224, "shard_mb": None,
         "synthetic": {"train_size": 4096, "test_size": 512, "channels": 3, "classes": 10},
     }
     assert config["strategies"] == ["allreduce"] and config["workers"] == [1, 2, 4]
