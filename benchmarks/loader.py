@@ -8,19 +8,20 @@ Not a test: prints ratios.
 
 All read the same files with the same DataLoader settings (workers, batch, no pinning: the
 CPU's work only). Each measurement starts a fresh DataLoader, lets its first --warmup
-batches go (the workers' start; a DALI pipeline's first runs, which grow its buffers, a
-one-off in a training run whose workers persist) and times the next --batches batches; the pipelines take turns in an order
-that rotates round by round, so that the machine's drift hits all of them, and each ratio
-is the median of the per-round ratios with its range: every decoder's to the reference, and
-every decoder's to the first one given (whether decoding only the crop's region pays). The
-study's normalisation runs on the GPU in training and is left out; the reference's ToTensor
-+ Normalize run in its workers, as there.
+batches go (the workers' start; a DALI pipeline's first runs, its own start-up, a
+one-off in a training run whose workers persist) and times the next --batches batches; the
+pipelines take turns in an order that rotates round by round, so that the machine's drift
+hits all of them, and each ratio is the median of the per-round ratios with its range: every
+decoder's to the reference, and every decoder's to the first one given (whether decoding
+only the crop's region pays). The study's normalisation runs on the GPU in training and is
+left out; the reference's ToTensor + Normalize run in its workers, as there.
 
 From the median rate per core it prints how many loader cores one GPU needs at --gpu-rate
 images/s (ResNet-50's training rate on the GPU you mean: an input, not a measurement).
 
-    python3 benchmarks/loader.py [--workers 1] [--repeats 5] [--batches 12]
-                                 [--decoders torchvision dali_cpu] [--record FILE]
+    python3 benchmarks/loader.py [--workers 1] [--repeats 5] [--batches 12] [--warmup 4]
+                                 [--decoders torchvision dali_cpu] [--image-size 500x375]
+                                 [--record FILE]
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def image_size(text: str) -> tuple[int, int]:
 
 def rate(loader: DataLoader, batches: int, warmup: int) -> float:
     """images/s over `batches` batches after the first `warmup` (the workers' start-up, and a
-    DALI pipeline's first runs, which grow its buffers to the largest crops)."""
+    DALI pipeline's first, slower runs)."""
     iterator = iter(loader)
     for _ in range(warmup):
         next(iterator)
@@ -176,7 +177,8 @@ def main() -> None:
     try:
         samples = make_tree(tmp / "tree", args.classes, args.per_class, size=args.image_size)
         sizes = [os.path.getsize(tmp / "tree" / path) for path, _ in samples]
-        print(f"{len(samples)} JPEGs of {args.image_size[0]}x{args.image_size[1]}, median {statistics.median(sizes) / 1024:.0f} KiB; "
+        width, height = args.image_size
+        print(f"{len(samples)} JPEGs of {width}x{height}, median {statistics.median(sizes) / 1024:.0f} KiB; "
               f"{args.workers} worker(s), batches of {args.batch_size}, {args.batches} timed batches, "
               f"{args.repeats} rounds", flush=True)
         pipelines = {
