@@ -359,6 +359,29 @@ def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny
     assert not checkpoint.resume_dir(spec.out_dir).exists()
 
 
+def test_a_parameter_server_file_of_the_older_state_layout_is_not_resumed_from(tmp_path, tiny_data):
+    """A ps_sync rank file written before the shards saved flat ranges (no state_layout in its
+    identity) starts the run afresh, saying why, instead of failing on a size mismatch; an
+    allreduce file without the key (its state never changed layout) is still resumed."""
+    said, say = _say()
+    ps = make_spec(tmp_path / "ps", tiny_data, strategy="ps_sync", workers=1)
+    identity = checkpoint.run_identity(ps)
+    assert identity["state_layout"] == "flat-range"
+    older = {key: value for key, value in identity.items() if key != "state_layout"}
+    checkpoint.save_rank(ps.out_dir, 0, older, 20, {"x": torch.arange(3)})
+    assert checkpoint.load_agreed(ps.out_dir, identity, 0, 1, None, say) is None
+    assert "written by another run: state_layout None (this run: 'flat-range')" in said[-1]
+    checkpoint.save_rank(ps.out_dir, 0, identity, 20, {"x": torch.arange(3)})  # control: this layout resumes
+    assert torch.equal(checkpoint.load_agreed(ps.out_dir, identity, 0, 1, None, say)["x"], torch.arange(3))
+
+    allreduce = make_spec(tmp_path / "ar", tiny_data, workers=1)
+    identity = checkpoint.run_identity(allreduce)
+    assert identity["state_layout"] is None
+    checkpoint.save_rank(allreduce.out_dir, 0, {key: value for key, value in identity.items() if key != "state_layout"},
+                         20, {"x": torch.arange(3)})
+    assert torch.equal(checkpoint.load_agreed(allreduce.out_dir, identity, 0, 1, None, say)["x"], torch.arange(3))
+
+
 def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny_data):
     """Bytes of a rank file changed on disk where torch still loads it: its checksum names it,
     the run resumes from the previous checkpoint, and the log says so."""

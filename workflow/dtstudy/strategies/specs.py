@@ -40,6 +40,10 @@ class StrategySpec:
                                              "GradScaler (Strategy.step_optimizer)")
     #: why launcher.cluster emulate cannot run it yet (None: it can; dtstudy.emulation)
     not_emulated_because: ClassVar[str | None] = None
+    #: the layout of what its extra processes save (None: they save nothing, or it never
+    #: changed); part of a resume file's identity, so that a file of an older layout is not
+    #: resumed from (the run starts afresh, saying why) rather than failing on a size mismatch
+    state_layout: ClassVar[str | None] = None
 
     @classmethod
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -216,6 +220,8 @@ class HybridSpec(StrategySpec):
 
 class ParameterServerSpec(StrategySpec):
     family = "parameter server"
+    # a shard saves a contiguous range of the flattened parameters (db3e04d); before, whole tensors
+    state_layout = "flat-range"
     no_fp16_because = ("the shards apply the pushed gradients: a worker's GradScaler can neither unscale "
                        "them there nor skip a step with inf/NaN gradients")
     # emulated: the shards are threads too, their work and messages on the cluster's clock
