@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dtstudy.data.storage import read_file
+
 JPEG_START = b"\xff\xd8"
 # JPEG frame headers (SOF0..SOF15, less DHT 0xC4, JPG 0xC8 and DAC 0xCC): they hold height, width, components
 _SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -80,9 +82,7 @@ def decode_torchvision(source: Path | np.ndarray) -> torch.Tensor:
 
 def read_bytes(source: Path | np.ndarray) -> np.ndarray:
     """A file's bytes as uint8 (bytes already read pass through)."""
-    if isinstance(source, np.ndarray):
-        return source
-    return np.fromfile(source, dtype=np.uint8)
+    return source if isinstance(source, np.ndarray) else read_file(source)
 
 
 class CpuDecoder:
@@ -189,8 +189,7 @@ class DaliCpuDecoder(_HeaderPlanDecoder):
             decoded = [transform.apply_to_region(region, plan) for region, plan in zip(regions, batch["plans"])]
         return self.join(batch, decoded, transform, torch.device("cpu"))
 
-    def finish(self, batch, transform, device: torch.device) -> torch.Tensor:
-        return batch.to(device, non_blocking=True)
+    finish = CpuDecoder.finish  # the workers' batch is pixels already
 
     def _decode_regions(self, jpegs: list, plans: list) -> list:
         """Each JPEG's crop region (plan's top, left, height, width) as uint8 [3, h, w], decoded

@@ -31,6 +31,11 @@ LABEL_SUFFIX = ".cls"
 MAX_OPEN_SHARDS = 256  # per process
 
 
+def read_file(path: Path) -> np.ndarray:
+    """A file's bytes, as uint8."""
+    return np.fromfile(path, dtype=np.uint8)
+
+
 class FileStore:
     """Each image in its own file of the tree, at root / path."""
 
@@ -39,7 +44,7 @@ class FileStore:
 
     def read(self, i: int) -> np.ndarray:
         """Image i's encoded bytes, as uint8."""
-        return np.fromfile(self.root / self.paths[i], dtype=np.uint8)
+        return read_file(self.root / self.paths[i])
 
 
 class ShardStore:
@@ -101,13 +106,13 @@ def write_shards(root: Path, splits: dict[str, list], out_dir: Path, shard_mb: f
     files, locations = [], {}
     for split, samples in splits.items():
         locations[split] = []
-        start = 0
+        start, first = 0, len(files)  # first: this split's first shard
         while start < len(samples):
             stop, size = start, 0
             while stop < len(samples) and (stop == start or size < limit):
                 size += os.path.getsize(root / samples[stop][0])
                 stop += 1
-            name = f"{split}-{sum(f.startswith(split + '-') for f in files):06d}.tar"
+            name = f"{split}-{len(files) - first:06d}.tar"
             atomic_write(folder / name, lambda stream: _write_tar(stream, root, samples, start, stop))
             offsets = _data_offsets(folder / name)
             locations[split] += [[len(files), *offsets[_key(i) + _suffix(samples[i][0])]] for i in range(start, stop)]
