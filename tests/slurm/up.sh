@@ -71,12 +71,19 @@ timeout 20 sacctmgr -i add cluster ci >/dev/null || true   # must exist before s
 # 5) slurmctld + slurmd; wait for the node to be idle
 slurmctld
 slurmd
-for _ in $(seq 150); do
+# A wall-clock deadline, not a count of tries: on a busy 2-core CI machine the node has taken
+# over 30 s to register, and each sinfo may itself take seconds.
+IDLE_WAIT_S=${IDLE_WAIT_S:-180}
+node_state() { timeout 10 sinfo -h -n "$HOST" -o %T 2>/dev/null || true; }
+deadline=$((SECONDS + IDLE_WAIT_S))
+until [[ "$(node_state)" == idle ]]; do
   kill -0 "$(cat "$BASE/run/slurmctld.pid" 2>/dev/null)" 2>/dev/null \
     || { echo "up.sh: slurmctld died:" >&2; tail -5 "$BASE/log/slurmctld.log" >&2; exit 1; }
-  [[ "$(timeout 2 sinfo -h -n "$HOST" -o %T 2>/dev/null)" == idle ]] && break; sleep 0.2
+  if (( SECONDS >= deadline )); then
+    echo "up.sh: node $HOST not idle after ${IDLE_WAIT_S} s (IDLE_WAIT_S):" >&2
+    sinfo -N -l >&2; tail -5 "$BASE/log/slurmd.log" >&2; exit 1
+  fi
+  sleep 0.5
 done
-[[ "$(timeout 2 sinfo -h -n "$HOST" -o %T 2>/dev/null)" == idle ]] \
-  || { echo "up.sh: node $HOST not idle:" >&2; sinfo -N -l >&2; tail -5 "$BASE/log/slurmd.log" >&2; exit 1; }
 sinfo
 echo "SLURM up in $(python3 -c "import time; print(round(time.time() - $t0, 1))") s (BASE=$BASE)"
