@@ -13,10 +13,29 @@ BASE = {"ranks": [], "fraction": 0.0, "delay_ms": 10.0, "distribution": "fixed",
 
 
 def test_slow_ranks_given_or_drawn_by_fraction():
-    assert slow_ranks({**BASE, "ranks": [3, 1]}, 4) == [1, 3]
-    drawn = slow_ranks({**BASE, "fraction": 0.5}, 8)
-    assert len(drawn) == 4 and drawn == slow_ranks({**BASE, "fraction": 0.5}, 8)
-    assert slow_ranks(BASE, 4) == []
+    assert slow_ranks({**BASE, "ranks": [3, 1]}, 4, run_seed=0) == [1, 3]
+    assert slow_ranks({**BASE, "ranks": [3, 1]}, 4, run_seed=5) == [1, 3]  # given ranks whatever the seed
+    drawn = slow_ranks({**BASE, "fraction": 0.5}, 8, run_seed=0)
+    assert len(drawn) == 4 and drawn == slow_ranks({**BASE, "fraction": 0.5}, 8, run_seed=0)
+    assert slow_ranks(BASE, 4, run_seed=0) == []
+
+
+def test_each_training_seed_is_its_own_replicate_of_the_stragglers():
+    """The draws repeat for the same training seed (every strategy run with that seed meets the
+    same stragglers) and differ between training seeds, so the spread over a study's seeds
+    includes the stragglers'; stragglers.seed still picks another set of draws."""
+    settings = {**BASE, "fraction": 1.0, "distribution": "exponential"}
+
+    def delays(run_seed, rank=0, draw_seed=0):
+        straggler = Straggler({**settings, "seed": draw_seed}, 4, rank, run_seed)
+        return [straggler.next_delay() for _ in range(50)]
+
+    assert delays(run_seed=1) == delays(run_seed=1)
+    assert delays(run_seed=0) != delays(run_seed=1) != delays(run_seed=2) != delays(run_seed=0)
+    assert delays(run_seed=0, draw_seed=1) != delays(run_seed=0)
+    assert delays(run_seed=0, rank=1) != delays(run_seed=0)  # each worker its own sequence
+    by_seed = {tuple(slow_ranks({**BASE, "fraction": 0.25}, 16, run_seed)) for run_seed in range(6)}
+    assert all(len(ranks) == 4 for ranks in by_seed) and len(by_seed) > 1
 
 
 #: 20000 draws of each delay distribution, mean mu = 10 ms: what each must show (variance as a
@@ -59,12 +78,12 @@ def test_delays_have_the_distributions_shape_and_repeat_with_the_seed(distributi
     and one that draws each distribution as another (fixed as uniform, uniform as
     exponential, exponential as uniform)."""
     settings = {**BASE, "ranks": [0], "distribution": distribution}
-    one = Straggler(settings, 2, 0)
+    one = Straggler(settings, 2, 0, 0)
     delays = [one.next_delay() for _ in range(DRAWS)]
     assert _shape_misses(distribution, delays, 0.010) == []
-    again = Straggler(settings, 2, 0)
+    again = Straggler(settings, 2, 0, 0)
     assert [again.next_delay() for _ in range(DRAWS)] == delays
-    assert not Straggler(settings, 2, 1).active
+    assert not Straggler(settings, 2, 1, 0).active
 
     as_another = {"fixed": "uniform", "uniform": "exponential", "exponential": "uniform"}[distribution]
     plain_next_delay = Straggler.next_delay
@@ -79,7 +98,7 @@ def test_delays_have_the_distributions_shape_and_repeat_with_the_seed(distributi
     for wrong in controls.values():
         with monkeypatch.context() as patched:
             patched.setattr(Straggler, "next_delay", wrong)
-            planted = Straggler(settings, 2, 0)
+            planted = Straggler(settings, 2, 0, 0)
             assert _shape_misses(distribution, [planted.next_delay() for _ in range(DRAWS)], 0.010) != []
 
 

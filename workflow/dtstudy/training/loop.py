@@ -199,7 +199,7 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
         grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
     grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
     return WorkerRun(spec, ctx, strategy, model, module, make_criterion(train), train_set, val_set, meta,
-                     sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank),
+                     sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank, spec.seed),
                      progress, preemption, tracker, grid_images, grid_every, compute, StepTimer(clock_for(ctx.device)))
 
 

@@ -125,7 +125,7 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
         "timings": timings,
         "strategy_params": spec.strategy_params(),
         "stragglers": {
-            "ranks": slow_ranks(spec.config["stragglers"], spec.workers),
+            "ranks": slow_ranks(spec.config["stragglers"], spec.workers, spec.seed),
             "injected_delay_s": [worker.injected_delay_s for worker in logs],
         },
         "strategy_metrics": strategy_summary,

@@ -2,6 +2,11 @@
 
 On identical CPUs every worker runs at the same pace and the difference between synchronous
 and asynchronous strategies hardly shows; slow workers make it measurable (Chen et al. 2016).
+
+The draws (which ranks, what delays) come from `stragglers.seed` together with the run's
+training seed: every strategy run with the same seed meets the same stragglers (a paired
+comparison), and each training seed is an independent replicate of them, so the spread over
+seeds includes the stragglers' (as the emulated clock's jitter, drawn per seed, already did).
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ from dtstudy.strategies import timing
 DISTRIBUTIONS = ("fixed", "uniform", "exponential")
 
 
-def slow_ranks(stragglers: dict, workers: int) -> list[int]:
-    """The slow workers of a run with N=workers: the given ranks, or a seeded draw of
-    round(fraction * N) of them."""
+def slow_ranks(stragglers: dict, workers: int, run_seed: int) -> list[int]:
+    """The slow workers of a run with N=workers and training seed run_seed: the given ranks,
+    or a seeded draw of round(fraction * N) of them."""
     if stragglers["ranks"]:
         return sorted(stragglers["ranks"])
     count = round(stragglers["fraction"] * workers)
-    return sorted(random.Random(stragglers["seed"]).sample(range(workers), count))
+    return sorted(random.Random(f"ranks-{stragglers['seed']}-{run_seed}").sample(range(workers), count))
 
 
 def check(stragglers: dict, workers_list: list[int]) -> None:
@@ -38,11 +43,11 @@ def check(stragglers: dict, workers_list: list[int]) -> None:
 class Straggler:
     """Sleeps at every step on a slow worker; does nothing on the others."""
 
-    def __init__(self, stragglers: dict, workers: int, rank: int):
-        self.active = rank in slow_ranks(stragglers, workers) and stragglers["delay_ms"] > 0
+    def __init__(self, stragglers: dict, workers: int, rank: int, run_seed: int):
+        self.active = rank in slow_ranks(stragglers, workers, run_seed) and stragglers["delay_ms"] > 0
         self.mean_s = stragglers["delay_ms"] / 1000.0
         self.distribution = stragglers["distribution"]
-        self.rng = random.Random(f"{stragglers['seed']}-{rank}")
+        self.rng = random.Random(f"delays-{stragglers['seed']}-{run_seed}-{rank}")
         self.total_s = 0.0
 
     def next_delay(self) -> float:
