@@ -63,7 +63,7 @@ from dtstudy.atomic_files import atomic_write
 from dtstudy.training.measurements import WorkerLog
 from dtstudy.runspec import RESUME_DIR, resume_files
 from dtstudy.strategies.base import CHECKPOINT, STOP  # what the workers agree on at a step boundary
-from dtstudy.strategies.specs import SPECS
+from dtstudy.strategies.specs import get_spec
 
 FORMAT = 2  # of the rank files; a file of another format is not used
 HEADER = b"dtstudy-resume sha256 "  # then the hex digest of the rest of the file, and a newline
@@ -102,7 +102,7 @@ def run_identity(spec) -> dict:
         "workers": spec.workers,
         "seed": spec.seed,
         "config_sha256": config_hash(spec.config),
-        "state_layout": SPECS[spec.strategy].state_layout,
+        "state_layout": get_spec(spec.strategy).state_layout,
     }
 
 
