@@ -13,6 +13,21 @@ HOST=$(hostname -s)
 t0=$(date +%s.%N)
 [[ $(id -u) == 0 ]] || { echo "up.sh: run as root (it starts slurmd, slurmctld, slurmdbd, mariadbd, munged)" >&2; exit 1; }
 
+# wait_for WHAT SECONDS CMD...: until CMD succeeds, by a wall-clock deadline, not a count of
+# tries: on a busy 2-core CI machine a daemon has taken over 30 s to answer, and each probe
+# may itself take seconds. Past the deadline: the error names WHAT and its log, and exits.
+wait_for() {
+  local what=$1 seconds=$2 log=$3; shift 3
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    if (( SECONDS >= deadline )); then
+      echo "up.sh: $what did not answer within $seconds s; the end of $log:" >&2
+      tail -5 "$log" >&2 || true; exit 1
+    fi
+    sleep 0.5
+  done
+}
+
 # 0) Packages (tests/slurm/install.sh, also run by .ci/run)
 bash "$HERE/install.sh"
 
@@ -58,21 +73,22 @@ fi
 nohup mariadbd --no-defaults --datadir="$D/data" --user=root --port=13306 --bind-address=127.0.0.1 \
   --socket="$D/mysqld.sock" --pid-file="$BASE/run/mariadbd.pid" --log-error="$BASE/log/mariadb.err" \
   --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 >/dev/null 2>&1 &
-for _ in $(seq 150); do mariadb-admin --no-defaults -S "$D/mysqld.sock" -u root ping >/dev/null 2>&1 && break; sleep 0.2; done
+DAEMON_WAIT_S=${DAEMON_WAIT_S:-120}
+wait_for MariaDB "$DAEMON_WAIT_S" "$BASE/log/mariadb.err" timeout 10 mariadb-admin --no-defaults -S "$D/mysqld.sock" -u root ping
 mariadb --no-defaults -S "$D/mysqld.sock" -u root -e "
   CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmpw';
   CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmpw';
   GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
   GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
 slurmdbd
-for _ in $(seq 100); do timeout 5 sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
+wait_for slurmdbd "$DAEMON_WAIT_S" "$BASE/log/slurmdbd.log" timeout 10 sacctmgr -n list cluster
 timeout 20 sacctmgr -i add cluster ci >/dev/null || true   # must exist before slurmctld starts
 
 # 5) slurmctld + slurmd; wait for the node to be idle
 slurmctld
 slurmd
-# A wall-clock deadline, not a count of tries: on a busy 2-core CI machine the node has taken
-# over 30 s to register, and each sinfo may itself take seconds.
+# By a deadline, as wait_for, and stopping at once if slurmctld dies (the node took over 30 s
+# to register on a busy 2-core CI machine).
 IDLE_WAIT_S=${IDLE_WAIT_S:-180}
 node_state() { timeout 10 sinfo -h -n "$HOST" -o %T 2>/dev/null || true; }
 deadline=$((SECONDS + IDLE_WAIT_S))
