@@ -11,6 +11,7 @@ import yaml
 from conftest import REPO, tiny_study, validated
 from dtstudy.config import run_kinds
 from dtstudy.config.study_config import run_config
+from dtstudy.errors import ConfigError
 from dtstudy.runspec import RunSpec
 
 WARMUP, TIMED = 8, 20
@@ -34,7 +35,7 @@ def test_a_scaling_runs_config_stops_after_warm_up_and_timed_steps_and_skips_the
 
 
 def test_the_kinds_runs_and_their_defaults():
-    study = scaling_study(workers=[1, 2, 4], seeds=[0, 1, 2], accuracy={"workers": [4]})
+    study = scaling_study(workers=[1, 2, 4], seeds=[0, 1, 2], accuracy={"workers": [4]}, train={"epochs": 2})
     assert run_kinds.kinds_run(study) == ["scaling", "accuracy"] and run_kinds.throughput_kind(study) == "scaling"
     assert run_kinds.workers(study, "scaling") == [1, 2, 4] and run_kinds.workers(study, "accuracy") == [4]
     assert run_kinds.seeds(study, "scaling") == run_kinds.seeds(study, "accuracy") == [0, 1, 2]
@@ -48,6 +49,21 @@ def test_the_default_config_says_it_trains_fully_at_every_n_and_the_cluster_conf
     assert default["scaling"]["steps"] is None  # stated, not left to the schema's default
     cluster = yaml.safe_load((REPO / "config/cluster.yaml").read_text())
     assert cluster["scaling"]["steps"] and set(cluster["accuracy"]["workers"]) < set(cluster["workers"])
+
+
+def test_a_scaling_run_that_train_epochs_would_cut_short_is_refused_before_any_job():
+    """The tiny data's 1800 training images give a worker 14 steps an epoch at N = 4 (450 images,
+    batch 32): one epoch cannot hold 8 warm-up + 20 timed steps, and the loop, which stops at
+    the epochs' end, would time 6 steps instead of 20 without a word."""
+    with pytest.raises(ConfigError, match=r"config key 'scaling.steps': 20 timed steps after scaling.warmup_steps 8 "
+                                          r"make a scaling run of 28 steps, but at N=4 a worker has 14 steps an "
+                                          r"epoch .* after 14; allowed: warmup_steps \+ steps of at most 14"):
+        scaling_study(workers=[1, 2, 4])
+    # what the message offers fits: two epochs, or no scaling runs at N = 4 (N = 2: 28 steps an epoch)
+    assert scaling_study(workers=[1, 2, 4], train={"epochs": 2})
+    assert validated(tiny_study(workers=[1, 2, 4], scaling={"steps": TIMED, "warmup_steps": WARMUP, "workers": [1, 2]}))
+    # strong scaling keeps the global batch: every N has 56 steps an epoch, and 28 fit
+    assert scaling_study(workers=[1, 2, 4], train={"scaling": "strong"})
 
 
 def summarize_steps(run_cfg: dict, slow: int, fast: int, images: int = 32) -> dict:
@@ -98,7 +114,7 @@ def test_check_config_counts_each_kind_at_its_own_n_and_seeds(tmp_path, capsys):
     from dtstudy.__main__ import cmd_check_config
 
     study = tiny_study(workers=[1, 2, 4], seeds=[0, 1, 2], scaling={"steps": TIMED, "warmup_steps": WARMUP},
-                       accuracy={"workers": [4], "seeds": [0]})
+                       accuracy={"workers": [4], "seeds": [0]}, train={"epochs": 2})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(study))
     cmd_check_config(argparse.Namespace(config=str(path), config_json=None))

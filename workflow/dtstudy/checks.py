@@ -1,8 +1,8 @@
 """The study config's checks that a schema cannot do, across every layer: strategy names and
 knobs for every N (strategy specs), the job layout over nodes, stragglers, the projection's
-hardware profiles, the data set on disk against the batch sizes, and a SLURM study's
-predicted cost (dtstudy.projection.budget: time limits against requeues, the GPU-hour
-budget). They run when the Snakefile is parsed, before any job starts (torch-free); every
+hardware profiles, the data set on disk against the batch sizes and the scaling runs' steps,
+and a SLURM study's predicted cost (dtstudy.projection.budget: time limits against requeues,
+the GPU-hour budget). They run when the Snakefile is parsed, before any job starts (torch-free); every
 error names the config key, the bad value and what is allowed. `load_config` reads, validates and checks a config file.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dtstudy.config import run_kinds
 from dtstudy.config.study_config import deep_merge, global_batch_size, read_yaml, run_config, validate_schema
 from dtstudy.data.checks import check_dataset, check_loader
 from dtstudy.data.errors import DataConfigError
@@ -82,8 +83,10 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     check_loader(config["loader"], config["launcher"]["device"])
     if check_data:
         counted = check_data_against_batches(config)
+        images = budget.study_images(config, counted)
+        check_scaling_steps_fit(config, images)
         # before any job: each run's time limit fits its requeues, the study its GPU-hour budget
-        budget.check_study(config, budget.study_images(config, counted))
+        budget.check_study(config, images)
         return counted
     return None
 
@@ -131,6 +134,25 @@ def check_data_against_batches(config: dict) -> int:
                 "lower the batch size or raise dataset.subset"
             )
     return train_images
+
+
+def check_scaling_steps_fit(config: dict, images: budget.Images) -> None:
+    """A scaling run's warm-up and timed steps fit in train.epochs at every N of scaling.workers:
+    the loop stops at the epochs' end, and a run cut short would time fewer steps than asked
+    (or leave half of its few steps out as warm-up) without a word."""
+    if not run_kinds.has_scaling_runs(config):
+        return
+    scaling, epochs = config[run_kinds.SCALING], config["train"]["epochs"]
+    wanted = scaling["warmup_steps"] + scaling["steps"]
+    per_epoch = {n: budget.steps_per_epoch(config, images, n) for n in run_kinds.workers(config, run_kinds.SCALING)}
+    workers = min(per_epoch, key=per_epoch.get)  # the largest N, unless train.scaling is strong
+    if per_epoch[workers] * epochs < wanted:
+        raise ConfigError(
+            f"config key 'scaling.steps': {scaling['steps']} timed steps after scaling.warmup_steps "
+            f"{scaling['warmup_steps']} make a scaling run of {wanted} steps, but at N={workers} a worker has "
+            f"{per_epoch[workers]} steps an epoch ({images.train} training images, {images.source}) and "
+            f"train.epochs {epochs} stops it after {per_epoch[workers] * epochs}; allowed: warmup_steps + steps "
+            f"of at most {per_epoch[workers] * epochs}, or more train.epochs or training images")
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:
