@@ -403,14 +403,15 @@ def test_plots_of_two_kinds_say_which_runs_each_comes_from(tmp_path, monkeypatch
     accuracy_dirs, scaling_dirs = two_kinds(tmp_path)
     df = load_runs(accuracy_dirs + scaling_dirs)
     titles, convergence_runs = [], []
-    real_finish, real_panels = plots._finish, plots._family_panels
-    monkeypatch.setattr(plots, "_finish", lambda ax, title, *rest: titles.append(title) or real_finish(ax, title, *rest))
+    real_save, real_panels = plots._save, plots._family_panels
+    monkeypatch.setattr(plots, "_save", lambda figure, path: titles.append(figure.get_suptitle()) or real_save(figure, path))
     paths = make_plots(df, load_run_metrics(accuracy_dirs + scaling_dirs), tmp_path / "plots", ["allreduce"])
     assert len(paths) == 5
-    assert any("throughput" in t and "scaling runs" in t for t in titles)
-    assert any("time to target" in t and "accuracy runs" in t for t in titles)
-    assert any("efficiency" in t and "scaling runs" in t for t in titles)
-    assert any("test top-1" in t and "accuracy runs" in t for t in titles)
+    assert any("Throughput" in t and "scaling runs" in t for t in titles)
+    assert any("Time to the target" in t and "accuracy runs" in t for t in titles)
+    assert any("Efficiency" in t and "scaling runs" in t for t in titles)
+    assert any("Test top-1" in t and "accuracy runs" in t for t in titles)
+    assert any("Validation top-1" in t and "accuracy runs" in t for t in titles)
     # the convergence plot draws the accuracy runs only (one line per N, the lowest seed)
     monkeypatch.setattr(plots, "_family_panels", lambda table, *a: convergence_runs.append(table) or real_panels(table, *a))
     plots.plot_convergence(df, {str(k): v for k, v in load_run_metrics(accuracy_dirs + scaling_dirs).items()},
@@ -429,6 +430,33 @@ def test_make_plots_writes_five_nontrivial_pngs(runs, run_dirs, tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 5_000, path
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(p.name for p in paths)
+
+
+def test_every_plots_titles_fit_in_it_and_do_not_overlap(tmp_path, monkeypatch):
+    """With a strategy of each family (four panels), each panel's title (its family) and the
+    figure's (what is plotted, from which runs) lie inside the image, apart from each other:
+    titles that said everything on each panel ran into the next panel's and past the image's edge."""
+    from dtstudy.analysis import plots
+
+    run_dirs = [write_run(tmp_path, strategy, workers, seed, windows=[100.0 * workers + seed] * 5, top1=0.8 + seed / 100)
+                for strategy in ("allreduce", "ps_sync", "local_sgd", "allreduce_powersgd")
+                for workers in (1, 2, 4) for seed in SEEDS]
+    figures = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure) or real_save(figure, path))
+    make_plots(load_runs(run_dirs), load_run_metrics(run_dirs), tmp_path / "plots")
+    assert len(figures) == 5 and all(len(figure.axes) == 4 for figure in figures)
+    outside, overlapping = [], []
+    for figure in figures:
+        renderer, page = figure.canvas.get_renderer(), figure.bbox
+        titles = [title for title in [figure._suptitle] + [ax.title for ax in figure.axes] if title and title.get_text()]
+        boxes = {title.get_text(): title.get_window_extent(renderer) for title in titles}
+        outside += [text for text, box in boxes.items()
+                    if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1)]
+        overlapping += [(a, b) for i, (a, box) in enumerate(boxes.items())
+                        for b, other in list(boxes.items())[i + 1:] if box.overlaps(other)]
+    assert not outside and not overlapping, (outside, overlapping)
+    assert all(figure.get_suptitle() for figure in figures)
 
 
 # --- the whole step, with a real MLflow store -----------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import matplotlib
 import pandas as pd
+from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -20,13 +21,15 @@ from dtstudy.strategies.specs import FAMILIES, REFERENCE_STRATEGY
 
 # One panel per strategy family (FAMILIES), so that no panel holds more than a handful of
 # lines; allreduce (the baseline) and no_exchange (the machine's ceiling) on every panel.
+# What is plotted and from which runs is the figure's title, once; a panel's title is its family.
 
-def _family_panels(table: pd.DataFrame, ncols: int = 2) -> tuple[Figure, list[tuple[str, object]]]:
+def _family_panels(table: pd.DataFrame, title: str, ncols: int = 2) -> tuple[Figure, list[tuple[str, object]]]:
     present = [f for f in FAMILIES if f != "reference" and (table["family"] == f).any()]
     present = present or ["all"]
     rows = math.ceil(len(present) / ncols)
     figure = Figure(figsize=(6.0 * min(ncols, len(present)), 4.0 * rows), layout="constrained")
     FigureCanvasAgg(figure)  # a bare Figure with an Agg canvas: no pyplot global state
+    figure.suptitle(title)
     return figure, [(family, figure.add_subplot(rows, min(ncols, len(present)), i + 1))
                     for i, family in enumerate(present)]
 
@@ -63,8 +66,8 @@ def _yerr(rows: pd.DataFrame, column: str):
     return [low.to_numpy(), high.to_numpy()]
 
 
-def _finish(ax, title: str, ylabel: str, rows: pd.DataFrame | None = None) -> None:
-    ax.set_title(title)
+def _finish(ax, family: str, ylabel: str, rows: pd.DataFrame | None = None) -> None:
+    ax.set_title(family)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     if rows is not None and "oversubscribed" in rows and rows["oversubscribed"].any():
@@ -104,7 +107,7 @@ def _source(table: pd.DataFrame) -> str:
 
 
 def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
-    figure, panels = _family_panels(scaling)
+    figure, panels = _family_panels(scaling, f"Throughput against N (95% CI; {_source(scaling)})")
     colors = _colors(list(dict.fromkeys(scaling["strategy"])))
     ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
     base_one = scaling[(scaling["strategy"] == BASELINE_STRATEGY) & (scaling["workers"] == 1)]["throughput"]
@@ -115,12 +118,12 @@ def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
             ax.plot(ns, [base_one.iloc[0] * n for n in ns], color="grey", linestyle="--", label="ideal thr(1)·N")
         _plot_ceiling(ax, ceiling, "throughput")
         _log2_workers_axis(ax, scaling["workers"])
-        _finish(ax, f"{family}: throughput (95% CI; {_source(scaling)})", "images/s (all workers)", rows)
+        _finish(ax, family, "images/s (all workers)", rows)
     return _save(figure, path)
 
 
 def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
-    figure, panels = _family_panels(scaling)
+    figure, panels = _family_panels(scaling, f"Efficiency E(N) = S(N)/N (95% CI; {_source(scaling)})")
     colors = _colors(list(dict.fromkeys(scaling["strategy"])))
     ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
     for family, ax in panels:
@@ -128,17 +131,18 @@ def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
         rows = _plot_strategies(ax, scaling, family, "efficiency", colors)
         _plot_ceiling(ax, ceiling, "efficiency")
         _log2_workers_axis(ax, scaling["workers"])
-        _finish(ax, f"{family}: efficiency E(N) = S(N)/N (95% CI; {_source(scaling)})", "efficiency", rows)
+        _finish(ax, family, "efficiency", rows)
     return _save(figure, path)
 
 
 def plot_accuracy(accuracy: pd.DataFrame, path: Path) -> Path:
-    figure, panels = _family_panels(accuracy)
+    figure, panels = _family_panels(
+        accuracy, f"Test top-1 against N (mean over seeds with its 95% CI, or the range of 2 seeds; {_source(accuracy)})")
     colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
     for family, ax in panels:
         _plot_strategies(ax, accuracy, family, "top1", colors)
         _log2_workers_axis(ax, accuracy["workers"])
-        _finish(ax, f"{family}: test top-1 (mean over seeds, CI or range; {_source(accuracy)})", "test top-1")
+        _finish(ax, family, "test top-1")
     return _save(figure, path)
 
 
@@ -146,17 +150,21 @@ def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this
     """Time to target_accuracy against N per family, the mean over the seeds that reached it with
     its interval (a log scale: it spans orders of magnitude from N=1 to the largest N); `clock`
     says whose seconds they are (an emulated study's are the cluster's)."""
-    figure, panels = _family_panels(accuracy)
+    figure, panels = _family_panels(accuracy, f"Time to the target accuracy against N (mean over the seeds that "
+                                              f"reached it, 95% CI or range; {_source(accuracy)})")
     colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
     for family, ax in panels:
         _plot_strategies(ax, accuracy, family, "time_to_accuracy_s", colors)
         _log2_workers_axis(ax, accuracy["workers"])
         if (accuracy["time_to_accuracy_s"] > 0).any():
             ax.set_yscale("log")
+            # plain seconds (3, 4, 6, 20) rather than 3x10^0 on the ticks of a range under a decade
+            for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                axis_ticks(ticker.FuncFormatter(lambda seconds, _position: f"{seconds:g}"))
         if _family_rows(accuracy, family)["time_to_accuracy_s"].isna().any():
             ax.annotate("no point: no seed reached the target", (0, 0), xycoords="axes fraction", xytext=(4, 4),
                         textcoords="offset points", fontsize="x-small", ha="left", va="bottom")
-        _finish(ax, f"{family}: time to target ({_source(accuracy)})", f"seconds to target ({clock} clock)")
+        _finish(ax, family, f"seconds to target ({clock} clock)")
     return _save(figure, path)
 
 
@@ -170,7 +178,7 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
     """Validation top-1 against training time, per family (the lowest seed of each run), of the accuracy runs."""
     df = runs_of_kind(df, ACCURACY)
     runs = sorted_by_strategy(_representative_runs(df[df["strategy"] != REFERENCE_STRATEGY]), strategies_order)
-    figure, panels = _family_panels(runs)
+    figure, panels = _family_panels(runs, f"Validation top-1 against training time (the lowest seed; {ACCURACY} runs)")
     colors = _colors(list(dict.fromkeys(runs["strategy"])))
     linestyles = ["-", "--", ":", "-."]
     worker_counts = sorted(runs["workers"].unique())
@@ -186,7 +194,7 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
         for target in targets - {None}:
             ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xlabel("training time (s, evaluation left out)")
-        _finish(ax, f"{family}: validation top-1 vs time ({ACCURACY} runs)", "validation top-1")
+        _finish(ax, family, "validation top-1")
     return _save(figure, path)
 
 
