@@ -106,7 +106,7 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     parent_run_id = mlflow_store.log_study_run(uri, experiment, child_run_ids, artifacts,
                                            params=study_params or {}, metrics=runs_by_kind)
     log(f"study run {parent_run_id} logged to {uri} with {len(child_run_ids)} child runs")
-    view = mlflow_store.publish_runs_view(uri, mlflow_store.init_store(uri, experiment), parent_run_id)
+    view = mlflow_store.publish_runs_view(uri, mlflow_store.init_store(uri, experiment))
     log(f"in the MLflow UI (mlflow ui --backend-store-uri {uri}): open http://localhost:5000/{view}")
     return {"runs": len(df), "tables": table_paths, "plots": plot_paths,
             "parent_run_id": parent_run_id, "tracking_uri": uri}
