@@ -75,6 +75,23 @@ def test_checks_beyond_the_schema(override, words):
         assert word in str(err.value)
 
 
+def test_a_run_configs_operational_keys_are_schema_keys_and_split_off_whole():
+    """The keys the rules pass apart (untracked) exist in the schema, so a rename cannot leave one
+    tracked by mistake; the two parts merge back into the run config."""
+    from dtstudy.config import schema
+    from dtstudy.config.study_config import OPERATIONAL_KEYS, operational_part, results_part
+
+    properties = schema.load_schema()["properties"]
+    for section, keys in OPERATIONAL_KEYS.items():
+        assert set(keys) <= set(properties[section]["properties"]), section
+    run = run_config(validated(tiny_study(tracking={"uri": "http://login1:5000"})), "allreduce")
+    kept, apart = results_part(run), operational_part(run)
+    assert "timeout_min" not in kept["launcher"] and "uri" not in kept["tracking"]
+    assert kept["launcher"]["cluster"] == "local" and kept["tracking"]["experiment"] == run["tracking"]["experiment"]
+    assert apart["tracking"] == {"uri": "http://login1:5000", "wait_for_server_s": run["tracking"]["wait_for_server_s"]}
+    assert deep_merge(kept, apart) == run
+
+
 def test_run_config_keeps_only_what_a_run_depends_on():
     config = validated(tiny_study(strategy_params={"allreduce": {"bucket_cap_mb": 5}}))
     selected = run_config(config, "allreduce")

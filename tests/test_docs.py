@@ -520,3 +520,14 @@ def test_the_values_config_readme_quotes_for_the_shipped_configs_are_theirs():
         if not same(yaml.safe_load(written), actual):
             wrong.append(f"{name}: README says {key}: {written}, the file {actual!r}")
     assert not wrong, "config/README.md:\n" + "\n".join(wrong)
+
+
+def test_config_readme_lists_exactly_the_operational_keys():
+    """The keys config/README.md says can change mid-study without a rerun are the ones the
+    rules pass apart (study_config.OPERATIONAL_KEYS): a key added to either alone fails."""
+    from dtstudy.config.study_config import OPERATIONAL_KEYS
+
+    section = CONFIG_README.read_text().split("## `launcher`", 1)[1].split("| key |", 1)[0]
+    listed = set(re.findall(r"`([\w.]+)`", section))
+    expected = {key for key in OPERATIONAL_KEYS["launcher"]} | {f"tracking.{key}" for key in OPERATIONAL_KEYS["tracking"]}
+    assert listed == expected

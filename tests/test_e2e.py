@@ -162,3 +162,22 @@ def test_rerun_has_nothing_to_do(study):
     result = run_snakemake(study, STUDY, "--dry-run", "--cores", "2")
     assert result.returncode == 0
     assert "Nothing to be done" in result.stdout + result.stderr
+
+
+def test_changing_how_runs_are_launched_retrains_nothing_and_changing_what_they_compute_retrains_all(study):
+    """A longer time limit, more requeues, a budget or another MLflow server address
+    (study_config.OPERATIONAL_KEYS) leave the finished runs as they are (init_tracking, seconds,
+    checks the tracking settings again); a learning rate does not."""
+    from dtstudy.config.study_config import deep_merge
+
+    operational = {"launcher": {"timeout_min": 240, "max_requeues": 9, "comm_timeout_s": 90, "gpu_hour_budget": 50.0},
+                   "tracking": {"wait_for_server_s": 30}}
+    result = run_snakemake(study, deep_merge(STUDY, operational), "--dry-run", "--cores", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.findall(r"^(\w+)\s+\d+$", result.stdout.split("Job stats:", 1)[1].split("\n\n", 1)[0], flags=re.M) \
+        == ["init_tracking", "total"], result.stdout[-2000:]
+    result = run_snakemake(study, deep_merge(STUDY, {"train": {"base_lr": 0.07}}), "--dry-run", "--cores", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    output = result.stdout + result.stderr
+    assert re.search(rf"^train\s+{2 * len(NAMES)}$", output, flags=re.M) and "params have changed" in output
+    run_snakemake(study, STUDY, "--dry-run", "--cores", "2")  # the fixture's config file back

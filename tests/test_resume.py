@@ -7,6 +7,7 @@ again from step 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from conftest import assert_same_parameters, tiny_study, validated
+from dtstudy.config.study_config import deep_merge
 from dtstudy.training import checkpoint
 from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE, RunSpec
 
@@ -343,6 +345,14 @@ def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny
     assert checkpoint.load_agreed(other.out_dir, checkpoint.run_identity(other), 0, 1, None, say) is None
     assert "written by another run: config_sha256" in said[-1] and "starts from step 0" in said[-1]
     assert not checkpoint.resume_dir(spec.out_dir).exists()  # removed, never picked up later
+
+    # a longer time limit, more requeues, another MLflow server (the operational keys) keep the checkpoint
+    launched_otherwise = dataclasses.replace(spec, config=deep_merge(spec.config, {
+        "launcher": {"timeout_min": 600, "max_requeues": 9}, "tracking": {"uri": "http://login2:5000"}}))
+    checkpoint.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.arange(3)})
+    state = checkpoint.load_agreed(spec.out_dir, checkpoint.run_identity(launched_otherwise), 0, 1, None, say)
+    assert state is not None and torch.equal(state["x"], torch.arange(3))
+    checkpoint.clear(spec.out_dir)
 
     two = checkpoint.run_identity(make_spec(tmp_path, tiny_data, workers=2))
     checkpoint.save_rank(spec.out_dir, 0, two, 20, {})

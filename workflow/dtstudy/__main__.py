@@ -90,6 +90,8 @@ def cmd_train(args) -> None:
     cfg = _config(args)
     if "strategies" in cfg:  # a whole study config: keep what this run depends on
         cfg = study_config.run_config(cfg, args.strategy)
+    if args.operational_json:  # the rules pass the launch keys apart (study_config.OPERATIONAL_KEYS)
+        cfg = study_config.deep_merge(cfg, json.loads(args.operational_json))
     spec = RunSpec(
         strategy=args.strategy,
         workers=args.workers,
@@ -250,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="prepared data folder")
     p.add_argument("--out", required=True, help="run folder (metrics.json, model.pt)")
     p.add_argument("--job-dir", help="submitit's folder for the job's logs (default: <out>/submitit)")
+    p.add_argument("--operational-json", help="the run's launch keys as JSON, merged over --config-json (the rules "
+                   "pass them apart: changing them reruns nothing)")
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     p.set_defaults(func=cmd_train)
 

@@ -77,9 +77,19 @@ def config_json(section_keys=None):
 
 
 def run_config_json(kind):
-    """A params function: only what one training run of `kind` depends on, so unrelated config
-    edits trigger no rerun."""
-    return lambda wildcards: study_config.to_json(study_config.run_config(config, wildcards.strategy, kind))
+    """A params function: only what one training run of `kind` computes with, so unrelated
+    config edits trigger no rerun (its operational keys: operational_json)."""
+    return lambda wildcards: study_config.to_json(
+        study_config.results_part(study_config.run_config(config, wildcards.strategy, kind)))
+
+
+def operational_json(kind):
+    """A params function: how one training run of `kind` is launched and watched
+    (study_config.OPERATIONAL_KEYS: time limits, requeues, the MLflow server...). It takes
+    `input`, which makes it a derived param that Snakemake does not track: changing one of
+    these keys retrains no finished run."""
+    return lambda wildcards, input: study_config.to_json(
+        study_config.operational_part(study_config.run_config(config, wildcards.strategy, kind)))
 
 
 def folder_of(kind, name):

@@ -23,6 +23,7 @@ rule train:
         "results/logs/train/{strategy}/n{workers}/seed{seed}.log",
     params:
         config=run_config_json(run_kinds.ACCURACY),
+        operational=operational_json(run_kinds.ACCURACY),
         data=folder_of("input", "data"),
         out=folder_of("output", "metrics"),
         job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
@@ -30,7 +31,8 @@ rule train:
     conda:
         "../../envs/study.yaml"
     shell:
-        "python -m dtstudy train --config-json {params.config:q} --strategy {wildcards.strategy}"
+        "python -m dtstudy train --config-json {params.config:q} --operational-json {params.operational:q}"
+        " --strategy {wildcards.strategy}"
         " --workers {wildcards.workers} --seed {wildcards.seed} --data {params.data}"
         " --out {params.out} --job-dir {params.job_dir} > {log} 2>&1"
 
@@ -43,6 +45,7 @@ use rule train as train_scaling with:
         "results/logs/train/scaling/{strategy}/n{workers}/seed{seed}.log",
     params:
         config=run_config_json(run_kinds.SCALING),
+        operational=operational_json(run_kinds.SCALING),
         data=folder_of("input", "data"),
         out=folder_of("output", "metrics"),
         job_dir="results/logs/submitit/scaling/{strategy}/n{workers}/seed{seed}",

@@ -17,7 +17,19 @@ import yaml
 from dtstudy.config import run_kinds, schema
 from dtstudy.errors import ConfigError
 
-__all__ = ["ConfigError", "deep_merge", "read_yaml", "run_config", "validate_schema"]
+__all__ = ["ConfigError", "OPERATIONAL_KEYS", "deep_merge", "operational_part", "read_yaml", "results_part",
+           "run_config", "validate_schema"]
+
+#: the keys of a run's config that decide how it is launched, watched and paid for, not what it
+#: computes: a longer time limit, more requeues, another MLflow server address or a budget must
+#: neither retrain the finished runs (Snakemake reruns a job whose tracked params changed: the
+#: rules pass these apart, untracked, common.smk) nor void an interrupted run's checkpoint
+#: (dtstudy.training.checkpoint.run_identity hashes results_part)
+OPERATIONAL_KEYS = {
+    "launcher": ("timeout_min", "comm_timeout_s", "signal_delay_s", "max_requeues", "max_resubmits", "hardware",
+                 "time_limit_margin", "gpu_hour_budget", "budget_train_images", "mem_gb", "account", "qos"),
+    "tracking": ("uri", "wait_for_server_s"),
+}
 
 
 def validate_schema(config: dict) -> dict:
@@ -83,6 +95,21 @@ def run_config(config: dict, strategy: str, kind: str = run_kinds.ACCURACY) -> d
     if config["launcher"]["cluster"] == "emulate":  # its clock's hardware (absent otherwise: no rerun of real runs)
         selected["emulate"] = copy.deepcopy(config["emulate"])
     return deep_merge(selected, run_kinds.run_config_changes(config, kind))
+
+
+def results_part(run_cfg: dict) -> dict:
+    """A run config without its OPERATIONAL_KEYS: what decides the run's numbers."""
+    kept = copy.deepcopy(run_cfg)
+    for section, keys in OPERATIONAL_KEYS.items():
+        for key in keys:
+            kept.get(section, {}).pop(key, None)
+    return kept
+
+
+def operational_part(run_cfg: dict) -> dict:
+    """A run config's OPERATIONAL_KEYS alone; deep_merge(results_part(c), operational_part(c)) == c."""
+    return {section: {key: copy.deepcopy(run_cfg[section][key]) for key in keys if key in run_cfg.get(section, {})}
+            for section, keys in OPERATIONAL_KEYS.items() if section in run_cfg}
 
 
 def tracking_uri(uri: str | None, results_dir: str | Path = "results") -> str:

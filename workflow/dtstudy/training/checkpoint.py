@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from dtstudy.atomic_files import atomic_write
+from dtstudy.config import study_config
 from dtstudy.training.measurements import WorkerLog
 from dtstudy.runspec import RESUME_DIR, resume_files
 from dtstudy.strategies.base import CHECKPOINT, STOP  # what the workers agree on at a step boundary
@@ -95,13 +96,14 @@ def config_hash(config: dict) -> str:
 
 
 def run_identity(spec) -> dict:
-    """What a rank file must match to be resumed from: the same run with the same config."""
+    """What a rank file must match to be resumed from: the same run with the same config, its
+    operational keys left out (a longer time limit or more requeues keep the checkpoint)."""
     return {
         "run_name": spec.run_name,
         "strategy": spec.strategy,
         "workers": spec.workers,
         "seed": spec.seed,
-        "config_sha256": config_hash(spec.config),
+        "config_sha256": config_hash(study_config.results_part(spec.config)),
         "state_layout": get_spec(spec.strategy).state_layout,
     }
 
