@@ -100,13 +100,16 @@ def mlflow_server(tmp_path_factory):
 
 
 def make_image_folder(root: Path, per_class: int) -> Path:
+    """Two classes of `per_class` 8x8 PNGs each (hard links to one file: thousands are quick)."""
     from PIL import Image
 
-    image = Image.new("RGB", (8, 8))
+    root.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(root / "one.png")
     for label in ("a", "b"):
         (root / "train" / label).mkdir(parents=True)
         for index in range(per_class):
-            image.save(root / "train" / label / f"{index}.png")
+            os.link(root / "one.png", root / "train" / label / f"{index}.png")
+    (root / "one.png").unlink()
     return root
 
 
@@ -114,9 +117,10 @@ def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path
     """`snakemake --profile slurm -n` with only dataset.root filled in: every scaling run (strategy,
     N, seed) as a train_scaling job and every accuracy run as a train job, with its evaluation."""
     full = yaml.safe_load((REPO / "config" / "cluster.yaml").read_text())
-    # enough images for the largest global batch (64 x 32) once test_fraction (0.1, a train/
-    # folder alone) and val_fraction (0.02) are held out
-    root = make_image_folder(tmp_path / "images", per_class=1250)
+    # enough images, once test_fraction (0.1, a train/ folder alone) and val_fraction (0.02) are
+    # held out, for a scaling run's 50 + 200 steps in train.epochs 30 at N = 64 (batch 32):
+    # 9 steps an epoch, 288 images per worker
+    root = make_image_folder(tmp_path / "images", per_class=10500)
     process = slurm_snakemake(tmp_path, {"dataset": {"root": str(root)}}, "--dry-run")
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, output[-5000:]

@@ -150,7 +150,8 @@ def check_scaling_steps_fit(config: dict, images: budget.Images) -> None:
         raise ConfigError(
             f"config key 'scaling.steps': {scaling['steps']} timed steps after scaling.warmup_steps "
             f"{scaling['warmup_steps']} make a scaling run of {wanted} steps, but at N={workers} a worker has "
-            f"{per_epoch[workers]} steps an epoch ({images.train} training images, {images.source}) and "
+            f"{per_epoch[workers]} step{'' if per_epoch[workers] == 1 else 's'} an epoch ({images.train} training "
+            f"images, {images.source}) and "
             f"train.epochs {epochs} stops it after {per_epoch[workers] * epochs}; allowed: warmup_steps + steps "
             f"of at most {per_epoch[workers] * epochs}, or more train.epochs or training images")
 
