@@ -2,8 +2,9 @@
 knobs for every N (strategy specs), the job layout over nodes, stragglers, the projection's
 hardware profiles, the data set on disk against the batch sizes and the scaling runs' steps,
 and a SLURM study's predicted cost (dtstudy.projection.budget: time limits against requeues,
-the GPU-hour budget). They run when the Snakefile is parsed, before any job starts (torch-free); every
-error names the config key, the bad value and what is allowed. `load_config` reads, validates and checks a config file.
+the GPU-hour budget). They run when the Snakefile is parsed, before any job starts
+(torch-free); every error names the config key, the bad value and what is allowed.
+`load_config` reads, validates and checks a config file.
 """
 
 from __future__ import annotations
@@ -146,14 +147,14 @@ def check_scaling_steps_fit(config: dict, images: budget.Images) -> None:
     wanted = scaling["warmup_steps"] + scaling["steps"]
     per_epoch = {n: budget.steps_per_epoch(config, images, n) for n in run_kinds.workers(config, run_kinds.SCALING)}
     workers = min(per_epoch, key=per_epoch.get)  # the largest N, unless train.scaling is strong
-    if per_epoch[workers] * epochs < wanted:
+    steps, fits = per_epoch[workers], per_epoch[workers] * epochs
+    if fits < wanted:
         raise ConfigError(
             f"config key 'scaling.steps': {scaling['steps']} timed steps after scaling.warmup_steps "
             f"{scaling['warmup_steps']} make a scaling run of {wanted} steps, but at N={workers} a worker has "
-            f"{per_epoch[workers]} step{'' if per_epoch[workers] == 1 else 's'} an epoch ({images.train} training "
-            f"images, {images.source}) and "
-            f"train.epochs {epochs} stops it after {per_epoch[workers] * epochs}; allowed: warmup_steps + steps "
-            f"of at most {per_epoch[workers] * epochs}, or more train.epochs or training images")
+            f"{steps} step{'' if steps == 1 else 's'} an epoch ({images.train} training images, {images.source}) "
+            f"and train.epochs {epochs} stops it after {fits}; allowed: warmup_steps + steps of at most {fits}, "
+            "or more train.epochs or training images")
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:
