@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,12 @@ def run_snakemake(workdir: Path, config: dict, *args: str, timeout: int = 900) -
         "--directory", str(workdir), "--configfile", str(config_path), *args,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Snakemake's 'Job stats' table as {rule: count}."""
+    table = output.split("Job stats:", 1)[1]
+    return {rule: int(count) for rule, count in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M) if rule != "total"}
 
 
 def read_json(path: Path) -> dict:

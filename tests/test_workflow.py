@@ -11,14 +11,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, run_snakemake, tiny_study
+from conftest import REPO, job_counts, run_snakemake, tiny_study
 from dtstudy.strategies.registry import STRATEGIES
-
-
-def job_counts(output: str) -> dict[str, int]:
-    """Snakemake's 'Job stats' table as {rule: count}."""
-    table = output.split("Job stats:", 1)[1]
-    return {rule: int(count) for rule, count in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M) if rule != "total"}
 
 
 def dry_run(tmp_path, config, *args):
