@@ -11,8 +11,10 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +127,67 @@ def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, 
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     [run] = training_runs(uri)
     assert run.info.status == "FAILED" and f"rank {victim} was lost" in run.data.tags["dtstudy.failure"]
+
+
+def _watch_over(tmp_path: Path, monkeypatch, peer_pid: int):
+    """Rank 0's PeerWatch of an N=2 run whose rank 1 is process `peer_pid` on this host, with
+    the run's store (rank 0 hosts it; the store object must outlive the watch)."""
+    import json
+
+    import torch.distributed as dist
+
+    from dtstudy.launch.ports import free_port
+    from dtstudy.launch.process_group import PeerWatch
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    store.set("dtstudy/peer/1", json.dumps({"host": socket.gethostname(), "pid": peer_pid, "log": "rank1.err"}))
+    store.add("dtstudy/beat/1", 1)
+    return store, PeerWatch(0, 2, comm_timeout_s=60, log="rank0.err", record=tmp_path / "lost.json").start()
+
+
+def test_a_failing_process_names_a_peer_whose_death_shows_just_after_its_own_error(tmp_path, monkeypatch):
+    """A SIGKILLed peer's connections close before its process shows as gone (on a loaded
+    machine, for a moment): the process that fails on the closed connection still names it."""
+    peer = subprocess.Popen(["sleep", "60"])
+    store, watch = _watch_over(tmp_path, monkeypatch, peer.pid)
+    killer = threading.Timer(0.5, peer.kill)  # gone after this process's error arrived
+    killer.start()
+    started = time.monotonic()
+    watch.fail()
+    took = time.monotonic() - started
+    peer.wait()
+
+    lost = read_json(tmp_path / "lost.json")
+    assert (lost["rank"], lost["seen_by"], lost["log"]) == (1, 0, "rank1.err"), lost
+    assert lost["why"] == f"its process {peer.pid} on {socket.gethostname()} is gone", lost
+    assert took < 2.0, f"fail() took {took:.1f} s after the peer went"
+
+
+def test_a_process_failing_of_its_own_error_names_no_peer_and_ends_soon(tmp_path, monkeypatch):
+    """Its peer lives on (blocked in a collective, say): no peer is named, and the look for a
+    killed one ends after LOSS_SETTLE_S; a peer that said it failed ends the look at once."""
+    from dtstudy.launch.process_group import LOSS_SETTLE_S
+
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        store, watch = _watch_over(tmp_path, monkeypatch, peer.pid)
+        started = time.monotonic()
+        watch.fail()
+        alive_took = time.monotonic() - started
+        store, watch = _watch_over(tmp_path, monkeypatch, peer.pid)
+        store.set("dtstudy/failed/1", "1")
+        started = time.monotonic()
+        watch.fail()
+        said_took = time.monotonic() - started
+    finally:
+        peer.kill()
+        peer.wait()
+    assert not (tmp_path / "lost.json").exists()
+    assert LOSS_SETTLE_S <= alive_took < LOSS_SETTLE_S + 2.5, alive_took
+    assert said_took < LOSS_SETTLE_S / 2, said_took
 
 
 def test_a_slurm_job_ends_all_its_tasks_when_one_fails():

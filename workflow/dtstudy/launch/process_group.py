@@ -148,6 +148,7 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
 
 HEARTBEAT_S = 1.0  # how often a process beats in the store and looks at its peers
 STORE_GONE_GRACE_S = 5.0  # rank 0's store unreachable this long (it hosts it): rank 0 is lost
+LOSS_SETTLE_S = 2.0  # a failing process looks this long for a peer that was killed (the cause)
 
 
 class PeerWatch:
@@ -190,11 +191,24 @@ class PeerWatch:
         """This process fails (an exception; often a peer's loss, seen as a closed connection):
         say so, so that its peers do not take it for the lost one, and name a peer that is
         gone without a word (killed), if any."""
-        if self._stop_watching("failed"):
-            with contextlib.suppress(Exception):
+        if not self._stop_watching("failed"):
+            return
+        # a killed peer's sockets close before its process shows as gone: look again for a moment
+        deadline = time.monotonic() + LOSS_SETTLE_S
+        with contextlib.suppress(Exception):
+            while True:
                 lost = [(r, why) for r, why, failed in self._check() if not failed]
                 if lost:
                     self._record(*lost[0])
+                    return
+                if self._every_peer_said() or time.monotonic() >= deadline:
+                    return  # each peer failed or left itself, or none went: this process's own error
+                time.sleep(LOSS_SETTLE_S / 20)
+
+    def _every_peer_said(self) -> bool:
+        """Whether every peer has said that it failed or left (so none was killed)."""
+        return all(self.store.check([f"dtstudy/failed/{r}"]) or self.store.check([f"dtstudy/left/{r}"])
+                   for r in self.peers)
 
     def _stop_watching(self, how: str) -> bool:
         if self._left.is_set() or self._thread is None:
