@@ -23,9 +23,9 @@ the intervals are too wide (or too few seeds) to tell, which is not "within the 
 sign that nothing changed. A claim some of whose comparisons are undecided is UNDECIDED or PARTLY
 and names them. Intervals are read as the table gives them, unclipped: a top-1 interval
 outside [0, 1] says that there are too few seeds for its spread, and the reading says so.
-A claim whose strategies the study did not run is "not measured", with the reason (e.g. the
-parameter servers are not emulated yet: their spec's not_emulated_because), so that running
-them needs no change here.
+A claim whose strategies the study did not run is "not measured", with the reason (the study
+does not run them, or a strategy cannot be emulated: its spec's not_emulated_because), so that
+running them needs no change here.
 """
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ def not_run(table: pd.DataFrame, strategies: Sequence[str]) -> str | None:
     if not absent:
         return None
     refused = [name for name in absent if SPECS[name].not_emulated_because]
-    why = (f"the parameter servers are not emulated yet ({', '.join(refused)}: "
-           f"{SPECS[refused[0]].not_emulated_because})" if refused else "the study does not run them")
+    why = (f"{', '.join(refused)} cannot be emulated yet: {SPECS[refused[0]].not_emulated_because}" if refused
+           else "the study does not run them")
     return f"no runs of {', '.join(absent)}; {why}"
 
 
