@@ -531,3 +531,27 @@ def test_config_readme_lists_exactly_the_operational_keys():
     listed = set(re.findall(r"`([\w.]+)`", section))
     expected = {key for key in OPERATIONAL_KEYS["launcher"]} | {f"tracking.{key}" for key in OPERATIONAL_KEYS["tracking"]}
     assert listed == expected
+
+
+def test_every_count_of_the_cluster_studys_jobs_is_the_configs():
+    """The full-size study's training jobs, runs of each kind and strategies, wherever the docs
+    and the config's own comment count them, are what config/cluster.yaml makes."""
+    from dtstudy.config import run_kinds
+
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = deep_merge(base, yaml.safe_load((REPO / "config" / "cluster.yaml").read_text()))
+    counts = {kind: run_kinds.run_count(config, kind) for kind in run_kinds.kinds_run(config)}
+    expected = {"training jobs": sum(counts.values()), "scaling runs": counts["scaling"],
+                "accuracy runs": counts["accuracy"], "strategies": len(config["strategies"])}
+    quoted = []
+    for path in (REPO / "README.md", REPO / "docs" / "cluster.md", REPO / "docs" / "testing.md",
+                 REPO / "config" / "cluster.yaml"):
+        text = " ".join(path.read_text().split())
+        counted = r"(\d+) (?:SLURM )?training jobs|(\d+) (scaling|accuracy) runs|(\d+) strategies other"
+        for match in re.finditer(counted, text):
+            what = ("training jobs" if match[1] else f"{match[3]} runs" if match[2] else "strategies")
+            quoted.append((path.name, what, int(match[1] or match[2] or match[4])))
+    assert {name for name, _, _ in quoted} == {"README.md", "cluster.md", "testing.md", "cluster.yaml"}, quoted
+    wrong = [f"{name} says {count} {what}, config/cluster.yaml makes {expected[what]}"
+             for name, what, count in quoted if count != expected[what]]
+    assert not wrong, "\n".join(wrong)
