@@ -115,3 +115,23 @@ def test_bad_straggler_settings(stragglers, words):
         validated(tiny_study(stragglers=stragglers))
     for word in words:
         assert word in str(err.value)
+
+
+def test_command_line_values_are_typed_and_a_config_files_text_is_not():
+    """What Snakemake's --config left as text becomes what YAML would read; the rest of the
+    config (a file's "64", a model name, an address) is untouched, so the schema refuses it."""
+    from dtstudy.config.study_config import retype_command_line
+
+    config = deep_merge(tiny_study(), {"train": {"batch_size": "64"}})  # as a config file wrote it
+    command_line = {"workers": ["1", "2"], "target_accuracy": "null", "model": "lenet5",
+                    "train": {"epochs": "2", "base_lr": "0.05", "nesterov": "true", "max_steps": "~"},
+                    "tracking": {"uri": "http://login1:5000"}}
+    config = deep_merge(config, command_line)  # as Snakemake merges --config over the files
+    retype_command_line(config, command_line)
+    assert config["workers"] == [1, 2] and config["target_accuracy"] is None and config["model"] == "lenet5"
+    assert {key: config["train"][key] for key in command_line["train"]} == {
+        "epochs": 2, "base_lr": 0.05, "nesterov": True, "max_steps": None}
+    assert config["tracking"]["uri"] == "http://login1:5000"
+    assert config["train"]["batch_size"] == "64"  # not the command line's: still refused
+    with pytest.raises(ConfigError, match=r"'train.batch_size': '64' is not an integer"):
+        validate_schema(config)

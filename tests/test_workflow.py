@@ -55,6 +55,19 @@ def test_one_train_and_evaluate_job_per_strategy_workers_seed(tmp_path, workers,
             assert f"results/runs/allreduce/n{n}/seed{seed}/metrics.json" in result.stdout
 
 
+def test_values_given_with_snakemakes_config_option_take_their_types(tmp_path):
+    """`--config workers=[1,2,4] 'train={epochs: 2}'` as a user types it: Snakemake reads a
+    list's and a mapping's items as text, and the study reads them as the numbers they are."""
+    study = tiny_study(workers=[1], seeds=[0], train={"batch_size": 8})
+    result = dry_run(tmp_path, study, "--cores", "2", "--config", "workers=[1,2,4]", "seeds=[0,1]",
+                     "train={epochs: 2, max_steps: null}", "--printshellcmds")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert job_counts(result.stdout)["train"] == 6
+    [train] = [json.loads(shlex.split(line.split("--config-json", 1)[1])[0]) for line in result.stdout.splitlines()
+               if "dtstudy train" in line and "n4/seed1" in line]
+    assert (train["train"]["epochs"], train["train"]["max_steps"], train["train"]["batch_size"]) == (2, None, 8)
+
+
 def jobs_of(dry_run_output: str, rule: str) -> dict[tuple[str, int, int], str]:
     """{(strategy, N, seed): the job's block} of `rule`'s jobs in a dry run's output."""
     found = {}

@@ -16,7 +16,8 @@ from dtstudy.runspec import RunSpec
 # for an integer), then the checks a schema cannot do (registry, knobs for every N, data on
 # disk): fail before any job starts. The data set is walked once, in the main Snakemake
 # process, not again in every job.
-study_config.validate_schema(config)
+# Snakemake's --config reads a list's or mapping's items as text (workers=[1,2]): typed first.
+study_config.validate_schema(study_config.retype_command_line(config, workflow.config_settings.config))
 TRAIN_IMAGES = check_config(config, check_data=workflow.is_main_process)  # None in a job's parse
 
 DATASET = config["dataset"]["name"]

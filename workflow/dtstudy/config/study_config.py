@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from dtstudy.config import run_kinds, schema
 from dtstudy.errors import ConfigError
 
 __all__ = ["ConfigError", "OPERATIONAL_KEYS", "deep_merge", "operational_part", "read_yaml", "results_part",
-           "run_config", "validate_schema"]
+           "retype_command_line", "run_config", "validate_schema"]
 
 #: the keys of a run's config that decide how it is launched, watched and paid for, not what it
 #: computes: a longer time limit, more requeues, another MLflow server address or a budget must
@@ -41,6 +42,45 @@ def validate_schema(config: dict) -> dict:
     schema.validate_config(config)
     config["strategy_params"] = knobs_as_written
     run_kinds.check(config)  # the scaling and accuracy runs' keys against each other and `workers`
+    return config
+
+
+#: the words YAML reads as null and as true or false, where Snakemake's --config left them text
+_YAML_NULL, _YAML_BOOLEANS = ("null", "Null", "NULL", "~"), {"true": True, "True": True, "false": False, "False": False}
+
+
+def retype_command_line(config: dict, command_line: Mapping) -> dict:
+    """Give the values set with Snakemake's `--config` the types a config file would: it reads
+    the items of a list or mapping (`workers=[1,2]`, `'train={epochs: 2}'`) and the words
+    null, true and false as text, which the strict schema would refuse ("'1' is not an
+    integer"). Only `command_line`'s values change, in `config` (where Snakemake merged them):
+    a config file's "64" stays text and is refused. Returns `config`."""
+    def typed(value):
+        if isinstance(value, Mapping):
+            return {key: typed(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [typed(item) for item in value]
+        if not isinstance(value, str):
+            return value
+        if value in _YAML_NULL:
+            return None
+        if value in _YAML_BOOLEANS:
+            return _YAML_BOOLEANS[value]
+        for number in (int, float):
+            try:
+                return number(value)
+            except ValueError:
+                pass
+        return value
+
+    def apply(target: dict, overlay: Mapping) -> None:
+        for key, value in overlay.items():
+            if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+                apply(target[key], value)  # merged key by key: only the keys the command line gave
+            else:
+                target[key] = typed(value)
+
+    apply(config, command_line)
     return config
 
 
