@@ -246,8 +246,12 @@ def test_the_budget_command_prints_every_run_and_the_total_and_refuses_over_budg
                                                              for n in (1, 2, 4, 8, 16, 32, 64)]
     assert [row for row in rows if row[0] == "accuracy"] == [["accuracy", s, str(n)] for s in ("allreduce", "ps_sync")
                                                               for n in (1, 8, 64)]
+    assert done.stdout.startswith("Predicted cost of the study: 168 scaling runs (2 seeds each, the scaling table); "
+                                  "108 accuracy runs (3 seeds each, ")
     assert "GPU-hours per kind of run: scaling runs " in done.stdout
     assert "total: " in done.stdout and "GPU-hours on h100_ib400" in done.stdout
+    one_seed = run_budget("--configfile", "config/cluster.yaml", "--set", "seeds=[0]")
+    assert "108 accuracy runs" not in one_seed.stdout and " accuracy runs (1 seed each, " in one_seed.stdout
     assert "minotauro_k80: not costed, no train_images_per_s.resnet50.bf16" in done.stdout
     over = run_budget("--configfile", "config/cluster.yaml", "--set", "launcher.gpu_hour_budget=100")
     assert over.returncode == 2 and "config key 'launcher.gpu_hour_budget'" in over.stderr

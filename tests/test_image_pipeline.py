@@ -311,6 +311,7 @@ def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(m
     assert [entry["images"] for entry in metrics["val"]] == [meta["sizes"]["val"]] * 2  # every val image
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "submitit").rglob("*_log.out"))
     assert "input pipeline: train {'transform': 'random_resized_crop_flip'" in logs and "'workers': 1" in logs
+    assert f"'decoder': '{decoder}'" in logs  # the value of loader.decoder, as the user wrote it
     result = evaluate_run(tmp_path / "run", data, tmp_path / "eval.json")
     assert result["test_images"] == meta["sizes"]["test"] == 9
     assert result["top5"] == 1.0  # 3 classes: every class is in the top 5 (k beyond the classes is capped)

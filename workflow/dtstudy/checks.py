@@ -131,7 +131,7 @@ def check_data_against_batches(config: dict) -> int:
         if global_batch > usable:
             raise ConfigError(
                 f"config key 'train.batch_size': a global batch of {global_batch} "
-                f"({workers} workers) is larger than the {usable} training images; "
+                f"(N={workers} of workers) is larger than the {usable} training images; "
                 "lower the batch size or raise dataset.subset"
             )
     return train_images

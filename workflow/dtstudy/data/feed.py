@@ -56,8 +56,9 @@ class ImageFolderSplit(Dataset):
             self.transform = split_transform(split, loader["train_augment"], self.size)
             self.decoder = DECODERS[loader["decoder"]]()
             self.workers, self.prefetch = loader_workers(loader["workers"]), loader["prefetch"]
+        self.decoder_name = loader["decoder"] if loader is not None else "torchvision"  # loader.decoder's value
         if self.decoder is None:
-            self.decoder = DECODERS["torchvision"]()
+            self.decoder = DECODERS[self.decoder_name]()
         self._feed = None
 
     def __len__(self) -> int:
@@ -85,7 +86,7 @@ class ImageFolderSplit(Dataset):
 
     def describe(self) -> dict:
         """What this split's pipeline does, for the run's log."""
-        return {"transform": self.transform.name, "decoder": type(self.decoder).__name__,
+        return {"transform": self.transform.name, "decoder": self.decoder_name,
                 "workers": self.workers, "prefetch": self.prefetch if self.workers else 0,
                 "pin_memory": self.device.type == "cuda"}
 

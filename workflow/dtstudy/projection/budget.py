@@ -384,7 +384,8 @@ def _hours(seconds: float) -> str:
 def render(result: dict, budget: float | None = None) -> str:
     """The report as text: a table per profile (one line per kind, strategy and N; each of the
     kind's seeds runs it once)."""
-    kinds = "; ".join(f"{kind['runs']} {name} runs ({len(kind['seeds'])} seeds each, {kind['gives']})"
+    kinds = "; ".join(f"{kind['runs']} {name} runs ({len(kind['seeds'])} seed{'s' * (len(kind['seeds']) != 1)} each, "
+                      f"{kind['gives']})"
                       for name, kind in result["kinds"].items())
     lines = [f"Predicted cost of the study: {kinds}; of {result['model']} at {result['precision']} "
              f"on {result['train_images']} training and {result['val_images']} validation images "
