@@ -354,6 +354,9 @@ def test_findings_state_the_noise_the_ranking_and_the_gaps(runs):
     assert "  - allreduce: E = 0.93 [0.86, 1.00]\n  - ps_sync: E = 0.79 [0.72, 0.88]; undecided (wide CI)" in findings
     assert "ps_sync N=4: -0.0700 (-0.0800–-0.0600)" in findings
     assert "Within 3 points of allreduce: ps_sync N=1, ps_sync N=2." in findings
+    assert "- allreduce at N=4: test top-1 " in findings and "(2 seeds)." in findings
+    one_seed = findings_markdown(scaling, accuracy.assign(seeds=1), noise)
+    assert "(1 seed)." in one_seed and "(1 seeds)" not in one_seed
 
 
 # --- two kinds of run -------------------------------------------------------------------

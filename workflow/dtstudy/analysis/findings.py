@@ -193,7 +193,7 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
     base = accuracy[accuracy["strategy"] == BASELINE_STRATEGY]
     for _, r in base.iterrows():
         lines.append(f"- allreduce at N={r['workers']}: test top-1 {_cell(r, 'top1', '.4f', r['top1_interval'])} "
-                     f"({r['seeds']} seeds).")
+                     f"({r['seeds']} seed{'s' * (int(r['seeds']) != 1)}).")
     others = accuracy[accuracy["strategy"] != BASELINE_STRATEGY]
     marked = others[others["below_allreduce"]]
     if not marked.empty:
