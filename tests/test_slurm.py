@@ -176,6 +176,13 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
     # the CPU rules ran as SLURM jobs of Snakemake's executor, training as submitit's
     submitted = [line for line in output.splitlines() if "has been submitted with SLURM jobid" in line]
     assert any("/rule_evaluate/" in line for line in submitted) and any("/rule_aggregate/" in line for line in submitted)
+    # in squeue and sacct the CPU jobs are the study's by name, and say their rule in their comment
+    listed = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,Comment"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    cpu_jobs = [line.split("|") for line in listed if line.split("|")[0] not in names]
+    assert cpu_jobs and all(name.startswith("dtstudy_") for name, _ in cpu_jobs), cpu_jobs
+    assert {"rule_aggregate", "rule_project"} <= {comment for _, comment in cpu_jobs}, cpu_jobs
+    assert sum(comment.startswith("rule_evaluate_wildcards_") for _, comment in cpu_jobs) == len(names), cpu_jobs
     assert not any("/rule_train/" in line for line in submitted)
     for name in names:
         strategy, workers, _ = name.split("-")
