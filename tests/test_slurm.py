@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -64,6 +63,16 @@ def sacct_states(names: list[str], since: str) -> dict[str, list[str]]:
     for line in out.splitlines():
         name, state = line.split("|")
         states.setdefault(name, []).append(state.split()[0])
+    return states
+
+
+def final_states(name: str, since: str) -> list[str]:
+    """The states of job name's jobs since `since` once the last has ended (accounting lags a
+    job's end by a few seconds; waits up to a minute)."""
+    deadline = time.monotonic() + 60
+    while ((states := sacct_states([name], since).get(name, ["PENDING"]))[-1] in ("PENDING", "RUNNING", "COMPLETING")
+           and time.monotonic() < deadline):
+        time.sleep(1)
     return states
 
 
@@ -404,11 +413,7 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     assert resumed and int(resumed.group(1)) in saved and int(resumed.group(1)) > 0, seen[-3000:]
     if damaged:  # every rank has the checkpoint before the newest: the run resumes there
         assert "rank0.pt is damaged" in seen and int(resumed.group(1)) < saved[-1], seen[-3000:]
-    name = f"{strategy}-n2-seed0"
-    deadline = time.monotonic() + 60  # accounting lags the job's end by a few seconds
-    while ((states := sacct_states([name], since).get(name, ["PENDING"]))[-1] in ("PENDING", "RUNNING", "COMPLETING")
-           and time.monotonic() < deadline):
-        time.sleep(1)
+    states = final_states(f"{strategy}-n2-seed0", since)
     assert states == ["FAILED", "COMPLETED"], states  # the killed job, the resubmitted one
 
     reference_command, reference_out, _ = launch(tmp_path, tiny_data, strategy, "reference", train=CHECKPOINTED,
@@ -421,3 +426,52 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in expected["val"]] != []
     assert metrics["final_val_top1"] == expected["final_val_top1"]
     assert not (out / "resume").exists()
+
+
+def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_running(tmp_path, tiny_data,
+                                                                                     slurm_cluster):
+    """The login node's launcher of a run killed while its job trains (Snakemake killed, the
+    SSH session closed): the job goes on, and the run's next launcher (Snakemake started
+    again) waits for that job instead of submitting a second one; the run ends with its
+    metrics and one SLURM job. A job that trains another config (the study edited meanwhile)
+    is cancelled, and the run submitted afresh."""
+    from test_faults import launch, start
+    from test_pool import wait_for_output
+
+    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1, "partition": None,
+             "timeout_min": 10, "signal_delay_s": 60}
+    train = {"max_steps": 100, "batch_size": 32, "log_every": 5}
+    slow = {"ranks": [1], "delay_ms": 150, "distribution": "fixed"}  # about 15 s of training
+    name = "allreduce-n2-seed0"
+
+    def lose_launcher(command: list[str]) -> str:
+        launcher = start(command)
+        seen = wait_for_output(launcher, r"img/s", timeout_s=240)
+        launcher.kill()  # SIGKILL: no handler runs, the job is not cancelled
+        launcher.wait()
+        return re.search(r"submitted job (\d+)", seen).group(1)
+
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    command, out, _ = launch(tmp_path, tiny_data, "allreduce", train=train, launcher=slurm, stragglers=slow)
+    job_id = lose_launcher(command)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert re.search(rf"job {job_id}, submitted by an earlier launcher of this run, is still (RUNNING|PENDING): "
+                     "waiting for it rather than submitting another", again.stdout), again.stdout[-3000:]
+    assert "submitted job" not in again.stdout
+    assert read_json(out / "metrics.json")["steps"] == train["max_steps"]
+    assert not (tmp_path / "run-job" / "active_job.json").exists()
+    assert final_states(name, since) == ["COMPLETED"]
+
+    time.sleep(1)  # sacct's -S has a resolution of seconds
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    old_job = lose_launcher(command)
+    command, out, _ = launch(tmp_path, tiny_data, "allreduce", train={**train, "base_lr": 0.07}, launcher=slurm,
+                             stragglers=slow)
+    edited = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert edited.returncode == 0, edited.stdout[-3000:] + edited.stderr[-3000:]
+    assert f"cancelling job {old_job}, submitted by an earlier launcher of this run: it trains another config" \
+        in edited.stdout, edited.stdout[-3000:]
+    assert re.search(r"submitted job (\d+)", edited.stdout).group(1) != old_job
+    assert read_json(out / "metrics.json")["config"]["train"]["base_lr"] == 0.07
+    assert final_states(name, since) == ["CANCELLED", "COMPLETED"]

@@ -8,6 +8,7 @@ dtstudy.checks. Every error names the config key, the bad value and what is allo
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +20,7 @@ from dtstudy.config import run_kinds, schema
 from dtstudy.errors import ConfigError
 
 __all__ = ["ConfigError", "OPERATIONAL_KEYS", "deep_merge", "operational_part", "read_yaml", "results_part",
-           "retype_command_line", "run_config", "validate_schema"]
+           "results_sha256", "retype_command_line", "run_config", "validate_schema"]
 
 #: the keys of a run's config that decide how it is launched, watched and paid for, not what it
 #: computes: a longer time limit, more requeues, another MLflow server address or a budget must
@@ -144,6 +145,13 @@ def results_part(run_cfg: dict) -> dict:
         for key in keys:
             kept.get(section, {}).pop(key, None)
     return kept
+
+
+def results_sha256(run_cfg: dict) -> str:
+    """The sha256 of a run config's results_part: equal for two configs that give the same
+    numbers (a checkpoint's identity, a SLURM job a launcher may wait on again)."""
+    text = json.dumps(results_part(run_cfg), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def operational_part(run_cfg: dict) -> dict:

@@ -12,6 +12,11 @@ launcher.max_resubmits times, when the run's resume folder holds a checkpoint of
 (train.checkpoint_every_min): the new job resumes from it (dtstudy.training.checkpoint). Any other
 failure (an error in the training code, a bad setting) ends the run at once: a resubmission
 would meet it again.
+
+On SLURM a launcher that is lost while its job runs (Snakemake killed, the login session
+closed without screen or tmux) leaves the job running; the run's job folder records it
+(ACTIVE_JOB_FILE), and the next launcher of the run waits on that job instead of submitting a
+second one, when the job trains the same config (else it cancels it first).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from dtstudy.atomic_files import write_json
+from dtstudy.config.study_config import results_sha256
 from dtstudy.launch.job import launcher_environment, PooledTrainingJob, TrainingJob
 from dtstudy.launch.pool.client import pool_address
 from dtstudy.launch.ports import free_port
@@ -32,6 +39,8 @@ from dtstudy.tracking.live_run import recorded_run, RUN_ID_FILE
 from dtstudy.runspec import lost_rank_path, resume_files, RunSpec
 
 NODE_FAIL = "NODE_FAIL"  # SLURM's state of a job whose node failed
+#: in a run's job folder while its launcher waits on its SLURM job: the job and the config it trains
+ACTIVE_JOB_FILE = "active_job.json"
 
 
 class TrainingJobFailed(RuntimeError):
@@ -170,10 +179,18 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
         else:
             callable_ = TrainingJob(spec, timings, environ)
         what = f"1 task (the warm pool forks its {spec.processes()} processes)" if pooled else f"{spec.processes()} tasks"
+        job = running_job(spec, job_dir) if launcher["cluster"] == "slurm" else None
         for attempt in range(max_resubmits + 1):
-            (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
-            job = make_executor(spec, job_dir, pooled, time_limit_min).submit(callable_)
-            print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
+            if attempt == 0 and job is not None:
+                print(f"{spec.run_name}: job {job.job_id}, submitted by an earlier launcher of this run, is still "
+                      f"{job.state}: waiting for it rather than submitting another; logs in {job_dir}", flush=True)
+            else:
+                (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
+                job = make_executor(spec, job_dir, pooled, time_limit_min).submit(callable_)
+                print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
+                if launcher["cluster"] == "slurm":
+                    write_json(job_dir / ACTIVE_JOB_FILE, {"job_id": job.job_id, "run_name": spec.run_name,
+                                                           "config_sha256": results_sha256(spec.config)})
             follower = _LogFollower(Path(job.paths.stdout))
             wait_until_done(job, follower, poll_s)
             lost = lost_process(job)
@@ -199,12 +216,42 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if job is not None and job.done():  # a launcher lost mid-wait leaves the record to the next one
+            (job_dir / ACTIVE_JOB_FILE).unlink(missing_ok=True)
     metrics = results[0]
     if metrics is None or not metrics_path.exists():
         mark_failed(spec, f"job {job.job_id} ended without writing {metrics_path}")
         raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
                                 f"its stderr: {job.paths.stderr}")
     return metrics
+
+
+def running_job(spec: RunSpec, job_dir: Path):
+    """The run's SLURM job that an earlier launcher submitted and that has not ended (the
+    launcher was lost: Snakemake killed, the login session closed), as a submitit job to wait
+    on; None when there is none. A job that trains another config than `spec`'s (the study was
+    edited since) is cancelled, and None returned: the run is submitted afresh."""
+    import submitit
+
+    record_path = job_dir / ACTIVE_JOB_FILE
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        return None
+    job = submitit.SlurmJob(folder=job_dir, job_id=str(record["job_id"]), tasks=(0,))
+    if job.done(force_check=True):
+        record_path.unlink(missing_ok=True)
+        return None
+    if record.get("config_sha256") != results_sha256(spec.config):
+        print(f"{spec.run_name}: cancelling job {job.job_id}, submitted by an earlier launcher of this run: it "
+              "trains another config", flush=True)
+        job.cancel(check=False)
+        deadline = time.monotonic() + 60
+        while not job.done(force_check=True) and time.monotonic() < deadline:
+            time.sleep(1)
+        record_path.unlink(missing_ok=True)
+        return None
+    return job
 
 
 LOST_RANK_CHECK_S = 1.0  # how often SLURM is asked whether a job that recorded a lost rank has ended

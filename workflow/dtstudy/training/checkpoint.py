@@ -46,7 +46,6 @@ import dataclasses
 import datetime
 import hashlib
 import io
-import json
 import os
 import random
 import shutil
@@ -90,11 +89,6 @@ def clear(out_dir: str | Path) -> None:
     shutil.rmtree(resume_dir(out_dir), ignore_errors=True)
 
 
-def config_hash(config: dict) -> str:
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def run_identity(spec) -> dict:
     """What a rank file must match to be resumed from: the same run with the same config, its
     operational keys left out (a longer time limit or more requeues keep the checkpoint)."""
@@ -103,7 +97,7 @@ def run_identity(spec) -> dict:
         "strategy": spec.strategy,
         "workers": spec.workers,
         "seed": spec.seed,
-        "config_sha256": config_hash(study_config.results_part(spec.config)),
+        "config_sha256": study_config.results_sha256(spec.config),
         "state_layout": get_spec(spec.strategy).state_layout,
     }
 
