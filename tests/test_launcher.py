@@ -175,3 +175,59 @@ def test_only_a_job_that_lost_a_process_or_its_node_and_has_a_checkpoint_is_resu
     assert "launcher.max_resubmits is 0" in resubmission_refused(spec, 0, 0)
     assert resubmission_refused(replace(spec, config={**spec.config, "launcher": {
         **spec.config["launcher"], "cluster": "local"}}), 0, 2) == ""
+
+
+class _FakeSlurmJob:
+    """submitit.SlurmJob as launcher.running_job asks it: its state, done() and cancel()."""
+
+    states: dict[str, str] = {}
+    cancelled: list[str] = []
+
+    def __init__(self, folder, job_id, tasks=(0,)):
+        self.job_id = job_id
+
+    @property
+    def state(self) -> str:
+        return self.states[self.job_id]
+
+    def done(self, force_check=False) -> bool:
+        return self.state not in ("PENDING", "RUNNING", "REQUEUED")
+
+    def cancel(self, check=True) -> None:
+        self.cancelled.append(self.job_id)
+        self.states[self.job_id] = "CANCELLED"
+
+
+@pytest.mark.parametrize("state, same_config, waited_on", [
+    ("RUNNING", True, True),  # the lost launcher's job trains on: wait for it
+    ("PENDING", True, True),
+    ("COMPLETED", True, False),  # ended while no launcher waited: the record goes, the run is submitted
+    ("FAILED", True, False),
+    ("RUNNING", False, False),  # another config: cancelled, then submitted afresh
+])
+def test_a_launcher_waits_only_for_a_running_job_of_its_own_config(tmp_path, monkeypatch, state, same_config,
+                                                                  waited_on):
+    import json
+
+    import submitit
+
+    from dtstudy.config.study_config import results_sha256
+    from dtstudy.launch.launcher import ACTIVE_JOB_FILE, running_job
+
+    spec = spec_for(2, {"cluster": "slurm", "timeout_min": 30})
+    assert running_job(spec, tmp_path) is None  # no record: nothing to wait for
+    other = spec_for(2, {"cluster": "slurm", "timeout_min": 90})  # an operational key: the same numbers
+    edited = RunSpec(spec.strategy, 2, 0, {**spec.config, "train": {**spec.config["train"], "base_lr": 0.07}},
+                     "data", "out")
+    recorded = other if same_config else edited
+    assert (results_sha256(recorded.config) == results_sha256(spec.config)) == same_config
+    record = {"job_id": "41", "config_sha256": results_sha256(recorded.config)}
+    (tmp_path / ACTIVE_JOB_FILE).write_text(json.dumps(record))
+    monkeypatch.setattr(submitit, "SlurmJob", _FakeSlurmJob)
+    monkeypatch.setattr(_FakeSlurmJob, "states", {"41": state})
+    monkeypatch.setattr(_FakeSlurmJob, "cancelled", [])
+
+    job = running_job(spec, tmp_path)
+    assert (job is not None and job.job_id == "41") == waited_on
+    assert (tmp_path / ACTIVE_JOB_FILE).exists() == waited_on  # kept while a launcher may wait on it
+    assert _FakeSlurmJob.cancelled == ([] if same_config else ["41"])
