@@ -228,6 +228,11 @@ def test_reading_a_difference_apart_level_or_undecided():
     higher = Interval(0.875, 0.855, 0.895, 3, "t95")
     assert read(higher, reference, "top1", "N=1's", guard=claims.BELOW).side == claims.LEVEL
     assert read(higher, reference, "top1", "N=1's").side == claims.UNDECIDED_READING
+    # overlapping intervals, a difference whose range excludes zero: still undecided, and the reading says why
+    reading = read(Interval(0.92, 0.86, 0.98, 3, "t95"), reference, "top1", "N=1's")
+    assert reading.side == claims.UNDECIDED_READING and reading.text.endswith(
+        "the difference lies in [+0.00917, +0.131], wider than a margin of 0.03 allows; that range lies above zero "
+        "(a difference at about the 95% level), but above and below need the two intervals apart"), reading.text
     # the reference's own width counts: a narrow cell against a wide reference is undecided too
     reading = read(reference, Interval(0.85, 0.70, 1.00, 3, "t95"), "top1", "N=1's")
     assert reading.side == claims.UNDECIDED_READING and "N=1's interval [0.7000, 1.0000] is too wide" in reading.text
@@ -237,8 +242,8 @@ def test_reading_a_difference_apart_level_or_undecided():
     # a relative margin: a tenth of the reference's time
     times = Interval(1.0, 0.99, 1.01, 3, "t95")
     assert read(Interval(1.05, 1.0, 1.08, 3, "t95"), times, "time_to_accuracy_s", "allreduce's").side == claims.LEVEL
-    assert read(Interval(1.05, 0.9, 1.2, 3, "t95"), times, "time_to_accuracy_s", "allreduce's").side \
-        == claims.UNDECIDED_READING
+    reading = read(Interval(1.05, 0.9, 1.2, 3, "t95"), times, "time_to_accuracy_s", "allreduce's")
+    assert reading.side == claims.UNDECIDED_READING and "zero" not in reading.text  # its range holds zero
 
 
 def test_findings_read_efficiency_against_allreduce_three_ways():
@@ -248,6 +253,12 @@ def test_findings_read_efficiency_against_allreduce_three_ways():
     assert _versus_allreduce(Interval(0.80, 0.60, 1.00, 0, "bootstrap95"), allreduce).startswith(
         "; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [-0.30, +0.10]")
     assert _versus_allreduce(Interval(0.70, 0.65, 0.75, 0, "bootstrap95"), allreduce) == "; below allreduce (CIs apart)"
+    lower = _versus_allreduce(Interval(0.84, 0.80, 0.88, 0, "bootstrap95"), allreduce)  # touching CIs
+    assert lower.startswith("; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in "
+                            "[-0.10, -0.02]") and lower.endswith("that range lies below zero (a difference at about "
+                                                                 "the 95% level), but above and below need the two "
+                                                                 "intervals apart"), lower
+    assert "zero" not in _versus_allreduce(Interval(0.80, 0.60, 1.00, 0, "bootstrap95"), allreduce)
 
 
 

@@ -141,6 +141,16 @@ def difference_range(cell: Interval, reference: Interval) -> tuple[float, float]
     return low, high
 
 
+def beyond_zero(low: float, high: float) -> str:
+    """What an undecided reading adds when the difference's range (difference_range) excludes
+    zero: a difference at about the 95% level, which "above" and "below" (the two intervals
+    apart, a stricter test) do not call; "" when the range holds zero."""
+    if low <= 0 <= high:
+        return ""
+    return (f"; that range lies {'above' if low > 0 else 'below'} zero (a difference at about the 95% level), "
+            "but above and below need the two intervals apart")
+
+
 def read(cell: Interval, reference: Interval, quantity: str, versus: str, guard: str | None = None) -> Reading:
     """`cell` against `reference` (`versus` names it, e.g. "N=1's"): BELOW or ABOVE when the
     intervals are apart; LEVEL when the difference's plausible range (difference_range) lies
@@ -171,7 +181,7 @@ def read(cell: Interval, reference: Interval, quantity: str, versus: str, guard:
     return Reading(UNDECIDED_READING, f"undecided against {versus}: "
                    + ("the interval" if wide is cell else f"{versus} interval")
                    + f" [{wide.low:{scale.fmt}}, {wide.high:{scale.fmt}}] is too wide to tell ({wide.n} seeds{outside});"
-                   f" {lies}, wider than a margin of {margin:.3g} allows")
+                   f" {lies}, wider than a margin of {margin:.3g} allows{beyond_zero(low, high)}")
 
 
 # --- reading the table ----------------------------------------------------------------

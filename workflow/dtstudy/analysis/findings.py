@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from dtstudy.analysis import intervals
-from dtstudy.analysis.claims import ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, Verdict, difference_range, read
+from dtstudy.analysis.claims import (ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, Verdict, beyond_zero,
+                                     difference_range, read)
 from dtstudy.analysis.intervals import Interval
 from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
 from dtstudy.config.run_kinds import ACCURACY, SCALING
@@ -117,6 +118,8 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
              "are apart; \"level\" (for a batch limit \"kept\") that they overlap and the difference's plausible "
              f"range lies within a margin ({GAP_POINTS} points of top-1, {RELATIVE_MARGIN:.0%} of a time, a count of "
              "steps or a staleness); \"undecided\" that they overlap but are too wide (or too few seeds) to tell. "
+             "Intervals apart is a stricter test than a 95% interval of the difference: a difference whose range "
+             "excludes zero while the intervals overlap stays undecided, and its reading says so. "
              "Times are the emulated cluster's training seconds.", ""]
     for verdict in verdicts:
         lines.append(f"- **{verdict.source}**: {verdict.claim}. **{verdict.status.capitalize()}**"
@@ -137,7 +140,7 @@ def _versus_allreduce(efficiency: Interval, allreduce: Interval) -> str:
         return (f"; level with allreduce (the difference lies in [{low:+.2f}, {high:+.2f}], within ±{margin:.2f}, "
                 f"{RELATIVE_MARGIN:.0%} of its E)")
     return (f"; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [{low:+.2f}, {high:+.2f}], "
-            f"wider than ±{margin:.2f} ({RELATIVE_MARGIN:.0%} of allreduce's E)")
+            f"wider than ±{margin:.2f} ({RELATIVE_MARGIN:.0%} of allreduce's E){beyond_zero(low, high)}")
 
 
 def _largest_timed_n(scaling: pd.DataFrame) -> int | None:
