@@ -51,14 +51,12 @@ class ImageFolderSplit(Dataset):
         self.device = torch.device(device)
         self.loader = loader
         if loader is None:
-            self.transform, self.decoder, self.workers, self.prefetch = ResizeCenterCrop(self.size), None, 0, 2
+            self.transform, self.workers, self.prefetch = ResizeCenterCrop(self.size), 0, 2
         else:
             self.transform = split_transform(split, loader["train_augment"], self.size)
-            self.decoder = DECODERS[loader["decoder"]]()
             self.workers, self.prefetch = loader_workers(loader["workers"]), loader["prefetch"]
         self.decoder_name = loader["decoder"] if loader is not None else "torchvision"  # loader.decoder's value
-        if self.decoder is None:
-            self.decoder = DECODERS[self.decoder_name]()
+        self.decoder = DECODERS[self.decoder_name]()
         self._feed = None
 
     def __len__(self) -> int:
