@@ -162,10 +162,7 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
     def cancel(signum, _frame):
         if job is not None:
             print(f"{spec.run_name}: signal {signum}, cancelling job {job.job_id}", flush=True)
-            job.cancel(check=False)  # SLURM: scancel; local: SIGINT to the job's controller
-            deadline = time.monotonic() + 30
-            while not job.done() and time.monotonic() < deadline:
-                time.sleep(0.2)
+            cancel_and_wait(job, wait_s=30)
         raise SystemExit(128 + signum)
 
     # Installed before the job starts: a local job's processes then get SIGINT's default
@@ -226,6 +223,15 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
     return metrics
 
 
+def cancel_and_wait(job, wait_s: float) -> None:
+    """Cancel a submitit job (SLURM: scancel; local: SIGINT to the job's controller) and wait
+    up to `wait_s` for it to end, asking the scheduler afresh each time."""
+    job.cancel(check=False)
+    deadline = time.monotonic() + wait_s
+    while not job.done(force_check=True) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def running_job(spec: RunSpec, job_dir: Path):
     """The run's SLURM job that an earlier launcher submitted and that has not ended (the
     launcher was lost: Snakemake killed, the login session closed), as a submitit job to wait
@@ -245,10 +251,7 @@ def running_job(spec: RunSpec, job_dir: Path):
     if record.get("config_sha256") != results_sha256(spec.config):
         print(f"{spec.run_name}: cancelling job {job.job_id}, submitted by an earlier launcher of this run: it "
               "trains another config", flush=True)
-        job.cancel(check=False)
-        deadline = time.monotonic() + 60
-        while not job.done(force_check=True) and time.monotonic() < deadline:
-            time.sleep(1)
+        cancel_and_wait(job, wait_s=60)
         record_path.unlink(missing_ok=True)
         return None
     return job
