@@ -16,7 +16,8 @@ import pytest
 from conftest import REPO
 from dtstudy.config.study_config import deep_merge, read_yaml, validate_schema
 from dtstudy.errors import ConfigError
-from dtstudy.projection import budget, calibration, layer_profiles
+from dtstudy.projection import budget, layer_profiles
+from dtstudy.strategies.specs import AllReducePowerSGDSpec
 
 RECORD = REPO / "docs" / "records" / "budget.json"
 IMAGENET_TRAIN = 1281167  # ILSVRC-2012's training images (config/cluster.yaml's budget_train_images)
@@ -142,9 +143,10 @@ def test_the_layer_profiles_matrices_are_resnet50s_weights_as_powersgd_sees_them
     real = sorted([p.shape[0], p[0].numel() if p.dim() > 1 else 1] for p in model.parameters())
     derived = layer_profiles.matrices("resnet50", "test")
     assert sorted(derived) == real
-    assert calibration.powersgd_ratio(derived, 2) == pytest.approx(calibration.powersgd_ratio(real, 2))
+    share = AllReducePowerSGDSpec.sent_share
+    assert share(derived, 2) == pytest.approx(share(real, 2))
     # the control: every tensor taken as a vector would send everything whole
-    assert calibration.powersgd_ratio([[n * m, 1] for n, m in derived], 2) == 1.0 != calibration.powersgd_ratio(real, 2)
+    assert share([[n * m, 1] for n, m in derived], 2) == 1.0 != share(real, 2)
 
 
 # ----- refusals before submission ------------------------------------------------------------------

@@ -37,7 +37,8 @@ WORKFLOW = str(REPO / "workflow")
 
 # 1e6 parameters (4 MB of gradients), batch 10, 0.1 s of compute; 4 GPUs per node;
 # inside: 10 us, 1 GB/s; between nodes: 100 us, 100 MB/s
-W = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1, powersgd_ratio=0.1)
+W = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1,
+             measured_share={"allreduce_powersgd": 0.1})
 MACHINE = Machine(gpus_per_node=4, intra=Link(1e-5, 1e9), inter=Link(1e-4, 1e8))
 
 
@@ -115,10 +116,22 @@ def test_half_precision_hand_computed():
 def test_powersgd_hand_computed():
     # 10% of the bytes, three all-reduces (the whole tensors, P, Q) per bucket: 3*3*2*1e-5 + 1.5 * 4e5 / 1e9
     assert step_time("allreduce_powersgd", 4).exchange_s == pytest.approx(1.8e-4 + 6e-4, rel=1e-9)
-    assert calibration.powersgd_ratio([[100, 100], [10, 1]], rank=2) == pytest.approx((400 + 10) / 10010)
+    share = specs.AllReducePowerSGDSpec.sent_share
+    assert share([[100, 100], [10, 1]], rank=2) == pytest.approx((400 + 10) / 10010)
     # torch compresses only when the factors are smaller by min_compression_rate (2): 10 x 10
     # goes as 2 x (10 + 10) = 40 values; 8 x 8 (32 x 2 = 64, not < 64) goes whole
-    assert calibration.powersgd_ratio([[10, 10], [8, 8]], rank=2) == pytest.approx((40 + 64) / 164)
+    assert share([[10, 10], [8, 8]], rank=2) == pytest.approx((40 + 64) / 164)
+    # without a measured share, the model's matrices at the run's rank knob: one 1000 x 1000
+    # matrix (1e6 values) goes as 2 x 1000 x r values, 0.2% of the bytes at rank 2, 0.4% at 4;
+    # the measured share wins over the matrices
+    shaped = dataclasses.replace(W, measured_share={}, matrices=((1000, 1000),))
+    for rank, sent in ((2, 0.004), (4, 0.008)):
+        assert step_time("allreduce_powersgd", 4, workload=shaped, rank=rank).exchange_s == pytest.approx(
+            1.8e-4 + 1.5 * sent * 4e6 / 1e9, rel=1e-9)
+    measured = dataclasses.replace(W, matrices=((1000, 1000),))
+    assert step_time("allreduce_powersgd", 4, workload=measured).exchange_s == pytest.approx(1.8e-4 + 6e-4, rel=1e-9)
+    with pytest.raises(ValueError, match="matrices"):
+        step_time("allreduce_powersgd", 4, workload=dataclasses.replace(W, measured_share={}))
 
 
 def test_onebit_hand_computed():
@@ -759,7 +772,9 @@ def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(
     # and the benchmark's PowerSGD kernel (compression's own work) over the gradient's bytes
     assert exchange["allreduce_powersgd"] == pytest.approx(6e-4 + ratio * 61706 * 4 / 2e9 + 2e-9 * 61706 * 4,
                                                            rel=1e-6)
-    assert "model's matrices in a run's model.pt (rank 2" in (tmp_path / "p.md").read_text()
+    provenance = re.search(r"- matrices: (.*)", (tmp_path / "p.md").read_text()).group(1)
+    assert provenance.startswith("the model's matrices in a run's model.pt, for allreduce_powersgd at its knobs {")
+    assert "'rank': 2," in provenance
     assert "61706 (counted in a run's model.pt)" in (tmp_path / "p.md").read_text()  # no run sent bytes
 
 
@@ -773,9 +788,9 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     update = (1 + 4) * m * 5e-11  # the shard's passes (1 gradient summed, 4 of SGD) at the server kernel
     modelled = 2 * one_way + update
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + calibration.PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + calibration.PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + calibration.PS_REQUEST_BYTES, {"shards": 1})]
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + specs.PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + specs.PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + specs.PS_REQUEST_BYTES, {"shards": 1})]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
@@ -797,11 +812,51 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     # the model's size from a parameter server's bytes: the gradient after its request header
     from dtstudy.strategies.parameter_server.protocol import REQUEST_SIZE
 
-    assert calibration.PS_REQUEST_BYTES == REQUEST_SIZE * 8  # float64 fields
+    assert specs.PS_REQUEST_BYTES == REQUEST_SIZE * 8  # float64 fields
     assert calibration.parameters_from_runs(calibration.read_runs(metrics[1:])) == 61706
     # without N=1 parameter-server runs nothing is charged
     workload = Workload(61706, 4, 64, t_c)
     assert calibration.ps_request_from_runs(calibration.read_runs(metrics[:1]), workload, MACHINE, {})[0] == 0.0
+
+
+def test_the_model_size_is_read_only_from_runs_whose_bytes_say_it():
+    """The calibration asks each run's spec what its bytes a step say of the model's size: a
+    plain all-reduce's, fp16's half bytes and easgd's at period 1 give it; easgd's default
+    period 8 spreads an exchange over 8 steps and PowerSGD's bytes depend on the shapes, so
+    they say nothing and a later run is read."""
+    parameters = 61706
+
+    def run(strategy, workers, bytes_per_step, params=None):
+        return {"strategy": strategy, "workers": workers, "bytes_per_step": bytes_per_step,
+                "strategy_params": params or {}}
+
+    def ring(workers, value_bytes):
+        return 2 * (workers - 1) / workers * parameters * value_bytes
+
+    read = calibration.parameters_from_runs
+    # the first easgd run, period 8: an eighth of a ring a step (it was read as P/8)
+    assert read([run("easgd", 4, ring(4, 4) / 8), run("allreduce", 2, ring(2, 4))]) == parameters
+    assert read([run("easgd", 4, ring(4, 4), {"period": 1})]) == parameters
+    assert read([run("allreduce_bf16", 4, ring(4, 2))]) == parameters
+    assert read([run("allreduce", 1, 0.0), run("allreduce_powersgd", 4, 0.1 * ring(4, 4)),
+                 run("local_sgd", 4, ring(4, 8) / 8), run("gossip", 4, 2 * parameters * 4)]) is None
+
+
+def test_a_strategy_whose_bytes_depend_on_shapes_is_calibrated_from_its_own_runs(monkeypatch):
+    """needs_matrices, not a name, says which strategies' runs at N > 1 give their byte share."""
+    parameters = 61706
+    ring = 2 * (4 - 1) / 4 * parameters * 4
+    runs = [{"strategy": strategy, "workers": n, "seed": 0, "throughput": 1000.0, "compute_s": 0.05, "comm_s": comm,
+             "data_s": 0.0, "total_s": 0.06, "bytes_per_step": sent, "per_worker_batch": 64, "strategy_params": {}}
+            for strategy, n, comm, sent in (("allreduce", 1, 0.0, 0.0), ("allreduce_powersgd", 1, 0.0, 0.0),
+                                            ("allreduce_powersgd", 4, 0.01, 0.05 * ring),
+                                            ("allreduce_fp16", 4, 0.01, 0.5 * ring))]
+    workload, source = calibration.workload_from_runs(runs, parameters)
+    assert workload.measured_share == {"allreduce_powersgd": pytest.approx(0.05)}
+    assert "measured bytes_per_step: 0.05 of allreduce's" in source["allreduce_powersgd bytes"]
+    monkeypatch.setattr(specs.AllReduceFP16Spec, "needs_matrices", True)
+    assert calibration.workload_from_runs(runs, parameters)[0].measured_share == {
+        "allreduce_powersgd": pytest.approx(0.05), "allreduce_fp16": pytest.approx(0.5)}
 
 
 def test_project_rule_projects_every_profile_of_the_list(tmp_path):
@@ -951,8 +1006,8 @@ def test_band_of_the_parameter_servers_round_trip(tmp_path):
     update = (1 + 4) * m * 5e-11
     modelled = 2 * one_way + update
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + calibration.PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + calibration.PS_REQUEST_BYTES, {"shards": 1})]
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + specs.PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + specs.PS_REQUEST_BYTES, {"shards": 1})]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}

@@ -114,7 +114,12 @@ class Workload:
     compute_s: float  # one step's forward, backward, update (and batch assembly) at N=1
     tensors: int = 0  # parameter tensors (1-bit's `tensor` quantiser sends one scale each); 0 = not counted
     column_groups: int = 0  # 1-bit's `column` groups (two fp32 levels each); 0 = not counted
-    powersgd_ratio: float | None = None  # bytes PowerSGD reduces / the gradient's bytes
+    #: the gradient's tensors as matrices (rows, the rest; a vector as (n, 1)), for a strategy
+    #: whose bytes depend on their shapes (PowerSGD's factors); None = not known
+    matrices: tuple[tuple[int, int], ...] | None = None
+    #: {strategy: its bytes a step over the plain all-reduce's of the gradient}, as its runs
+    #: at N > 1 measured them, for such a strategy (StrategySpec.needs_matrices) to read first
+    measured_share: dict[str, float] = field(default_factory=dict, hash=False)
     #: where the parameters sit (wait-free-backprop overlap); None = the machine's fixed overlap
     layers: LayerProfile | None = None
     #: the fully connected layers, (inputs, outputs) in forward order, where the layer profile

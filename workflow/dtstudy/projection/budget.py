@@ -48,7 +48,6 @@ STARTUP_S = 120.0
 TIME_LIMIT_FLOOR_MIN = 15
 #: bytes per parameter of the gradients the model exchanges (fp32, as the study trains)
 BYTES_PER_PARAMETER = 4
-POWERSGD = "allreduce_powersgd"  # its bytes depend on its rank knob (the workload's powersgd_ratio)
 SECONDS_PER_HOUR = 3600.0
 
 
@@ -139,12 +138,11 @@ def workload(config: dict, images_per_s: float, workers: int) -> Workload:
     model = config["model"]
     layers = layer_profiles.load(model, "config key 'model' (its layer profile, for the cost prediction)")
     matrices = layer_profiles.matrices(model, "config key 'model'")
-    rank = SPECS[POWERSGD].check_params(config["strategy_params"].get(POWERSGD, {}), 1)["rank"]
     batch = per_worker_batch(config["train"], workers)
     tensors, groups = calibration.counts_for_onebit(layers)
     return Workload(parameters=sum(n * m for n, m in matrices), bytes_per_parameter=BYTES_PER_PARAMETER,
                     batch=batch, compute_s=batch / images_per_s, tensors=tensors, column_groups=groups,
-                    powersgd_ratio=calibration.powersgd_ratio(matrices, rank), layers=layers)
+                    matrices=calibration.as_matrices(matrices), layers=layers)
 
 
 # ----- one run --------------------------------------------------------------------------------

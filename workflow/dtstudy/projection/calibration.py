@@ -164,30 +164,21 @@ def study_layers(model_name: str, parameters: int) -> tuple[LayerProfile | None,
     return (None, f"the shipped layer profile does not fit: {mismatch}") if mismatch else (layers, "")
 
 
-POWERSGD_MIN_COMPRESSION_RATE = 2  # torch's PowerSGDState default, which the strategy keeps
+def as_matrices(matrices) -> tuple[tuple[int, int], ...]:
+    """[[rows, columns], ...] (a measurement file's, a layer profile's or a checkpoint's) as
+    Workload.matrices."""
+    return tuple((int(n), int(m)) for n, m in matrices)
 
 
-def powersgd_ratio(matrices: list, rank: int, min_compression_rate: float = POWERSGD_MIN_COMPRESSION_RATE) -> float:
-    """Share of the gradient's values PowerSGD all-reduces: a matrix n x m goes as rank-r P
-    (n x r) and Q (m x r) when that is smaller by `min_compression_rate` (torch's
-    `_should_compress`), whole otherwise; a vector [n, 1] always goes whole."""
-    total = sent = 0
-    for n, m in matrices:
-        total += n * m
-        sent += (n + m) * rank if (n + m) * rank * min_compression_rate < n * m else n * m
-    return sent / total
-
-
-def workload_from_measured(measured: dict, rank: int = 2) -> Workload:
+def workload_from_measured(measured: dict) -> Workload:
     model = measured["model"]
     batch = measured["per_worker_batch"]
-    ratio = powersgd_ratio(model["matrices"], rank) if model.get("matrices") else None
     layers = measured.get("layers")
     tensors, groups = counts_for_onebit(layers)
     return Workload(parameters=int(model["parameters"]), bytes_per_parameter=int(model["bytes_per_parameter"]),
                     batch=batch, compute_s=batch / measured["throughput"][1],
                     tensors=int(model.get("tensors", tensors)), column_groups=int(model.get("column_groups", groups)),
-                    powersgd_ratio=ratio, layers=layers)
+                    matrices=as_matrices(model["matrices"]) if model.get("matrices") else None, layers=layers)
 
 
 def counts_for_onebit(layers) -> tuple[int, int]:
@@ -239,21 +230,20 @@ def compute_samples(runs: list[dict]) -> tuple[list[float], str]:
 
 
 def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> tuple[Workload, dict]:
-    """Compute time per step: the mean of compute_samples (over strategies and seeds);
-    PowerSGD's byte share from its measured bytes at N>1. Returns the workload and what it
-    came from."""
+    """Compute time per step: the mean of compute_samples (over strategies and seeds); the
+    byte share of each strategy whose bytes depend on the model's shapes (needs_matrices)
+    from its first run at N>1 (the fp32 gradient's ring all-reduce is 2 (N-1)/N x 4 bytes a
+    parameter). Returns the workload and what it came from."""
     samples, what = compute_samples(runs)
     batch = min(runs, key=lambda r: r["workers"])["per_worker_batch"]
-    ratio = None
-    powersgd = [r for r in runs if r["strategy"] == "allreduce_powersgd" and r["workers"] > 1]
-    if powersgd:
-        r = powersgd[0]
-        ring = 2 * (r["workers"] - 1) / r["workers"] * parameters * 4
-        ratio = r["bytes_per_step"] / ring
+    shares = {}
+    for r in runs:
+        if SPECS[r["strategy"]].needs_matrices and r["workers"] > 1 and r["strategy"] not in shares:
+            shares[r["strategy"]] = r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"] * parameters * 4)
     workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=sum(samples) / len(samples),
-                        tensors=tensors, powersgd_ratio=ratio)
-    source = {"compute_s": "mean " + what,
-              "powersgd_ratio": "measured bytes_per_step" if ratio is not None else "not measured"}
+                        tensors=tensors, measured_share=shares)
+    source = {"compute_s": "mean " + what}
+    source.update({f"{name} bytes": f"measured bytes_per_step: {share:.4g} of allreduce's" for name, share in shares.items()})
     return workload, source
 
 
@@ -277,22 +267,14 @@ def linear_from_checkpoint(path: str | Path) -> tuple[tuple[int, int], ...]:
     return tuple((t.shape[1], t.shape[0]) for k, t in state.items() if k.endswith("weight") and t.dim() == 2)
 
 
-#: the request a worker sends each shard before its gradient (parameter_server.protocol.request:
-#: REQUEST_SIZE float64, 5 since a push carries its checkpoint wish; a constant here, as the
-#: projection imports no torch)
-PS_REQUEST_BYTES = 40
-
-
 def parameters_from_runs(runs: list[dict]) -> int | None:
-    """The model's parameter count, from the bytes a plain all-reduce run sent (2 (N-1)/N x 4 P)."""
+    """The model's parameter count, from the bytes the first run whose strategy can say it
+    sent (its spec's parameters_from_bytes: e.g. a plain all-reduce's 2 (N-1)/N x 4 P)."""
     for r in runs:
-        if r["strategy"] in ("allreduce", "easgd") and r["workers"] > 1 and r["bytes_per_step"] > 0:
-            return round(r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"]) / 4)
-        if r["strategy"] in PARAMETER_SERVERS and r["bytes_per_step"] > 0:
-            # shards null (the default): one per node, and the runs measured here ran on one node
-            shards = {**SPECS[r["strategy"]].defaults, **r.get("strategy_params", {})}["shards"] or 1
-            headers = PS_REQUEST_BYTES * shards
-            return round((r["bytes_per_step"] - headers) / 4)  # the gradient, after a request per shard
+        parameters = SPECS[r["strategy"]].parameters_from_bytes(r["bytes_per_step"], r["workers"],
+                                                                r.get("strategy_params", {}))
+        if parameters is not None:
+            return parameters
     return None
 
 

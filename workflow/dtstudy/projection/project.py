@@ -243,10 +243,11 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     if profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED:
         raise ConfigError(f"hardware profile {hardware_path}: key 'ps_request_us': 'measured' needs a study's N=1 "
                           f"parameter-server runs; give a number of microseconds (0: not modelled)")
-    workload = calibration.workload_from_measured(measured, {**defaults, **params}["allreduce_powersgd"]["rank"])
-    if "allreduce_powersgd" in strategies and workload.powersgd_ratio is None:
-        raise ConfigError(f"measurement file {measured_path}: key 'model.matrices' is missing; allreduce_powersgd "
-                          f"needs the model's weight matrices [[rows, columns], ...] for its bytes")
+    workload = calibration.workload_from_measured(measured)
+    needing = [name for name in strategies if SPECS[name].needs_matrices]
+    if needing and workload.matrices is None:
+        raise ConfigError(f"measurement file {measured_path}: key 'model.matrices' is missing; {', '.join(needing)} "
+                          f"need(s) the model's weight matrices [[rows, columns], ...] for its bytes")
     needing = [name for name in strategies if SPECS[name].needs_fully_connected]
     if needing and not workload.fully_connected:
         raise ConfigError(f"measurement file {measured_path}: key 'model.layer_profile' is missing; "
@@ -350,11 +351,12 @@ def _project_study_on(profile: dict, workload: Workload, provenance: dict, why_n
     params = hardware.profile_strategy_params(profile, strategies, knob_defaults())
     for name in strategies:  # the study's own knobs win over the profile's
         params[name].update(config.get("strategy_params", {}).get(name, {}))
-    if workload.powersgd_ratio is None and "allreduce_powersgd" in strategies:
-        # no PowerSGD run exchanged anything (N=1 only): its bytes from the model's matrices
-        rank = params["allreduce_powersgd"]["rank"]
-        workload = dataclasses.replace(workload, powersgd_ratio=calibration.powersgd_ratio(matrices(), rank))
-        provenance["powersgd_ratio"] = f"the model's matrices in a run's model.pt (rank {rank}; no PowerSGD run at N > 1)"
+    unmeasured = [name for name in strategies if SPECS[name].needs_matrices and name not in workload.measured_share]
+    if unmeasured and workload.matrices is None:
+        # none of their runs exchanged anything (N=1 only): their bytes from the model's matrices
+        workload = dataclasses.replace(workload, matrices=calibration.as_matrices(matrices()))
+        provenance["matrices"] = ("the model's matrices in a run's model.pt, for " + "; ".join(
+            f"{name} at its knobs {params[name]}" for name in unmeasured) + " (none of their runs at N > 1)")
     machine, machine_source = hardware.study_machine(profile, commbench)
     provenance.update(machine_source)
     machine, request_source = calibration.with_ps_request(machine, profile, runs, workload, params)

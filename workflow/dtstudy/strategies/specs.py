@@ -90,6 +90,18 @@ class StrategySpec:
     #: its model needs the fully connected layers' shapes (Workload.fully_connected: a layer
     #: profile's, or a run's model.pt); the projection finds them first
     needs_fully_connected: ClassVar[bool] = False
+    #: its bytes depend on the model's shapes, not on the parameter count alone: its model
+    #: reads the share of the plain all-reduce's bytes that its runs at N > 1 measured
+    #: (Workload.measured_share), or counts it from the gradient's matrices (Workload.matrices),
+    #: which the projection then finds first
+    needs_matrices: ClassVar[bool] = False
+
+    @classmethod
+    def parameters_from_bytes(cls, bytes_per_step: float, workers: int, params: dict[str, Any]) -> int | None:
+        """The model's parameter count that its run's bytes a step at N=workers imply (the
+        study's gradients are fp32), for the projection's calibration; None where they do not
+        say it alone (no exchange, or bytes that depend on the model's shapes or on chance)."""
+        return None
 
     @classmethod
     def barrier(cls, workers: int, params: dict[str, Any]) -> tuple[int, int, int | None]:
@@ -133,6 +145,9 @@ class AllReduceSpec(StrategySpec):
     # a 16-bit wire (allreduce_fp16) that overflows gives inf, and the step is skipped
     no_fp16_because = None
 
+    #: bytes a gradient value takes on the wire as its runs send it (the study's are fp32)
+    wire_value_bytes: ClassVar[int] = 4
+
     @classmethod
     def wire_bytes(cls, workload: Workload) -> float:
         """The bytes of one worker's gradient on the wire."""
@@ -144,16 +159,22 @@ class AllReduceSpec(StrategySpec):
         return steps.allreduce_step(cls.name, cls.wire_bytes(workload), cls.compression_passes, workload, machine,
                                     workers, params, stragglers)
 
+    @classmethod
+    def parameters_from_bytes(cls, bytes_per_step, workers, params):
+        """The whole gradient in a ring every step: 2 (N-1)/N x its wire bytes."""
+        return _ring_parameters(bytes_per_step, workers, cls.wire_value_bytes)
+
 
 class AllReduceFP16Spec(AllReduceSpec):
     name = "allreduce_fp16"
     family = "compressed"
     # a 16-bit cast reads 4 and writes 2 bytes per value and back: ~3 passes of the fp32 bytes
     compression_passes = 3.0
+    wire_value_bytes = 2  # half the bytes
 
     @classmethod
     def wire_bytes(cls, workload):
-        return workload.parameters * 2.0  # half the bytes
+        return workload.parameters * float(cls.wire_value_bytes)
 
 
 class AllReduceBF16Spec(AllReduceFP16Spec):
@@ -167,18 +188,40 @@ class AllReducePowerSGDSpec(AllReduceSpec):
                        "scale leaves them off by that factor and an overflowing step's inf stays in them")
     # rank r: two matrix products over the gradient and the error feedback, ~6 passes
     compression_passes = 6.0
+    needs_matrices = True  # which matrices it factorises depends on their shapes
+    #: a matrix is factorised only when that makes it this many times smaller (torch's
+    #: PowerSGDState default, which the strategy keeps)
+    MIN_COMPRESSION_RATE = 2
+
+    @classmethod
+    def sent_share(cls, matrices, rank: int) -> float:
+        """Share of the gradient's values PowerSGD all-reduces: a matrix n x m goes as rank-r P
+        (n x r) and Q (m x r) when that is smaller by MIN_COMPRESSION_RATE (torch's
+        `_should_compress`), whole otherwise; a vector [n, 1] always goes whole."""
+        total = sent = 0
+        for n, m in matrices:
+            total += n * m
+            sent += (n + m) * rank if (n + m) * rank * cls.MIN_COMPRESSION_RATE < n * m else n * m
+        return sent / total
 
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
         """torch's hook all-reduces three times per bucket, one after the other: the tensors it
         sends whole (vectors, matrices too small to gain), then the rank-r factors P, then Q
-        (each needs the one before); the bytes are `powersgd_ratio` of the gradient's (from the
-        model's matrices or measured)."""
-        if workload.powersgd_ratio is None:
-            raise ValueError("allreduce_powersgd needs the share of the gradient bytes PowerSGD sends "
-                             "(measured bytes_per_step, or model.matrices)")
-        return steps.allreduce_step(cls.name, workload.model_bytes * workload.powersgd_ratio, cls.compression_passes,
+        (each needs the one before); the bytes are the share of the gradient's that its runs
+        measured, or `sent_share` of the model's matrices at the rank knob."""
+        share = workload.measured_share.get(cls.name)
+        if share is None:
+            if workload.matrices is None:
+                raise ValueError("allreduce_powersgd needs the share of the gradient bytes PowerSGD sends "
+                                 "(a run's measured bytes_per_step at N > 1, or the model's matrices)")
+            share = cls.sent_share(workload.matrices, params["rank"])
+        return steps.allreduce_step(cls.name, workload.model_bytes * share, cls.compression_passes,
                                     workload, machine, workers, params, stragglers, messages_per_bucket=3)
+
+    @classmethod
+    def parameters_from_bytes(cls, bytes_per_step, workers, params):
+        return None  # its bytes depend on the matrices' shapes
 
     @classmethod
     def validate(cls, params, workers):
@@ -200,6 +243,10 @@ class AllReduceOneBitSpec(AllReduceSpec):
     def step_model(cls, workload, machine, workers, params, stragglers):
         return steps.onebit_step(cls.name, cls.compression_passes, workload, machine, workers, params, stragglers)
 
+    @classmethod
+    def parameters_from_bytes(cls, bytes_per_step, workers, params):
+        return None  # its bytes depend on the tensors and column groups its quantiser scales
+
 
 # ----- hybrid: data-parallel convolutions, model-parallel fully connected layers --------
 
@@ -217,6 +264,12 @@ class HybridSpec(StrategySpec):
 
 
 # ----- parameter servers --------------------------------------------------------------
+
+#: the request a worker sends each shard before its gradient (parameter_server.protocol:
+#: REQUEST_SIZE float64, 5 since a push carries its checkpoint wish; a constant here, as the
+#: specs import no torch)
+PS_REQUEST_BYTES = 40
+
 
 class ParameterServerSpec(StrategySpec):
     family = "parameter server"
@@ -250,6 +303,15 @@ class ParameterServerSpec(StrategySpec):
     def step_model(cls, workload, machine, workers, params, stragglers):
         """Push to S shards, each waits for all N, updates, answers: 2 phases + the update."""
         return steps.ps_round_step(cls.name, workload, machine, workers, params, stragglers)
+
+    @classmethod
+    def parameters_from_bytes(cls, bytes_per_step, workers, params):
+        """A worker pushes its fp32 gradient after a request to each shard (`shards` null: one
+        per node, and the runs this reads ran on one node)."""
+        if bytes_per_step <= 0:
+            return None
+        shards = {**cls.defaults, **params}["shards"] or 1
+        return round((bytes_per_step - PS_REQUEST_BYTES * shards) / 4)
 
 
 class PsSyncSpec(ParameterServerSpec):
@@ -370,6 +432,14 @@ class EASGDSpec(PeriodicAveragingSpec):
         return workload.model_bytes  # the elastic differences
 
     @classmethod
+    def parameters_from_bytes(cls, bytes_per_step, workers, params):
+        """The fp32 elastic differences in a ring every `period` steps: a run's mean a step
+        says the count only at period 1 (how many exchanges fall in its timed steps varies)."""
+        if {**cls.defaults, **params}["period"] != 1:
+            return None
+        return _ring_parameters(bytes_per_step, workers, 4)
+
+    @classmethod
     def validate(cls, params, workers):
         alpha = params["alpha"]
         if alpha is not None and workers * alpha > 1:
@@ -396,6 +466,13 @@ class GossipSpec(StrategySpec):
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
         return steps.gossip_step(cls.name, cls.mixing_passes, workload, machine, workers, params, stragglers)
+
+
+def _ring_parameters(bytes_per_step: float, workers: int, value_bytes: int) -> int | None:
+    """The values a ring all-reduce carried, from one worker's bytes: 2 (N-1)/N of them each."""
+    if workers < 2 or bytes_per_step <= 0:
+        return None
+    return round(bytes_per_step / (2 * (workers - 1) / workers) / value_bytes)
 
 
 # ----- the reference: no exchange at all (the machine's ceiling) ----------------------
