@@ -33,6 +33,7 @@ from test_workflow import job_counts, train_threads
 
 AT_SCALE = REPO / "config/at-scale.yaml"
 AT_SCALE_ASYNC = REPO / "config/at-scale-async.yaml"
+AT_SCALE_ONEBIT = REPO / "config/at-scale-onebit.yaml"
 PARAMETER_SERVERS = ["ps_sync", "ps_backup", "ps_async", "ssp"]
 EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 
@@ -97,6 +98,27 @@ def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference()
     assert not set(PARAMETER_SERVERS) & set(synchronous)
 
 
+def test_the_onebit_part_runs_allreduce_onebit_beside_allreduce_and_the_parts_cover_the_strategies():
+    """config/at-scale-onebit.yaml, on top of at-scale.yaml: allreduce_onebit with its compressed
+    reduce-scatter and allreduce, the asynchronous half's learning-rate rule, at-scale.yaml's
+    budget otherwise; the three parts run every strategy but hybrid and the ceiling."""
+    from dtstudy.analysis import claims
+
+    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2", "--configfile",
+                             str(AT_SCALE), str(AT_SCALE_ONEBIT)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    overlay = yaml.safe_load(AT_SCALE_ONEBIT.read_text())
+    assert overlay["strategies"] == [claims.SYNC, claims.ONEBIT]
+    assert set(overlay) == {"strategies", "strategy_params", "train"}
+    assert overlay["train"] == yaml.safe_load(AT_SCALE_ASYNC.read_text())["train"]
+    assert overlay["strategy_params"] == {"allreduce_onebit": {"exchange": "reduce_scatter"}}
+    runs = 2 * 5 * 3
+    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
+                                         "aggregate": 1, "all": 1}
+    parts = [yaml.safe_load(path.read_text())["strategies"] for path in (AT_SCALE, AT_SCALE_ASYNC, AT_SCALE_ONEBIT)]
+    assert set(SPECS) - set().union(*parts) == {"hybrid", "no_exchange"}
+
+
 # --- a tiny emulated study through Snakemake -------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -121,7 +143,7 @@ def test_an_emulated_study_writes_its_tables_plots_and_claims(emulated_study):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
     findings = (results / "tables/findings.md").read_text()
     section = findings.split("## The published claims at scale (emulated on h100_ib400)", 1)[1]
-    for source in ("Goyal et al. 2017", "Chen et al. 2016", "Jin et al. 2016", "Dai et al. 2019"):
+    for source in ("Goyal et al. 2017", "Chen et al. 2016", "Jin et al. 2016", "Dai et al. 2019", "Seide et al. 2014"):
         assert source in section
     assert "**Not measured**: No runs of ps_backup, ps_async" in section
     # one seed: no interval, so no verdict on allreduce's limit
@@ -325,6 +347,60 @@ def test_claims_of_strategies_not_run_are_not_measured_and_say_why(monkeypatch):
     monkeypatch.setattr(SPECS["ps_async"], "not_emulated_because", "its shards' clock is not modelled")
     verdict = claims.dai_staleness(only_sync)
     assert "ps_async cannot be emulated yet: its shards' clock is not modelled" in verdict.summary, verdict.summary
+
+
+def onebit_cells(**by_n) -> dict:
+    """allreduce at KEPT everywhere; allreduce_onebit at KEPT or by_n's top-1 per seed."""
+    cells = goyal_cells()
+    for n in (1, 4, 16, 64, 256):
+        cells[("allreduce_onebit", n)] = {"top1": by_n.get(f"n{n}", KEPT)}
+    return cells
+
+
+LOST = [0.80, 0.81, 0.82]  # 7.5 points below KEPT in every seed: apart from the margin
+
+
+def test_seide_holds_where_onebit_keeps_allreduces_top1_within_the_margin():
+    # a point below allreduce in every seed: a loss the seeds tell apart from zero, but little
+    accuracy = table(onebit_cells(n256=[0.870, 0.875, 0.880]))
+    verdict = claims.seide_onebit(accuracy)
+    assert verdict.status == claims.HOLDS and verdict.from_n == 4
+    assert verdict.summary == "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64, 256."
+    assert verdict.evidence[-1] == ("N=256, global batch 2048: top-1 0.8750 [0.8626, 0.8874], − allreduce -0.0100 "
+                                    "[-0.0100, -0.0100]: not below allreduce's by more than 0.03: the difference "
+                                    "lies in [-0.01, -0.01]")
+    # the control: read as the other claims read a difference (apart first), the same cell is "below"
+    cell = accuracy[(accuracy["strategy"] == "allreduce_onebit") & (accuracy["workers"] == 256)].iloc[0]
+    difference = Interval(cell["top1_vs_allreduce"], cell["top1_vs_allreduce_low"], cell["top1_vs_allreduce_high"],
+                          3, "t95")
+    assert claims.read(difference, claims.ZERO, "top1_vs_allreduce", "allreduce's", guard=claims.BELOW).side == \
+        claims.BELOW
+
+
+@pytest.mark.parametrize("by_n, status, summary", [
+    ({"n64": LOST, "n256": LOST}, claims.PARTLY,
+     "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16 and loses more than 0.03 "
+     "against allreduce's at N=64, 256."),
+    ({"n4": LOST, "n16": LOST, "n64": LOST, "n256": LOST}, claims.DOES_NOT_HOLD,
+     "allreduce_onebit loses more than 0.03 against allreduce's at N=4, 16, 64, 256."),
+    ({"n4": SPLIT, "n16": SPLIT, "n64": SPLIT, "n256": SPLIT}, claims.UNDECIDED,
+     "The study cannot tell at N=4, 16, 64, 256 (intervals too wide)."),
+    ({"n256": SPLIT}, claims.PARTLY,
+     "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64; the study cannot tell at N=256 "
+     "(intervals too wide)."),
+])
+def test_seide_is_lost_or_undecided_where_onebits_difference_leaves_the_margin(by_n, status, summary):
+    verdict = claims.seide_onebit(table(onebit_cells(**by_n)))
+    assert (verdict.status, verdict.summary) == (status, summary)
+    if status == claims.UNDECIDED:
+        assert "across the margin of -0.03" in verdict.evidence[0], verdict.evidence[0]
+
+
+def test_seide_is_not_measured_without_onebit_runs_at_n_above_1():
+    verdict = claims.seide_onebit(table(goyal_cells()))
+    assert verdict.status == claims.NOT_MEASURED and "No runs of allreduce_onebit" in verdict.summary
+    only_n1 = table({key: cell for key, cell in onebit_cells().items() if key[0] == "allreduce" or key[1] == 1})
+    assert "only at N=1" in claims.seide_onebit(only_n1).summary
 
 
 def jin_cells(gossip_times: dict, async_times: dict | None = None) -> dict:

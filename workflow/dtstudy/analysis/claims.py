@@ -13,7 +13,11 @@ and the figures with their intervals that say so.
   crossover;
 - Dai et al. 2019: staleness grows with N and costs asynchronous SGD accuracy and steps:
   ps_async's mean staleness, its paired top-1 difference to allreduce and its steps to the
-  target at each N.
+  target at each N;
+- Seide et al. 2014: 1-bit SGD with error feedback costs little or no accuracy against
+  full-precision synchronous SGD: allreduce_onebit's paired top-1 difference to allreduce at
+  each N, read against the margin first (a small loss the seeds can tell apart from zero is
+  still "little").
 
 Every comparison is read three ways (`read`): "above"/"below" when the two intervals are apart
 (dtstudy.analysis.intervals.overlaps); "level" (for Goyal "kept") only when the difference's
@@ -45,6 +49,7 @@ SYNC = "allreduce"
 BACKUP = "ps_backup"
 ASYNC = "ps_async"
 DECENTRALISED = "gossip"
+ONEBIT = "allreduce_onebit"
 CHEN_SCALE = 64  # "about 100 workers": the claim is judged at the study's largest N, said short of it below this
 
 HOLDS, PARTLY, UNDECIDED, DOES_NOT_HOLD, NOT_MEASURED = (
@@ -473,12 +478,68 @@ def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
                    evidence)
 
 
+def _little_loss(cell: Interval) -> Reading:
+    """A paired top-1 difference to allreduce against "little or no loss": LEVEL when its whole
+    interval lies above −TOP1_MARGIN (a loss, if any, within the margin, even where the interval
+    excludes zero), BELOW when it lies wholly below −TOP1_MARGIN, UNDECIDED_READING when it
+    straddles −TOP1_MARGIN or is no confidence interval."""
+    margin = TOP1_MARGIN
+    if cell.kind not in CONFIDENCE_KINDS or math.isnan(cell.low) or math.isnan(cell.high):
+        return Reading(UNDECIDED_READING, f"undecided: {cell.n} seed(s) give no confidence interval, "
+                       "too few to show a loss small")
+    lies = f"the difference lies in [{cell.low:+.3g}, {cell.high:+.3g}]"
+    if cell.low >= -margin:
+        return Reading(LEVEL, f"not below allreduce's by more than {margin:.3g}: {lies}")
+    if cell.high < -margin:
+        return Reading(BELOW, f"below allreduce's by more than {margin:.3g}: {lies}")
+    return Reading(UNDECIDED_READING, f"undecided: {lies}, across the margin of {-margin:+.3g}"
+                   f"{beyond_zero(cell.low, cell.high)}")
+
+
+def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
+    """HOLDS (from the smallest N > 1) when allreduce_onebit's top-1 is within TOP1_MARGIN of
+    allreduce's at every N > 1 (_little_loss LEVEL); PARTLY when it is up to some N and lost
+    (BELOW) or undecided beyond it; DOES_NOT_HOLD when it is lost at the smallest N > 1;
+    UNDECIDED when no N is decided either way."""
+    claim = "1-bit SGD with error feedback costs little or no accuracy against full-precision synchronous SGD"
+    source = "Seide et al. 2014 (a 46M-parameter speech DNN on 8 GPUs)"
+    why = unmeasured(table, [ONEBIT, SYNC])
+    if why:
+        return _not_measured(claim, source, why)
+    rows = _rows(table, ONEBIT)
+    rows = rows[rows["workers"] > 1]
+    if rows.empty:
+        return _not_measured(claim, source, "allreduce_onebit ran only at N=1, where it exchanges nothing")
+    evidence, kept, lost, undecided = [], [], [], []
+    for _, row in rows.iterrows():
+        n = int(row["workers"])
+        reading = _little_loss(_interval(row, "top1_vs_allreduce"))
+        evidence.append(f"N={n}{_batch(row)}: top-1 {_cell(row, 'top1', '.4f')}, − allreduce "
+                        f"{_cell(row, 'top1_vs_allreduce', '+.4f')}: {reading.text}")
+        {LEVEL: kept, BELOW: lost, UNDECIDED_READING: undecided}[reading.side].append(n)
+    ns = [int(n) for n in rows["workers"]]
+    clauses = ([f"keeps its top-1 within {TOP1_MARGIN:.3g} of allreduce's at {_ns(kept)}"] if kept else []) + \
+        ([f"loses more than {TOP1_MARGIN:.3g} against allreduce's at {_ns(lost)}"] if lost else [])
+    said = f"{ONEBIT} " + " and ".join(clauses) if clauses else ""
+    if undecided:
+        said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} (intervals too wide)"
+    said += "."
+    if kept == ns:
+        return Verdict(claim, source, HOLDS, said, ns[0], evidence)
+    if kept and kept[0] == ns[0]:
+        return Verdict(claim, source, PARTLY, said, None, evidence)
+    if lost and lost[0] == ns[0]:
+        return Verdict(claim, source, DOES_NOT_HOLD, said, None, evidence)
+    return Verdict(claim, source, UNDECIDED if not kept else PARTLY, said, None, evidence)
+
+
 #: each claim's verdict from the accuracy table, in the order findings.md states them
 CLAIMS: dict[str, Callable[[pd.DataFrame], Verdict]] = {
     "goyal": goyal_batch_limit,
     "chen": chen_backup_vs_async,
     "jin": jin_crossover,
     "dai": dai_staleness,
+    "seide": seide_onebit,
 }
 
 

@@ -120,6 +120,8 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
              "steps or a staleness); \"undecided\" that they overlap but are too wide (or too few seeds) to tell. "
              "Intervals apart is a stricter test than a 95% interval of the difference: a difference whose range "
              "excludes zero while the intervals overlap stays undecided, and its reading says so. "
+             "A claim of little or no loss (Seide's) reads the margin first: a loss within it is little even where "
+             "the seeds tell it from zero, more than it only when the whole interval lies beyond. "
              "Times are the emulated cluster's training seconds.", ""]
     for verdict in verdicts:
         lines.append(f"- **{verdict.source}**: {verdict.claim}. **{verdict.status.capitalize()}**"
