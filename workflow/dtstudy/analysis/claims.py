@@ -492,8 +492,9 @@ def _little_loss(cell: Interval) -> Reading:
         return Reading(LEVEL, f"not below allreduce's by more than {margin:.3g}: {lies}")
     if cell.high < -margin:
         return Reading(BELOW, f"below allreduce's by more than {margin:.3g}: {lies}")
-    return Reading(UNDECIDED_READING, f"undecided: {lies}, across the margin of {-margin:+.3g}"
-                   f"{beyond_zero(cell.low, cell.high)}")
+    below_zero = (f"; a loss at about the 95% level, but the seeds cannot tell whether more than {margin:.3g}"
+                  if cell.high < 0 else "")
+    return Reading(UNDECIDED_READING, f"undecided: {lies}, across the margin of {-margin:+.3g}{below_zero}")
 
 
 def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
@@ -522,7 +523,7 @@ def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdi
         ([f"loses more than {TOP1_MARGIN:.3g} against allreduce's at {_ns(lost)}"] if lost else [])
     said = f"{ONEBIT} " + " and ".join(clauses) if clauses else ""
     if undecided:
-        said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} (intervals too wide)"
+        said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} (intervals across the margin)"
     said += "."
     if kept == ns:
         return Verdict(claim, source, HOLDS, said, ns[0], evidence)
