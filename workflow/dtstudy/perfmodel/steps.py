@@ -118,10 +118,11 @@ def onebit_level_bytes(workload: Workload, quantizer: str | None) -> float:
 def onebit_step(strategy: str, compression_passes: float, workload, machine, workers, params, stragglers) -> Step:
     """Signs (1 bit per value) and fp32 levels (onebit_level_bytes). `exchange: allgather`: every
     worker's message all-gathered; each dequantises and sums the N messages (compression time
-    grows with N). `reduce_scatter`: the message in N chunks, sent chunk j to worker j (an
-    all-to-all, timed as an all-gather of M/N) and the N averaged chunks all-gathered: two
-    all-gathers of M/N; quantise the bucket, dequantise N chunks, quantise and dequantise one
-    chunk again, dequantise the N gathered chunks."""
+    grows with N). `reduce_scatter`: the message in N chunks, sent chunk j to worker j, and each
+    owner's averaged chunk sent back to every worker: two all-to-alls of M/N (the second is one
+    too, as the strategy sends it: gloo's all-gather wants equal sizes), N-1 messages each a
+    worker, every pair's own bytes across the NICs; quantise the bucket, dequantise N chunks,
+    quantise and dequantise one chunk again, dequantise the N gathered chunks."""
     compute = workload.compute_s
     if workers == 1:
         return alone(strategy, workload, stragglers)
@@ -130,7 +131,7 @@ def onebit_step(strategy: str, compression_passes: float, workload, machine, wor
     messages = buckets(workload.model_bytes, params["bucket_cap_mb"])
     if params["exchange"] == "reduce_scatter":
         compression = per_byte * (1.5 + 1 / workers)  # half the passes each way, as below
-        exchange = 2 * allgather_time(message / workers, workers, machine, messages) + compression
+        exchange = 2 * alltoall_time(message / workers, workers, machine, messages) + compression
     else:
         # quantise once, dequantise N messages: half the passes each way
         compression = per_byte / 2 + per_byte / 2 * workers
