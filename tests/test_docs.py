@@ -507,7 +507,8 @@ def quoted_config_values() -> list[tuple[str, str, str]]:
 def test_the_values_config_readme_quotes_for_the_shipped_configs_are_theirs():
     quoted = quoted_config_values()
     assert {name for name, _, _ in quoted} == {"config.yaml", "embedded-full.yaml", "allreduce.yaml", "hybrid.yaml",
-                                               "cluster.yaml", "at-scale.yaml", "at-scale-async.yaml"}
+                                               "cluster.yaml", "at-scale.yaml", "at-scale-async.yaml",
+                                               "at-scale-onebit.yaml"}
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     wrong = []
     for name, key, written in quoted:
