@@ -404,6 +404,14 @@ def test_seide_says_where_a_loss_is_sure_but_its_size_is_not():
                                         "cannot tell whether more than 0.03"), verdict.evidence[1]
 
 
+def test_seide_with_two_seeds_has_no_interval_to_show_a_loss_small():
+    verdict = claims.seide_onebit(table(onebit_cells(), seeds=2))
+    assert verdict.status == claims.UNDECIDED
+    assert verdict.summary == ("The study cannot tell at N=4, 16, 64, 256 (intervals across the margin, or too few "
+                               "seeds for a confidence interval).")
+    assert verdict.evidence[0].endswith("undecided: 2 seed(s) give no confidence interval, too few to show a loss small")
+
+
 def test_seide_is_not_measured_without_onebit_runs_at_n_above_1():
     verdict = claims.seide_onebit(table(goyal_cells()))
     assert verdict.status == claims.NOT_MEASURED and "No runs of allreduce_onebit" in verdict.summary

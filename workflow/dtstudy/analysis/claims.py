@@ -523,7 +523,9 @@ def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdi
         ([f"loses more than {TOP1_MARGIN:.3g} against allreduce's at {_ns(lost)}"] if lost else [])
     said = f"{ONEBIT} " + " and ".join(clauses) if clauses else ""
     if undecided:
-        said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} (intervals across the margin)"
+        why = ("intervals across the margin" if rows["seeds"].min() >= 3
+               else "intervals across the margin, or too few seeds for a confidence interval")
+        said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} ({why})"
     said += "."
     if kept == ns:
         return Verdict(claim, source, HOLDS, said, ns[0], evidence)
