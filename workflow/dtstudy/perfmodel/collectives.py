@@ -6,6 +6,12 @@ from __future__ import annotations
 from dtstudy.perfmodel.machine import Link, Machine
 
 
+def ring_allreduce_bytes(payload_bytes: float, workers: int) -> float:
+    """Bytes one worker sends in a ring all-reduce of `payload_bytes`: 2 (N-1)/N of it (what the
+    strategies count as sent, and what the calibration reads back from their runs)."""
+    return 2.0 * (workers - 1) / workers * payload_bytes
+
+
 def ring_allreduce_time(nbytes: float, participants: int, link: Link, messages: int = 1) -> float:
     """Ring all-reduce: 2 (p-1) steps of alpha per message, 2 (p-1)/p of the bytes per link."""
     if participants <= 1:

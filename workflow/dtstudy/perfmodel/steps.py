@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dtstudy.perfmodel.collectives import allgather_time, allreduce_time, alltoall_time
+from dtstudy.perfmodel.collectives import allgather_time, allreduce_time, alltoall_time, ring_allreduce_bytes
 from dtstudy.perfmodel.machine import Machine, Step, Stragglers, Workload
 from dtstudy.perfmodel.waits import expected_order_statistic, mean_delay, synchronous_wait
 
@@ -172,7 +172,7 @@ def hybrid_bytes_per_step(linear, batch: int, workers: int, other_parameters: in
         return 0.0
     activations = sum(2 * (workers - 1) * nbytes for _, nbytes in hybrid_exchanges(linear, batch, workers,
                                                                                    bytes_per_value))
-    return activations + 2 * (workers - 1) / workers * other_parameters * bytes_per_value
+    return activations + ring_allreduce_bytes(other_parameters * bytes_per_value, workers)
 
 
 def hybrid_step(strategy, workload, machine, workers, params, stragglers) -> Step:

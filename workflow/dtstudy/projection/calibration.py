@@ -14,6 +14,7 @@ from scipy import stats
 from dtstudy.projection import hardware, layer_profiles
 from dtstudy.analysis import intervals
 from dtstudy.errors import ConfigError
+from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.perfmodel.machine import LayerProfile, Link, Workload
 from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS, model_step
 
@@ -239,7 +240,7 @@ def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> t
     shares = {}
     for r in runs:
         if SPECS[r["strategy"]].needs_matrices and r["workers"] > 1 and r["strategy"] not in shares:
-            shares[r["strategy"]] = r["bytes_per_step"] / (2 * (r["workers"] - 1) / r["workers"] * parameters * 4)
+            shares[r["strategy"]] = r["bytes_per_step"] / ring_allreduce_bytes(parameters * 4, r["workers"])
     workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=sum(samples) / len(samples),
                         tensors=tensors, measured_share=shares)
     source = {"compute_s": "mean " + what}

@@ -5,12 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.strategies.base import OptimizerFactory, Strategy
-
-
-def ring_allreduce_bytes(payload_bytes: int, workers: int) -> float:
-    """Bytes one worker sends in a ring all-reduce of `payload_bytes`: 2 (N-1)/N of it."""
-    return 2.0 * (workers - 1) / workers * payload_bytes
 
 
 class AllReduce(Strategy):

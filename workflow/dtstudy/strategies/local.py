@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging import utils as model_averaging
 
-from dtstudy.strategies.allreduce import ring_allreduce_bytes
+from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.strategies.base import OptimizerFactory, Strategy
 
 

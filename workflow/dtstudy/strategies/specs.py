@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from dtstudy.config import schema
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel import steps
+from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Machine, Step, Stragglers, Workload
 from dtstudy.perfmodel.waits import natural_wait
 
@@ -469,10 +470,10 @@ class GossipSpec(StrategySpec):
 
 
 def _ring_parameters(bytes_per_step: float, workers: int, value_bytes: int) -> int | None:
-    """The values a ring all-reduce carried, from one worker's bytes: 2 (N-1)/N of them each."""
+    """The values a ring all-reduce carried, from one worker's bytes (ring_allreduce_bytes of them)."""
     if workers < 2 or bytes_per_step <= 0:
         return None
-    return round(bytes_per_step / (2 * (workers - 1) / workers) / value_bytes)
+    return round(bytes_per_step / ring_allreduce_bytes(value_bytes, workers))
 
 
 # ----- the reference: no exchange at all (the machine's ceiling) ----------------------
