@@ -511,10 +511,12 @@ def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdi
     rows = rows[rows["workers"] > 1]
     if rows.empty:
         return _not_measured(claim, source, "allreduce_onebit ran only at N=1, where it exchanges nothing")
-    evidence, kept, lost, undecided = [], [], [], []
+    evidence, kept, lost, undecided, without_interval = [], [], [], [], False
     for _, row in rows.iterrows():
         n = int(row["workers"])
-        reading = _little_loss(_interval(row, "top1_vs_allreduce"))
+        difference = _interval(row, "top1_vs_allreduce")
+        without_interval |= difference.kind not in CONFIDENCE_KINDS
+        reading = _little_loss(difference)
         evidence.append(f"N={n}{_batch(row)}: top-1 {_cell(row, 'top1', '.4f')}, − allreduce "
                         f"{_cell(row, 'top1_vs_allreduce', '+.4f')}: {reading.text}")
         {LEVEL: kept, BELOW: lost, UNDECIDED_READING: undecided}[reading.side].append(n)
@@ -523,8 +525,7 @@ def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdi
         ([f"loses more than {TOP1_MARGIN:.3g} against allreduce's at {_ns(lost)}"] if lost else [])
     said = f"{ONEBIT} " + " and ".join(clauses) if clauses else ""
     if undecided:
-        why = ("intervals across the margin" if rows["seeds"].min() >= 3
-               else "intervals across the margin, or too few seeds for a confidence interval")
+        why = "intervals across the margin" + (", or too few seeds for a confidence interval" if without_interval else "")
         said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} ({why})"
     said += "."
     if kept == ns:
