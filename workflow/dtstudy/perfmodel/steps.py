@@ -205,26 +205,31 @@ def ps_phase_time(workload: Workload, machine: Machine, workers: int, shards: in
     """One direction of a parameter-server exchange (all pushes, or all pulls): the busiest
     link carries its bytes. Each of the N workers sends M/S to each of the S shards.
 
-    Inside one node (N <= g): a shard's link takes the N slices (N M / S) and each worker's
-    takes M. Across nodes, `dedicated` shards have a NIC each (N M / S per shard NIC; a
-    worker node's NIC carries its g workers' M each); `colocated` shards sit on the worker
+    `dedicated` shards sit on nodes of their own, a NIC each (N M / S per shard NIC; a worker
+    node's NIC carries its g workers' M each, even where the N workers fill one node).
+    Colocated inside one node (N <= g): a shard's link takes the N slices (N M / S) and each
+    worker's takes M. Across nodes, `colocated` shards sit on the worker
     nodes, ceil(S / nodes) on the busiest, whose NIC carries the other nodes' slices for its
     shards, (N - g) M s/S, and sends its workers' slices for remote shards, g M (1 - s/S);
-    links are full duplex, so the larger of the two counts."""
+    links are full duplex, so the larger of the two counts.
+
+    One latency per phase, not one per message: the N workers send at once, so their
+    messages' latencies overlap and the busiest link is busy only with their bytes, one after
+    another (as an emulated run's links deliver them: dtstudy.emulation.clock.ExchangeCosts.deliver).
+    A shard's own cost per message is the protocol's (Machine.ps_request_s), not the wire's."""
     m, n = workload.model_bytes, workers
     nodes, local = machine.nodes(n), machine.local(n)
     if nodes == 1 and placement == "colocated":
         link = machine.p2p_intra
         per_shard = n * m / shards
-        return link.time(max(per_shard, m), messages=n)
-    if placement == "dedicated":
-        link = machine.p2p_intra if nodes == 1 else machine.p2p_inter
-        return link.time(max(n * m / shards, local * m if nodes > 1 else m), messages=n)
+        return link.time(max(per_shard, m))
+    if placement == "dedicated":  # on nodes of their own: across, even from one node of workers
+        return machine.p2p_inter.time(max(n * m / shards, local * m))
     link = machine.p2p_inter
     on_busiest = math.ceil(shards / nodes)
     share = min(on_busiest / shards, 1.0)
     nic = max((n - local) * m * share, local * m * (1 - share))  # in and out: full duplex
-    return link.time(nic, messages=n)
+    return link.time(nic)
 
 
 def default_shards(nodes: int) -> int:
@@ -238,46 +243,77 @@ def shard_count(params: dict, machine: Machine, workers: int) -> int:
     return params["shards"] if params["shards"] is not None else default_shards(machine.nodes(workers))
 
 
-def server_update_time(workload: Workload, machine: Machine, gradients: int, shards: int) -> float:
-    """A shard's work for one update: sum `gradients` slices of M/S bytes, then SGD on its slice."""
+def shard_passes_time(workload: Workload, machine: Machine, shards: int, passes: float) -> float:
+    """`passes` memory passes of a shard over its slice of M/S bytes (0: not modelled)."""
     if not machine.server_bandwidth:
         return 0.0
-    slice_bytes = workload.model_bytes / shards
-    passes = SERVER_PASSES_PER_GRADIENT * gradients + SERVER_PASSES_PER_UPDATE
-    return passes * slice_bytes / machine.server_bandwidth
+    return passes * workload.model_bytes / shards / machine.server_bandwidth
 
 
-def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None, window=1) -> Step:
-    """Push to S shards, each waits for `quorum` of the N gradients (all by default), updates,
-    answers: 2 phases + the update; a worker may run `window - 1` steps ahead of the slowest."""
+def server_update_time(workload: Workload, machine: Machine, gradients: int, shards: int) -> float:
+    """A shard's work for one update: sum `gradients` slices of M/S bytes, then SGD on its slice."""
+    return shard_passes_time(workload, machine, shards,
+                             SERVER_PASSES_PER_GRADIENT * gradients + SERVER_PASSES_PER_UPDATE)
+
+
+def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None) -> Step:
+    """Push to S shards, each takes the first `quorum` of the N gradients (all by default) as
+    they arrive, updates, answers: 2 phases + the shard's work. The passes over the gradients
+    that come before the last one needed run while the shard waits for it (the shard's serve
+    loop takes each push on arrival), so the wait for the slowest hides them: what is left
+    is the larger of one pass and all of them less the wait, then the update."""
     shards, placement = shard_count(params, machine, workers), params["placement"]
     phase = ps_phase_time(workload, machine, workers, shards, placement)
-    server = server_update_time(workload, machine, workers, shards)
+    wait = synchronous_wait(stragglers, workers, waits_for=quorum)
+    one = shard_passes_time(workload, machine, shards, SERVER_PASSES_PER_GRADIENT)
+    taking = one * (workers if quorum is None else quorum)
+    server = max(one, taking - wait) + shard_passes_time(workload, machine, shards, SERVER_PASSES_PER_UPDATE)
     # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
     # round trip also pays the protocol's own cost, in parallel with the others'
     exchange = 2 * phase + machine.ps_request_s
-    wait = synchronous_wait(stragglers, workers, window=window, waits_for=quorum)
     return finish(strategy, workload, workers, workload.compute_s, exchange, exchange, server=server,
                   straggler=wait)
 
 
-def ps_async_step(strategy, workload, machine, workers, params, stragglers) -> Step:
+def shard_reply_time(workload: Workload, machine: Machine, workers: int, shards: int, placement: str) -> float:
+    """A shard's answer to one worker, its slice M/S, on the link between them, averaged over the
+    N workers: a `colocated` shard's node holds g of them (inside the node), the others are
+    across; a `dedicated` shard's node holds none (an emulated run places it so:
+    dtstudy.emulation.clock.ExchangeCosts.node)."""
+    slice_bytes = workload.model_bytes / shards
+    across = machine.p2p_inter.time(slice_bytes)
+    if placement == "dedicated":
+        return across
+    near = machine.local(workers) / workers
+    return near * machine.p2p_intra.time(slice_bytes) + (1 - near) * across
+
+
+def ps_async_step(strategy, workload, machine, workers, params, stragglers, window: int | None = None) -> Step:
     """No barrier: each worker cycles pull -> compute -> push at its own pace (its own delay,
-    its own unloaded round trip); the shards' links and service rate cap the sum. The step
-    is the time of one round (N gradients applied)."""
+    its own unloaded round trip); the shards' links and service cap the sum. A shard serves
+    one push at a time: its update, then its answer to that worker, which the serve loop
+    waits for (shard.py `_reply`). `window` (SSP: s + 1 steps): no worker runs more than s
+    steps ahead of the slowest, so each waits for the slowest's delays over such windows
+    (synchronous_wait; a fixed straggler paces everybody), where without it each loses only
+    its own. The step is the time of one round (N gradients applied)."""
     shards, placement = shard_count(params, machine, workers), params["placement"]
-    link = machine.p2p_intra if machine.nodes(workers) == 1 else machine.p2p_inter
+    across = placement == "dedicated" or machine.nodes(workers) > 1
+    link = machine.p2p_inter if across else machine.p2p_intra
     one_gradient = server_update_time(workload, machine, 1, shards)
+    reply = shard_reply_time(workload, machine, workers, shards, placement)
     round_trip = 2 * link.time(workload.model_bytes) + machine.ps_request_s  # one worker's push and reply, unloaded
-    slow = stragglers.slow(workers)
     cycle = workload.compute_s + round_trip + one_gradient
-    rate = (workers - slow) / cycle + slow / (cycle + stragglers.delay_s)  # gradients/s, all workers
-    demand_round = workers / rate
+    if window is None:
+        slow = stragglers.slow(workers)
+        rate = (workers - slow) / cycle + slow / (cycle + stragglers.delay_s)  # gradients/s, all workers
+        demand_round = workers / rate
+    else:
+        demand_round = cycle + synchronous_wait(stragglers, workers, window=window)
     link_round = ps_phase_time(workload, machine, workers, shards, placement)  # both directions overlap
-    server_round = workers * one_gradient  # each shard applies N gradients of its slice
-    round_s = max(demand_round, link_round, server_round)
+    serve_round = workers * (one_gradient + reply)  # each shard serves N pushes, one after another
+    round_s = max(demand_round, link_round, serve_round)
     if round_s > demand_round:
-        bound = "network" if link_round >= server_round else "server"
+        bound = "server" if serve_round > link_round and one_gradient > reply else "network"
     else:
         parts = {"compute": workload.compute_s, "network": round_trip, "server": one_gradient,
                  "straggler": demand_round - cycle}

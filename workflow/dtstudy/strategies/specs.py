@@ -383,12 +383,12 @@ class SspSpec(ParameterServerSpec):
 
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
-        """As ps_sync, but a worker may run s steps ahead: it waits for the slowest only over
-        windows of s+1 steps (a fixed straggler still paces everybody). Unbounded (staleness
-        null) it is ps_async."""
+        """As ps_async (each push its own update, on arrival), but a worker may run only s
+        steps ahead: it waits for the slowest over windows of s+1 steps (a fixed straggler
+        still paces everybody). Unbounded (staleness null) it is ps_async."""
         if params["staleness"] is None:
             return steps.ps_async_step(PsAsyncSpec.name, workload, machine, workers, params, stragglers)
-        return steps.ps_round_step(cls.name, workload, machine, workers, params, stragglers,
+        return steps.ps_async_step(cls.name, workload, machine, workers, params, stragglers,
                                    window=params["staleness"] + 1)
 
 
