@@ -351,20 +351,21 @@ def mixing_time(strategy: str, passes: float, nbytes: float, degree: int, machin
 
 def gossip_step(strategy, mixing_passes: float, workload, machine, workers, params, stragglers) -> Step:
     """After each step, the parameters (M) to and from each of `degree` neighbours (ring: 2,
-    1 at N=2; random pairs: 1), sent at once. Across nodes a ring crosses each node's NIC
-    twice each way; random pairs cross it with probability (N-g)/(N-1) per worker; then the
-    averaging (mixing_time). No global barrier: a worker waits for its neighbours (a
-    fixed straggler paces the connected ring)."""
+    1 at N=2; random pairs: 1), sent at once (one batch_isend_irecv: their latencies overlap,
+    one is paid). Across nodes a ring crosses each node's NIC twice each way; random pairs
+    cross it with probability (N-g)/(N-1) per worker; then the averaging (mixing_time). No
+    global barrier: a worker waits for its neighbours (a fixed straggler paces the connected
+    ring)."""
     topology = params["topology"]
     degree = gossip_degree(topology, workers)
     if degree == 0:
         return alone(strategy, workload, stragglers)
     m = workload.model_bytes
     nodes, local = machine.nodes(workers), machine.local(workers)
-    exchange = machine.p2p_intra.time(degree * m, messages=degree) if local > 1 else 0.0
+    exchange = machine.p2p_intra.time(degree * m) if local > 1 else 0.0
     if nodes > 1:
         crossing = 2 * m if topology == "ring" else local * m * (workers - local) / (workers - 1)
-        exchange = max(exchange, machine.p2p_inter.time(crossing, messages=degree))
+        exchange = max(exchange, machine.p2p_inter.time(crossing))
     exchange += mixing_time(strategy, mixing_passes, m, degree, machine)  # the averaging, after the messages
     if stragglers.distribution == "fixed":
         wait = synchronous_wait(stragglers, workers)
