@@ -457,8 +457,8 @@ def test_an_emulated_parameter_server_step_takes_the_performance_models_time(tmp
                                                                             stragglers):
     """N=16 on two nodes of h100_ib400, colocated shards: each worker's emulated step (the shards'
     serve loops running, their work and messages on the cluster's clock) is the model's step
-    within 2%. Measured: ps_sync 0.988 of it (1 shard) and 0.999 (2 shards, rank 1 late by
-    2 ms), ps_backup 0.993, ps_async 1.000, ssp 1.001 (late rank).
+    within 2%. Measured: ps_sync 0.994 of it (1 shard) and 0.999 (2 shards, rank 1 late by
+    2 ms), ps_backup 0.998, ps_async 1.000, ssp 1.001 (late rank).
     The model before it matched them missed all five (emulated over modelled: 0.866, 0.921,
     0.851, 1.075, 0.921): it charged a phase N latencies one after another, the sums of the
     early gradients after the wait for the late one, ps_async's shard no wait for its answers,

@@ -258,16 +258,20 @@ def server_update_time(workload: Workload, machine: Machine, gradients: int, sha
 
 def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None) -> Step:
     """Push to S shards, each takes the first `quorum` of the N gradients (all by default) as
-    they arrive, updates, answers: 2 phases + the shard's work. The passes over the gradients
-    that come before the last one needed run while the shard waits for it (the shard's serve
-    loop takes each push on arrival), so the wait for the slowest hides them: what is left
-    is the larger of one pass and all of them less the wait, then the update."""
+    they arrive, updates, answers: 2 phases + the shard's work. The shard's serve loop takes
+    each push on arrival, so its passes over the gradients start with the first to arrive
+    (from a worker beside it, or across for a `dedicated` shard), one slice's time into the
+    push phase, and go on while the rest arrive and while it waits for the slowest: what is
+    left after the phase and the wait is the larger of one pass and all of them less that
+    time, then the update."""
     shards, placement = shard_count(params, machine, workers), params["placement"]
     phase = ps_phase_time(workload, machine, workers, shards, placement)
     wait = synchronous_wait(stragglers, workers, waits_for=quorum)
+    nearest = machine.p2p_inter if placement == "dedicated" else machine.p2p_intra
+    hidden = wait + max(0.0, phase - nearest.time(workload.model_bytes / shards))
     one = shard_passes_time(workload, machine, shards, SERVER_PASSES_PER_GRADIENT)
     taking = one * (workers if quorum is None else quorum)
-    server = max(one, taking - wait) + shard_passes_time(workload, machine, shards, SERVER_PASSES_PER_UPDATE)
+    server = max(one, taking - hidden) + shard_passes_time(workload, machine, shards, SERVER_PASSES_PER_UPDATE)
     # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
     # round trip also pays the protocol's own cost, in parallel with the others'
     exchange = 2 * phase + machine.ps_request_s
