@@ -89,6 +89,57 @@ def test_a_scaling_runs_throughput_is_timed_over_the_steps_after_its_warm_up_onl
     assert full["kind"] == "accuracy" and full["throughput"] < 0.2 * metrics["throughput"]
 
 
+def test_timed_windows_span_whole_cycles_of_the_exchange():
+    from dtstudy.training.measurements import timed_window
+
+    assert timed_window(10, 1, 100) == 10  # every step the same: as asked
+    assert timed_window(5, 8, 100) == 8 and timed_window(10, 8, 200) == 16  # rounded up to whole periods
+    assert timed_window(10, 8, 50) == 8  # 5 windows of 8 fit, not of 16
+    assert timed_window(10, 8, 20) == 8  # fewer than 5 windows of a period: one period, 2 windows
+    assert timed_window(10, 8, 12) == 2  # not two periods: as many steps as 5 windows allow
+
+
+def _summarize(strategy: str, step_s: list[float], **train) -> dict:
+    from dtstudy.training.measurements import WorkerLog, summarize
+
+    log = WorkerLog(rank=0)
+    for seconds in step_s:
+        log.record(data_s=0.0, step_s=seconds, comm_s=0.0, bytes_sent=0.0, images=32)
+    log.loss = [1.0] * len(step_s)
+    study = validated(tiny_study(strategies=[strategy], train={"steady_state_skip": 5, **train}))
+    return summarize(RunSpec(strategy, 1, 0, run_config(study, strategy), "", ""), [log], [], 1.0, {}, {}, {}, {})
+
+
+def test_a_periodic_exchange_weighs_in_every_window_as_in_a_long_run():
+    """local_sgd averages every 8 steps (0.08 s beside steps of 0.01 s): a long run's
+    throughput is 8 x 32 images / 0.16 s. The at-scale study's windows of 5 steps would hold
+    the average or not (5 of 8 of them do), and their median would say 5 x 32 / 0.13 s, 23%
+    low; the windows span whole periods instead, each 1600 images/s."""
+    from dtstudy.analysis.intervals import median_interval
+    from dtstudy.training.measurements import WorkerLog, run_windows
+
+    step_s = [0.09 if (step + 1) % 8 == 0 else 0.01 for step in range(5 + 8 * 6)]
+    metrics = _summarize("local_sgd", step_s, timing_window_steps=5)
+    assert metrics["timing_window_steps"] == 8 and len(metrics["throughput_windows"]) == 6
+    assert metrics["throughput_windows"] == pytest.approx([1600.0] * 6, rel=1e-9)
+    assert metrics["throughput_median"] == pytest.approx(1600.0, rel=1e-9)
+    # the control: windows of 5 steps, as asked, miss it
+    log = WorkerLog(rank=0)
+    for seconds in step_s:
+        log.record(data_s=0.0, step_s=seconds, comm_s=0.0, bytes_sent=0.0, images=32)
+    assert median_interval([run_windows([log], 5, 5)]).value == pytest.approx(160 / 0.13, rel=1e-9)
+
+
+def test_a_strategys_transient_is_left_out_of_its_steady_state():
+    """allreduce_powersgd all-reduces the whole gradient for its first start_powerSGD_iter (10)
+    steps: they are left out of the timed steps though steady_state_skip is 5."""
+    step_s = [0.03] * 10 + [0.01] * 40
+    metrics = _summarize("allreduce_powersgd", step_s)
+    assert metrics["steady_state_skip"] == 10
+    assert metrics["throughput"] == pytest.approx(3200.0, rel=1e-9)
+    assert _summarize("allreduce", step_s)["steady_state_skip"] == 5  # the control: plain allreduce has none
+
+
 def test_a_real_scaling_run_stops_after_warm_up_and_timed_steps(tmp_path, tiny_data):
     """allreduce at N = 1 with the default study's training settings, as a scaling run."""
     from dtstudy.launch.launcher import run_training_job

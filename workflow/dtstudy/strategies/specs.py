@@ -78,6 +78,14 @@ class StrategySpec:
         """The steps its runs stop after, besides train.max_steps (None: no limit of its own)."""
         return None
 
+    @classmethod
+    def exchange_cycle(cls, params: dict[str, Any]) -> tuple[int, int]:
+        """(the steps before its exchange settles into its steady state, the steps of one cycle
+        of it). A run's timed windows start after the first and span whole cycles
+        (dtstudy.training.measurements.timed_window), so that each window holds the share of
+        exchanges a long run has. Default: the same exchange every step, from the first."""
+        return 0, 1
+
     # ----- its performance model -------------------------------------------------------
 
     #: memory passes over the gradient bytes of its own work on a worker (a compression's
@@ -223,6 +231,11 @@ class AllReducePowerSGDSpec(AllReduceSpec):
     @classmethod
     def parameters_from_bytes(cls, bytes_per_step, workers, params):
         return None  # its bytes depend on the matrices' shapes
+
+    @classmethod
+    def exchange_cycle(cls, params):
+        """Its first `start_powerSGD_iter` steps all-reduce the whole gradient (torch's hook)."""
+        return params["start_powerSGD_iter"], 1
 
     @classmethod
     def validate(cls, params, workers):
@@ -410,6 +423,11 @@ class PeriodicAveragingSpec(StrategySpec):
     @classmethod
     def barrier(cls, workers, params):
         return workers, params["period"], None
+
+    @classmethod
+    def exchange_cycle(cls, params):
+        """One average every `period` steps, after local SGD's `warmup_steps` of synchronous SGD."""
+        return params.get("warmup_steps", 0), params["period"]
 
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):

@@ -6,10 +6,27 @@ from dataclasses import dataclass, field
 
 from dtstudy.config.study_config import global_batch_size, per_worker_batch
 from dtstudy.analysis.intervals import median_interval
+from dtstudy.strategies.specs import get_spec
 from dtstudy.training.stragglers import slow_ranks
 
 
 MIN_WINDOWS = 5  # a run too short for this many windows of timing_window_steps gets shorter windows
+
+
+def timed_window(wanted: int, cycle: int, steady_steps: int) -> int:
+    """The steps of a timed window: `wanted` (train.timing_window_steps) rounded up to whole
+    cycles of the strategy's exchange (StrategySpec.exchange_cycle: local SGD's period), so
+    that every window holds the exchanges' share of a long run, where a window of 5 steps
+    would hold one average of a period of 8 or none and its median would miss the share.
+    Shorter where `steady_steps` give fewer than MIN_WINDOWS windows: whole cycles while one
+    fits, one cycle while two windows do, else as many steps as fit."""
+    window = -(-wanted // cycle) * cycle
+    fit = steady_steps // MIN_WINDOWS
+    if window <= fit:
+        return window
+    if fit >= cycle:
+        return fit // cycle * cycle
+    return cycle if steady_steps >= 2 * cycle else max(1, fit)
 
 
 @dataclass
@@ -74,9 +91,11 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
     what the steps ran with (dtstudy.training.compute.Compute.describe)."""
     train = spec.config["train"]
     steps = min(len(worker.step_s) for worker in logs)
-    skip = min(train["steady_state_skip"], steps // 2)
+    # the steady state begins after the strategy's own transient too (PowerSGD's plain steps)
+    transient, cycle = get_spec(spec.strategy).exchange_cycle(spec.strategy_params())
+    skip = min(max(train["steady_state_skip"], transient), steps // 2)
     per_worker = [worker.steady(skip) for worker in logs]
-    window_steps = max(1, min(train["timing_window_steps"], (steps - skip) // MIN_WINDOWS))
+    window_steps = timed_window(train["timing_window_steps"], cycle, steps - skip)
     windows = run_windows(logs, skip, window_steps)
     window_stats = median_interval([windows])
     mean = lambda key: sum(w[key] for w in per_worker) / len(per_worker)  # noqa: E731
