@@ -69,7 +69,17 @@ def test_bytes_per_step_reflect_each_exchange(study):
     sent = sent.bytes_per_step.xs(2, level="workers")
     for name in ("allreduce", "allreduce_fp16", "allreduce_bf16"):
         assert sent[name] == pytest.approx(read_json(run_dir(study, name, 2) / "metrics.json")["bytes_per_step"])
-    assert sent["allreduce_onebit"] < sent["allreduce_powersgd"] < sent["allreduce_fp16"] < sent["allreduce"]
+    assert max(sent["allreduce_onebit"], sent["allreduce_powersgd"]) < sent["allreduce_fp16"] < sent["allreduce"]
+    # PowerSGD's steady state, its first start_powerSGD_iter steps of plain all-reduce left out of
+    # the timed steps: exactly the share of the model's matrices it sends at its rank (on LeNet-5
+    # fewer bytes than 1-bit's; with those steps in, its mean was above 1-bit's)
+    from dtstudy.projection import calibration
+    from dtstudy.strategies.specs import SPECS
+
+    powersgd = read_json(run_dir(study, "allreduce_powersgd", 2) / "metrics.json")
+    matrices = calibration.matrices_from_checkpoint(run_dir(study, "allreduce_powersgd", 2) / "model.pt")
+    share = SPECS["allreduce_powersgd"].sent_share(matrices, powersgd["strategy_params"]["rank"])
+    assert sent["allreduce_powersgd"] == pytest.approx(share * sent["allreduce"], rel=1e-9)
     assert sent["allreduce_fp16"] == sent["allreduce_bf16"] == sent["allreduce"] / 2
     assert sent["local_sgd"] < sent["allreduce"] and sent["easgd"] < sent["allreduce"]
 
