@@ -72,9 +72,10 @@ def scaling_markdown(table: pd.DataFrame, noise: Mapping) -> str:
     notes = [
         source_note("scaling", table),
         "Throughput: median of the run's timed windows (train.timing_window_steps steps each, whole periods "
-        "of a periodic average; after the warm-up steps and the strategy's own transient), pooled over seeds, with a bootstrap 95% CI over the windows. Speedup and E(N) = S(N)/N "
-        "are against the same strategy at N=1. The ceiling is no_exchange: N workers that train alone and "
-        "exchange nothing, i.e. what this machine gives N processes; E / ceiling compares a strategy with it.",
+        "of a periodic average; after the warm-up steps and the strategy's own transient), pooled over seeds, "
+        "with a bootstrap 95% CI over the windows. Speedup and E(N) = S(N)/N are against the same strategy "
+        "at N=1. The ceiling is no_exchange: N workers that train alone and exchange nothing, i.e. what this "
+        "machine gives N processes; E / ceiling compares a strategy with it.",
         noise_note(noise),
     ] + ([OVERSUBSCRIBED_NOTE] if table["oversubscribed"].any() else [])
     return to_markdown(pd.DataFrame(rows), "Scaling table", notes, formatted=True)
