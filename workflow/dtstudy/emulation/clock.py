@@ -13,7 +13,7 @@ compute/exchange split and time-to-accuracy are the emulated cluster's. Time mov
 - an exchange: a collective ends at max(arrivals) + `ExchangeCosts.collective`, a message
   arrives after `ExchangeCosts.message` (dtstudy.emulation.process_group);
 - a parameter-server shard's work (`ShardClock.shard_work`): the performance model's memory
-  passes over the shard's slice (dtstudy.perfmodel.steps.server_update_time's terms, one per
+  passes over the shard's slice (dtstudy.perfmodel.steps.shard_passes_time, one per
   gradient taken in and four per update) at the profile's `server_gbyte_s`.
 
 A shard (global rank N + s) sits where the model puts it (`placement`, as
@@ -129,7 +129,7 @@ class EmulatedClock:
 class ShardClock(EmulatedClock):
     """A parameter-server shard's clock: it trains no steps; its work on the pushes is the
     performance model's (memory passes over its slice at `server_bandwidth` bytes/s; None or
-    0: not modelled, as the model's server_update_time)."""
+    0: not modelled, as the model's shard_passes_time)."""
 
     #: memory passes over the shard's slice per piece of work (dtstudy.perfmodel.steps)
     PASSES = {"gradient": SERVER_PASSES_PER_GRADIENT, "update": SERVER_PASSES_PER_UPDATE}

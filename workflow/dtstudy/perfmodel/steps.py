@@ -250,12 +250,6 @@ def shard_passes_time(workload: Workload, machine: Machine, shards: int, passes:
     return passes * workload.model_bytes / shards / machine.server_bandwidth
 
 
-def server_update_time(workload: Workload, machine: Machine, gradients: int, shards: int) -> float:
-    """A shard's work for one update: sum `gradients` slices of M/S bytes, then SGD on its slice."""
-    return shard_passes_time(workload, machine, shards,
-                             SERVER_PASSES_PER_GRADIENT * gradients + SERVER_PASSES_PER_UPDATE)
-
-
 def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None) -> Step:
     """Push to S shards, each takes the first `quorum` of the N gradients (all by default) as
     they arrive, updates, answers: 2 phases + the shard's work. The shard's serve loop takes
@@ -303,7 +297,8 @@ def ps_async_step(strategy, workload, machine, workers, params, stragglers, wind
     shards, placement = shard_count(params, machine, workers), params["placement"]
     across = placement == "dedicated" or machine.nodes(workers) > 1
     link = machine.p2p_inter if across else machine.p2p_intra
-    one_gradient = server_update_time(workload, machine, 1, shards)
+    # a push taken in and applied as an update of its own
+    one_gradient = shard_passes_time(workload, machine, shards, SERVER_PASSES_PER_GRADIENT + SERVER_PASSES_PER_UPDATE)
     reply = shard_reply_time(workload, machine, workers, shards, placement)
     round_trip = 2 * link.time(workload.model_bytes) + machine.ps_request_s  # one worker's push and reply, unloaded
     cycle = workload.compute_s + round_trip + one_gradient
