@@ -229,6 +229,24 @@ def _without_kernels(tmp_path):
     return str(path)
 
 
+def _emulated_and_modelled(metrics, state, batch, rate, **workload):
+    """A run's emulated step (the median over its workers) and the model's step for it: the
+    run's knobs (a parameter server's placement from the run's profile), its stragglers, and
+    the Workload of its LeNet-5 at `batch` and `rate` with `workload`'s extra facts."""
+    from dtstudy.emulation.settings import emulated_cluster
+    from dtstudy.perfmodel.machine import Stragglers, Workload
+
+    cluster = emulated_cluster(metrics["config"])
+    params = dict(metrics["strategy_params"])
+    if "shards" in params:
+        params["placement"] = cluster.placement(metrics["strategy"])
+    model = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch, compute_s=batch / rate,
+                     **workload)
+    step = SPECS[metrics["strategy"]].model_step(model, cluster.machine, metrics["workers"], params,
+                                                 Stragglers.from_config(metrics["config"]["stragglers"]))
+    return statistics.median(worker["total_s"] for worker in metrics["step_time_per_worker"]), step
+
+
 @pytest.mark.parametrize("strategy", sorted(SPECS))
 def test_every_strategys_emulated_step_is_its_model_step(tmp_path, tiny_data, strategy):
     """Every registered strategy (a new one too), N=16 on two nodes of h100_ib400, with a step's
@@ -240,28 +258,19 @@ def test_every_strategys_emulated_step_is_its_model_step(tmp_path, tiny_data, st
     (a latency per message, the shard's sums after the push phase, SSP as ps_sync) fails
     five: emulated over modelled ps_sync 0.58, ps_backup 0.56, ps_async 1.14, ssp 1.53,
     gossip 0.94."""
-    from dtstudy.emulation.settings import emulated_cluster
-    from dtstudy.perfmodel.machine import Stragglers, Workload
     from dtstudy.projection import calibration, layer_profiles
-    from dtstudy.strategies.specs import SPECS
 
-    batch, workers, rate = 8, 16, 100_000.0
-    metrics, state, out = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=batch, steps=12,
+    batch, rate = 8, 100_000.0
+    metrics, state, out = emulated_run(tmp_path, tiny_data, workers=16, batch_size=batch, steps=12,
                                        strategy=strategy, strategy_params=STEADY_STATE_KNOBS.get(strategy),
                                        emulate={"hardware": _without_kernels(tmp_path), "images_per_s": rate})
-    cluster = emulated_cluster(metrics["config"])
     tensors, groups = calibration.counts_for_onebit(layer_profiles.load("lenet5", "test"))
-    workload = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch, compute_s=batch / rate,
-                        tensors=tensors, column_groups=groups,
-                        matrices=calibration.as_matrices(calibration.matrices_from_checkpoint(out / "model.pt")),
-                        linear=calibration.linear_from_checkpoint(out / "model.pt"))
-    params = dict(metrics["strategy_params"])
-    if "shards" in params:
-        params["placement"] = cluster.placement(strategy)
-    step = SPECS[strategy].model_step(workload, cluster.machine, workers, params, Stragglers())
+    emulated, step = _emulated_and_modelled(
+        metrics, state, batch, rate, tensors=tensors, column_groups=groups,
+        matrices=calibration.as_matrices(calibration.matrices_from_checkpoint(out / "model.pt")),
+        linear=calibration.linear_from_checkpoint(out / "model.pt"))
     if strategy != "no_exchange":  # the ceiling: nothing but compute, on both clocks
         assert step.step_s > 1.05 * step.compute_s  # the exchange weighs more than the tolerance
-    emulated = statistics.median(worker["total_s"] for worker in metrics["step_time_per_worker"])
     assert emulated == pytest.approx(step.step_s, rel=0.02)
 
 
@@ -518,20 +527,11 @@ def test_an_emulated_parameter_server_step_takes_the_performance_models_time(tmp
     0.851, 1.075, 0.921): it charged a phase N latencies one after another, the sums of the
     early gradients after the wait for the late one, ps_async's shard no wait for its answers,
     and SSP as ps_sync."""
-    from dtstudy.emulation.settings import emulated_cluster
-    from dtstudy.perfmodel.machine import Stragglers, Workload
-    from dtstudy.strategies.specs import SPECS
-
-    batch, workers = 8, 16
-    metrics, state, _ = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=batch, steps=12,
+    batch = 8
+    metrics, state, _ = emulated_run(tmp_path, tiny_data, workers=16, batch_size=batch, steps=12,
                                      strategy=strategy, strategy_params={"shards": shards}, stragglers=stragglers)
-    cluster = emulated_cluster(metrics["config"])
-    workload = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch,
-                        compute_s=batch / RATE)
-    step = SPECS[strategy].model_step(workload, cluster.machine, workers, metrics["strategy_params"],
-                                      Stragglers.from_config(metrics["config"]["stragglers"]))
-    assert step.step_s > 1.05 * workload.compute_s  # the exchange and the shard weigh more than the tolerance
-    emulated = statistics.median(worker["total_s"] for worker in metrics["step_time_per_worker"])
+    emulated, step = _emulated_and_modelled(metrics, state, batch, RATE)
+    assert step.step_s > 1.05 * step.compute_s  # the exchange and the shard weigh more than the tolerance
     assert emulated == pytest.approx(step.step_s, rel=0.02)
 
 

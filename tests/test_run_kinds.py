@@ -66,16 +66,23 @@ def test_a_scaling_run_that_train_epochs_would_cut_short_is_refused_before_any_j
     assert scaling_study(workers=[1, 2, 4], train={"scaling": "strong"})
 
 
-def summarize_steps(run_cfg: dict, slow: int, fast: int, images: int = 32) -> dict:
-    """metrics.json of a one-worker run whose first `slow` steps take 1 s and the next `fast` 0.01 s."""
-    from dtstudy.training.measurements import WorkerLog, summarize
+def worker_log(step_s: list[float], images: int = 32):
+    """One worker's log of steps taking `step_s` seconds, `images` each."""
+    from dtstudy.training.measurements import WorkerLog
 
     log = WorkerLog(rank=0)
-    for seconds in [1.0] * slow + [0.01] * fast:
+    for seconds in step_s:
         log.record(data_s=0.0, step_s=seconds, comm_s=0.0, bytes_sent=0.0, images=images)
-    log.loss = [1.0] * (slow + fast)
+    log.loss = [1.0] * len(step_s)
+    return log
+
+
+def summarize_steps(run_cfg: dict, slow: int, fast: int, images: int = 32) -> dict:
+    """metrics.json of a one-worker run whose first `slow` steps take 1 s and the next `fast` 0.01 s."""
+    from dtstudy.training.measurements import summarize
+
     spec = RunSpec("allreduce", 1, 0, run_cfg, "", "")
-    return summarize(spec, [log], [], 1.0, {}, {}, {}, {})
+    return summarize(spec, [worker_log([1.0] * slow + [0.01] * fast, images)], [], 1.0, {}, {}, {}, {})
 
 
 def test_a_scaling_runs_throughput_is_timed_over_the_steps_after_its_warm_up_only():
@@ -100,14 +107,11 @@ def test_timed_windows_span_whole_cycles_of_the_exchange():
 
 
 def _summarize(strategy: str, step_s: list[float], **train) -> dict:
-    from dtstudy.training.measurements import WorkerLog, summarize
+    from dtstudy.training.measurements import summarize
 
-    log = WorkerLog(rank=0)
-    for seconds in step_s:
-        log.record(data_s=0.0, step_s=seconds, comm_s=0.0, bytes_sent=0.0, images=32)
-    log.loss = [1.0] * len(step_s)
     study = validated(tiny_study(strategies=[strategy], train={"steady_state_skip": 5, **train}))
-    return summarize(RunSpec(strategy, 1, 0, run_config(study, strategy), "", ""), [log], [], 1.0, {}, {}, {}, {})
+    spec = RunSpec(strategy, 1, 0, run_config(study, strategy), "", "")
+    return summarize(spec, [worker_log(step_s)], [], 1.0, {}, {}, {}, {})
 
 
 def test_a_periodic_exchange_weighs_in_every_window_as_in_a_long_run():
@@ -116,7 +120,7 @@ def test_a_periodic_exchange_weighs_in_every_window_as_in_a_long_run():
     the average or not (5 of 8 of them do), and their median would say 5 x 32 / 0.13 s, 23%
     low; the windows span whole periods instead, each 1600 images/s."""
     from dtstudy.analysis.intervals import median_interval
-    from dtstudy.training.measurements import WorkerLog, run_windows
+    from dtstudy.training.measurements import run_windows
 
     step_s = [0.09 if (step + 1) % 8 == 0 else 0.01 for step in range(5 + 8 * 6)]
     metrics = _summarize("local_sgd", step_s, timing_window_steps=5)
@@ -124,10 +128,7 @@ def test_a_periodic_exchange_weighs_in_every_window_as_in_a_long_run():
     assert metrics["throughput_windows"] == pytest.approx([1600.0] * 6, rel=1e-9)
     assert metrics["throughput_median"] == pytest.approx(1600.0, rel=1e-9)
     # the control: windows of 5 steps, as asked, miss it
-    log = WorkerLog(rank=0)
-    for seconds in step_s:
-        log.record(data_s=0.0, step_s=seconds, comm_s=0.0, bytes_sent=0.0, images=32)
-    assert median_interval([run_windows([log], 5, 5)]).value == pytest.approx(160 / 0.13, rel=1e-9)
+    assert median_interval([run_windows([worker_log(step_s)], 5, 5)]).value == pytest.approx(160 / 0.13, rel=1e-9)
 
 
 def test_a_strategys_transient_is_left_out_of_its_steady_state():
