@@ -29,7 +29,7 @@ import random
 
 from dtstudy.perfmodel.collectives import allgather_time, allreduce_time, alltoall_time
 from dtstudy.perfmodel.machine import Machine
-from dtstudy.perfmodel.steps import SERVER_PASSES_PER_GRADIENT, SERVER_PASSES_PER_UPDATE
+from dtstudy.perfmodel.steps import memory_passes_time, SERVER_PASSES_PER_GRADIENT, SERVER_PASSES_PER_UPDATE
 
 
 class ExchangeCosts:
@@ -141,7 +141,7 @@ class ShardClock(EmulatedClock):
 
     def shard_work(self, kind: str, nbytes: float) -> None:
         """The shard did `kind` of work (a gradient taken in, an update applied) on `nbytes`."""
-        if self.server_bandwidth:
-            seconds = self.PASSES[kind] * nbytes / self.server_bandwidth
+        seconds = memory_passes_time(self.PASSES[kind], nbytes, self.server_bandwidth)
+        if seconds:
             self.work_s += seconds
             self.scheduler.advance(self.rank, seconds)

@@ -243,11 +243,14 @@ def shard_count(params: dict, machine: Machine, workers: int) -> int:
     return params["shards"] if params["shards"] is not None else default_shards(machine.nodes(workers))
 
 
+def memory_passes_time(passes: float, nbytes: float, bandwidth: float | None) -> float:
+    """`passes` memory passes over `nbytes` at `bandwidth` bytes/s (None or 0: not modelled, 0 s)."""
+    return passes * nbytes / bandwidth if bandwidth else 0.0
+
+
 def shard_passes_time(workload: Workload, machine: Machine, shards: int, passes: float) -> float:
     """`passes` memory passes of a shard over its slice of M/S bytes (0: not modelled)."""
-    if not machine.server_bandwidth:
-        return 0.0
-    return passes * workload.model_bytes / shards / machine.server_bandwidth
+    return memory_passes_time(passes, workload.model_bytes / shards, machine.server_bandwidth)
 
 
 def ps_round_step(strategy, workload, machine, workers, params, stragglers, quorum=None) -> Step:
