@@ -141,6 +141,24 @@ def test_a_gres_site_gets_gres_and_a_predicted_time_limit_replaces_timeout_min(t
     assert "#SBATCH --time=720" in default  # the control: no prediction, timeout_min
 
 
+def test_an_evaluation_on_a_gpu_cluster_asks_for_one_gpu_where_the_runs_train():
+    """The `evaluate` rule's SLURM resources: one GPU as the site takes it, the runs' partition,
+    account, qos and constraint, a training task's CPUs and memory; none on a CPU-only or local study."""
+    from dtstudy.launch.launcher import evaluation_job_resources
+
+    gpu_cluster = validated(tiny_study(launcher={
+        "cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres", "cpus_per_task": 6, "mem_gb": 1.5,
+        "partition": "gpu", "account": "proj", "qos": "high", "constraint": "h100"}))["launcher"]
+    assert evaluation_job_resources(gpu_cluster) == {
+        "gres": "gpu:1", "cpus_per_task": 6, "mem_mb": 1536, "slurm_partition": "gpu", "slurm_account": "proj",
+        "qos": "high", "constraint": "h100"}
+    defaults = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 4}))["launcher"]
+    assert evaluation_job_resources(defaults) == {"gpu": 1, "cpus_per_task": defaults["cpus_per_task"]}
+    cpu_cluster = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 0, "partition": "cpu"}))
+    assert evaluation_job_resources(cpu_cluster["launcher"]) == {}
+    assert evaluation_job_resources(validated(tiny_study())["launcher"]) == {}
+
+
 class EndedJob:
     """What the launcher reads of a submitit job that has ended: its folder, id and state."""
 

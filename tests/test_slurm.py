@@ -66,6 +66,18 @@ def sacct_states(names: list[str], since: str) -> dict[str, list[str]]:
     return states
 
 
+def sacct_jobs(since: str) -> list[tuple[str, str, int]]:
+    """(name, comment, GPUs held: sacct's AllocTRES gres/gpu) of every job since `since`."""
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,Comment,AllocTRES"],
+                         capture_output=True, text=True, check=True).stdout
+    jobs = []
+    for line in out.splitlines():
+        name, comment, tres = line.split("|")
+        held = dict(item.split("=", 1) for item in tres.split(",") if "=" in item)
+        jobs.append((name, comment, int(held.get("gres/gpu", 0))))
+    return jobs
+
+
 def final_states(name: str, since: str) -> list[str]:
     """The states of job name's jobs since `since` once the last has ended (accounting lags a
     job's end by a few seconds; waits up to a minute)."""
@@ -135,16 +147,24 @@ def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path
     assert process.returncode == 0, output[-5000:]
     assert "Using profiles slurm" in output
     jobs = {"train_scaling": set(), "train": set(), "evaluate": set()}
+    evaluation_resources = []
     for block in output.split("\nrule ")[1:]:
         rule = block.split(":", 1)[0]
         if rule in jobs:
             wildcards = next(line for line in block.splitlines() if "wildcards:" in line)
             values = dict(part.strip().split("=") for part in wildcards.split(":", 1)[1].split(","))
             jobs[rule].add((values["strategy"], int(values["workers"]), int(values["seed"])))
+        if rule == "evaluate":
+            resources = next(line for line in block.splitlines() if "resources:" in line)
+            evaluation_resources.append(dict(part.strip().split("=", 1) for part in resources.split(":", 1)[1].split(",")))
     scaling = {(s, n, seed) for s in full["strategies"] for n in full["workers"] for seed in full["scaling"]["seeds"]}
     accuracy = {(s, n, seed) for s in full["strategies"] for n in full["accuracy"]["workers"] for seed in full["seeds"]}
     assert len(scaling) == 12 * 7 * 2 and len(accuracy) == 12 * 3 * 3
     assert jobs == {"train_scaling": scaling, "train": accuracy, "evaluate": accuracy}
+    # each evaluation asks for one GPU on the training runs' partition, with a training task's CPUs
+    launcher = full["launcher"]
+    assert all((resources["gpu"], resources["slurm_partition"], resources["cpus_per_task"])
+               == ("1", launcher["partition"], str(launcher["cpus_per_task"])) for resources in evaluation_resources)
 
 
 def test_full_study_without_a_dataset_root_says_what_to_edit(tmp_path):
@@ -159,7 +179,9 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
     on the same store: the study completes and every metric the runs measured is in MLflow."""
     import mlflow
 
-    study = tiny_cluster_study(tracking={"uri": mlflow_server.uri, "experiment": "slurm-study"})
+    # nodes of 8 (fake) GPUs: each job asks for its GPUs as on a GPU cluster; the workers compute on CPUs
+    study = tiny_cluster_study(tracking={"uri": mlflow_server.uri, "experiment": "slurm-study"},
+                               launcher={"gpus_per_node": 8})
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     process = slurm_snakemake(tmp_path, study)
     names = run_names(study)
@@ -182,17 +204,22 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
 
     states = sacct_states(names, since)
     assert states == {name: ["COMPLETED"] for name in names}, states
-    # the CPU rules ran as SLURM jobs of Snakemake's executor, training as submitit's
+    # the other rules ran as SLURM jobs of Snakemake's executor, training as submitit's
     submitted = [line for line in output.splitlines() if "has been submitted with SLURM jobid" in line]
     assert any("/rule_evaluate/" in line for line in submitted) and any("/rule_aggregate/" in line for line in submitted)
-    # in squeue and sacct the CPU jobs are the study's by name, and say their rule in their comment
-    listed = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,Comment"],
-                            capture_output=True, text=True, check=True).stdout.splitlines()
-    cpu_jobs = [line.split("|") for line in listed if line.split("|")[0] not in names]
-    assert cpu_jobs and all(name.startswith("dtstudy_") for name, _ in cpu_jobs), cpu_jobs
-    assert {"rule_aggregate", "rule_project"} <= {comment for _, comment in cpu_jobs}, cpu_jobs
-    assert sum(comment.startswith("rule_evaluate_wildcards_") for _, comment in cpu_jobs) == len(names), cpu_jobs
     assert not any("/rule_train/" in line for line in submitted)
+    jobs = sacct_jobs(since)
+    # a training job holds one GPU per worker
+    assert sorted((name, gpus) for name, _, gpus in jobs if name in names) == sorted(
+        (name, int(name.split("-")[1][1:])) for name in names), jobs
+    # in squeue and sacct Snakemake's jobs are the study's by name, and say their rule in their
+    # comment; an evaluation holds one GPU (the run's kind of device), the other rules none
+    snakemake_jobs = [(name, comment, gpus) for name, comment, gpus in jobs if name not in names]
+    assert snakemake_jobs and all(name.startswith("dtstudy_") for name, _, _ in snakemake_jobs), snakemake_jobs
+    evaluations = [gpus for _, comment, gpus in snakemake_jobs if comment.startswith("rule_evaluate_wildcards_")]
+    assert evaluations == [1] * len(names), snakemake_jobs
+    others = {comment: gpus for _, comment, gpus in snakemake_jobs if not comment.startswith("rule_evaluate")}
+    assert {"rule_aggregate", "rule_project"} <= others.keys() and set(others.values()) == {0}, snakemake_jobs
     for name in names:
         strategy, workers, _ = name.split("-")
         run = runs_dirs[name]

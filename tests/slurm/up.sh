@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # up.sh: a one-node SLURM on localhost for the tests (run as root; no systemd needed):
 # munged, MariaDB + slurmdbd (accounting: sacct is how submitit and Snakemake see job
-# states), slurmctld and slurmd, with two fake GPUs. Configs, keys, sockets, spool, logs and
+# states), slurmctld and slurmd, with eight fake GPUs. Configs, keys, sockets, spool, logs and
 # the database all live under $BASE; the only writes outside it are the apt packages and the
 # symlinks /etc/slurm/{slurm,gres}.conf (Snakemake's jobstep plugin drops SLURM_CONF).
 #   BASE=/tmp/dtstudy-slurm tests/slurm/up.sh      stop with tests/slurm/down.sh
@@ -56,7 +56,7 @@ ln -sfn "$BASE/etc/gres.conf" /etc/slurm/gres.conf
 export SLURM_CONF=$BASE/etc/slurm.conf
 
 # 2) Fake GPUs: char devices with /dev/null's numbers (a gres needs a real device file)
-for i in 0 1; do [[ -e $BASE/fakegpu/nvidia$i ]] || mknod "$BASE/fakegpu/nvidia$i" c 1 3; done
+for i in 0 1 2 3 4 5 6 7; do [[ -e $BASE/fakegpu/nvidia$i ]] || mknod "$BASE/fakegpu/nvidia$i" c 1 3; done
 
 # 3) munged with its own key and socket
 M=$BASE/munge

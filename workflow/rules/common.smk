@@ -10,6 +10,7 @@ import dtstudy.config.run_kinds as run_kinds
 import dtstudy.config.study_config as study_config
 from dtstudy.checks import check_config
 from dtstudy.data.prepare import prepared_files
+from dtstudy.launch.launcher import evaluation_job_resources
 from dtstudy.runspec import RunSpec
 
 # The schema (strict types, defaults filled in; not snakemake.utils.validate, which takes 64.0
@@ -49,6 +50,9 @@ EMULATED_RUN_THREADS = 1
 PROJECTS_THE_STUDY = not EMULATED
 # Local evaluations run in the study's warm pool (dtstudy.launch.pool), like the training runs.
 EVALUATE_FLAGS = "--via-pool" if TRAIN_ON_THIS_MACHINE and config["launcher"]["local_processes"] == "pool" else ""
+# On a GPU cluster an evaluation is a SLURM job with one of the runs' GPUs (their partition,
+# account...); elsewhere it takes the profile's default resources.
+EVALUATE_RESOURCES = evaluation_job_resources(config["launcher"])
 
 
 wildcard_constraints:

@@ -7,6 +7,8 @@ rule evaluate:
         result=f"{RUN_DIR}/eval.json",
     log:
         "results/logs/evaluate/{strategy}/n{workers}/seed{seed}.log",
+    resources:
+        **EVALUATE_RESOURCES,
     params:
         data=folder_of("input", "data"),
         run=folder_of("input", "metrics"),
