@@ -25,7 +25,7 @@ from dtstudy.training.measurements import WorkerLog
 from dtstudy.training.models import build_model
 
 TRAIN = {"momentum": 0.9, "weight_decay": 5e-4, "nesterov": False, "label_smoothing": 0.0}
-NO_STRAGGLERS = SimpleNamespace(delay=lambda: None)  # a worker that is not slowed
+NO_STRAGGLERS = SimpleNamespace(delay=lambda clock: None)  # a worker that is not slowed
 
 
 def worker_run(strategy, model, compute: Compute, timer: StepTimer | None = None) -> SimpleNamespace:
@@ -179,6 +179,10 @@ class FakeEventClock:
     def seconds(self, start: float, end: float) -> float:
         return end - start
 
+    def sleep(self, seconds: float) -> None:
+        """As CudaClock's: the host waits for the queued work, then sleeps."""
+        self.device.host = max(self.device.host, self.device.free) + seconds
+
 
 class HostStamps(FakeEventClock):
     """The planted bug: the host's time when the work was queued (a timer without an event)."""
@@ -311,6 +315,45 @@ def _splits(ctx: DistContext) -> None:
 
 def test_each_strategy_times_its_exchange_after_the_work_queued_before_it(tmp_path):
     in_workers(tmp_path, 1, _splits)
+
+
+class HostSleep(FakeEventClock):
+    """The planted bug: a straggler that sleeps on the host only, while the device runs on."""
+
+    def sleep(self, seconds: float) -> None:
+        self.device.host += seconds
+
+
+DELAY_S = 0.015  # under the 30 ms of work a step queues: a host-only sleep hides behind it
+
+
+def straggler_steps(clock_class) -> WorkerLog:
+    """STEPS steps of a straggling worker (a fixed DELAY_S a step) on a fake device whose
+    clock is `clock_class`; the log after the timer was flushed."""
+    from dtstudy.training.stragglers import Straggler
+
+    device = FakeDevice()
+    torch.manual_seed(0)
+    run = worker_run(get_strategy("no_exchange")(cpu_context(), {"steps": 10}), FakeModel(device),
+                     Compute("fp32", "contiguous", torch.device("cpu")), StepTimer(clock_class(device)))
+    stragglers = validated(tiny_study(stragglers={"ranks": [0], "delay_ms": DELAY_S * 1000}))["stragglers"]
+    run.straggler = Straggler(stragglers, workers=1, rank=0, run_seed=0)
+    log, batches = WorkerLog(rank=0), fake_batches(device)
+    for _ in range(STEPS):
+        timed_step(run, batches, 0.1, log.record)
+    run.timer.flush()
+    assert run.straggler.total_s == pytest.approx(STEPS * DELAY_S)
+    return log
+
+
+def test_a_stragglers_delay_is_on_the_devices_timeline_not_hidden_behind_queued_work():
+    """A slow worker's step, as the device ran it, is its compute plus the delay, every step;
+    a delay slept on the host only (the planted bug) vanishes behind the work still queued."""
+    log = straggler_steps(FakeEventClock)
+    assert [step - comm for step, comm in zip(log.step_s, log.comm_s)] == pytest.approx(
+        [FORWARD_S + BACKWARD_S + DELAY_S] * STEPS, abs=1e-12)
+    hidden = straggler_steps(HostSleep)
+    assert hidden.step_s[1:] == pytest.approx([FORWARD_S + BACKWARD_S] * (STEPS - 1), abs=1e-12)
 
 
 def test_the_host_clock_is_read_as_each_step_ends():

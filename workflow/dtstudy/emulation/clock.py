@@ -9,7 +9,7 @@ compute/exchange split and time-to-accuracy are the emulated cluster's. Time mov
   batch / one GPU's training rate, scaled for the busy workers of a node as the model does),
   with the profile's natural jitter (`skew_fraction`: the Gaussian spread the model's
   barrier wait assumes), drawn per worker from the run's seed;
-- a straggler's delay (`sleep`, called by dtstudy.training.stragglers instead of time.sleep);
+- a straggler's delay (`sleep`: dtstudy.training.stragglers sleeps on the step's clock, this one);
 - an exchange: a collective ends at max(arrivals) + `ExchangeCosts.collective`, a message
   arrives after `ExchangeCosts.message` (dtstudy.emulation.process_group);
 - a parameter-server shard's work (`ShardClock.shard_work`): the performance model's memory

@@ -34,6 +34,10 @@ class Clock(Protocol):
     def seconds(self, start: Mark, end: Mark) -> float:
         """Seconds the device spent from `start` to `end` (waits until it has reached `end`)."""
 
+    def sleep(self, seconds: float) -> None:
+        """`seconds` more on the device's timeline, after the work queued so far (a straggler's
+        delay): a wait the device's marks see, not only the host."""
+
 
 class HostClock:
     """The host's clock: right where kernels run as they are called (the CPU)."""
@@ -49,6 +53,9 @@ class HostClock:
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
 class CudaClock:
@@ -67,6 +74,14 @@ class CudaClock:
     def seconds(self, start, end) -> float:
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
+
+    def sleep(self, seconds: float) -> None:
+        import torch
+
+        # the host runs up to a step ahead of the GPU: a host sleep alone would overlap the work
+        # still queued and vanish from the events. The GPU drains its queue, then idles.
+        torch.cuda.current_stream().synchronize()
+        time.sleep(seconds)
 
 
 _thread = threading.local()  # a clock installed for this thread (dtstudy.emulation: a logical worker's)

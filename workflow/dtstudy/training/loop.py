@@ -276,7 +276,7 @@ def timed_step(run: WorkerRun, batches, lr: float, record) -> tuple[torch.Tensor
     inputs, labels = next(batches)
     inputs, labels = run.compute.inputs(inputs, run.ctx.device), labels.to(run.ctx.device, non_blocking=True)
     run.timer.step_start()
-    run.straggler.delay()  # a slow worker's extra compute time
+    run.straggler.delay(run.timer.clock)  # a slow worker's extra compute time
     with run.compute.autocast():
         loss = run.criterion(run.module(inputs), labels)
     run.strategy.backward(run.compute.scaled(loss))

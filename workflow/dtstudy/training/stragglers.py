@@ -57,8 +57,10 @@ class Straggler:
             return self.rng.uniform(0.0, 2.0 * self.mean_s)
         return self.rng.expovariate(1.0 / self.mean_s)
 
-    def delay(self) -> None:
+    def delay(self, clock: timing.Clock) -> None:
+        """The next delay on `clock`, the step's: the device's timeline (a GPU's after the work
+        queued before), or an emulated worker's."""
         if self.active:
             seconds = self.next_delay()
-            timing.sleep(seconds)  # the host's time, or an emulated worker's clock
+            clock.sleep(seconds)
             self.total_s += seconds
