@@ -19,7 +19,8 @@ the train section its runs get, at its own N and seeds:
   server shards compute on CPUs).
 
 Not counted: the queue, a requeue's lost work since the last checkpoint, checkpoint writes,
-the test evaluation (its own small job), and input pipelines slower than the profile's rate.
+the test evaluation (a job of one GPU per accuracy run: its start-up and one forward pass over
+the test split), and input pipelines slower than the profile's rate.
 """
 
 from __future__ import annotations
