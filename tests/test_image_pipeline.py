@@ -316,3 +316,7 @@ def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(m
     assert result["test_images"] == meta["sizes"]["test"] == 9
     assert result["top5"] == 1.0  # 3 classes: every class is in the top 5 (k beyond the classes is capped)
     assert read_json(tmp_path / "eval.json")["top1"] == result["top1"]
+    # where the test pass ran, traceable as the training's: the device, and the commit
+    tested_on, trained_on = read_json(tmp_path / "eval.json")["environment"], metrics["environment"]
+    assert tested_on["device_type"] == "cpu" and tested_on["devices"] == trained_on["devices"]
+    assert tested_on["git_commit"] == trained_on["git_commit"] and tested_on["backend"] is None

@@ -70,10 +70,11 @@ def kernels(device: torch.device) -> dict | None:
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
-def environment(device: torch.device, backend: str, processes: int, concurrent: int | None = None) -> dict:
-    """Facts about the machine and software of a run, for metrics.json and MLflow. `processes`:
-    the job's ranks; `concurrent`: how many of them compute at once (None: all; an emulated
-    run's threads take turns, one)."""
+def environment(device: torch.device, backend: str | None, processes: int, concurrent: int | None = None) -> dict:
+    """Facts about the machine and software of a run, for metrics.json and MLflow (and of a test
+    pass, for eval.json: no process group, backend None). `processes`: the job's ranks;
+    `concurrent`: how many of them compute at once (None: all; an emulated run's threads take
+    turns, one)."""
     concurrent = processes if concurrent is None else concurrent
     pinned = pinned_cores()
     # a pinned rank sees its one core; pinning happened only if every process got its own

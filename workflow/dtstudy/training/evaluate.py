@@ -13,6 +13,7 @@ from dtstudy.training.models import build_model, inference_layout
 from dtstudy.atomic_files import write_json
 from dtstudy.tracking.mlflow_store import log_test_metrics
 from dtstudy.tracking.live_run import server_away
+from dtstudy.tracking.provenance import environment
 from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE
 
 
@@ -90,6 +91,8 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, out: str | Path) -> 
         "test_images": len(test_set),
         "checkpoint": str(run_dir / CHECKPOINT_FILE),
         "seconds": time.perf_counter() - start,
+        # where the test pass ran (a GPU, or a CPU job), its software and commit, as metrics.json's
+        "environment": environment(device, backend=None, processes=1),
         "mlflow_run_id": (metrics.get("mlflow") or {}).get("run_id"),
     }
     if result["mlflow_run_id"]:
