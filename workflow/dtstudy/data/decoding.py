@@ -74,6 +74,8 @@ def decode_torchvision(source: Path | np.ndarray) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_image
 
     data = read_bytes(source)
+    if not data.flags.writeable:  # a shard's read-only map: torch wants tensors it may write (a copy of the bytes)
+        data = data.copy()
     try:
         return decode_image(torch.from_numpy(data), mode=ImageReadMode.RGB)
     except RuntimeError:  # "Unsupported image file": not JPEG/PNG/WebP/GIF
