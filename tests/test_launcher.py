@@ -143,14 +143,15 @@ def test_a_gres_site_gets_gres_and_a_predicted_time_limit_replaces_timeout_min(t
 
 def test_an_evaluation_on_a_gpu_cluster_asks_for_one_gpu_where_the_runs_train():
     """The `evaluate` rule's SLURM resources: one GPU as the site takes it, the runs' partition,
-    account, qos and constraint, a training task's CPUs and memory; none on a CPU-only or local study."""
+    account, qos and constraint, a training task's CPUs and one GPU's share of a node's memory;
+    none on a CPU-only or local study."""
     from dtstudy.launch.launcher import evaluation_job_resources
 
     gpu_cluster = validated(tiny_study(launcher={
-        "cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres", "cpus_per_task": 6, "mem_gb": 1.5,
+        "cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres", "cpus_per_task": 6, "mem_gb": 250,
         "partition": "gpu", "account": "proj", "qos": "high", "constraint": "h100"}))["launcher"]
     assert evaluation_job_resources(gpu_cluster) == {
-        "gres": "gpu:1", "cpus_per_task": 6, "mem_mb": 1536, "slurm_partition": "gpu", "slurm_account": "proj",
+        "gres": "gpu:1", "cpus_per_task": 6, "mem_mb": 64000, "slurm_partition": "gpu", "slurm_account": "proj",
         "qos": "high", "constraint": "h100"}
     defaults = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 4}))["launcher"]
     assert evaluation_job_resources(defaults) == {"gpu": 1, "cpus_per_task": defaults["cpus_per_task"]}

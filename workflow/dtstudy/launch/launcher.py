@@ -99,15 +99,15 @@ def job_parameters(spec: RunSpec, pooled: bool = False, time_limit_min: int | No
 def evaluation_job_resources(launcher: dict) -> dict:
     """The resources (snakemake-executor-plugin-slurm's names) of a run's `evaluate` job on a
     GPU cluster: one GPU of the training runs' kind, on their partition, account, qos and
-    constraint, with the CPUs and memory a training task gets, so that the test pass decodes
+    constraint, with the CPUs of a training task and one GPU's share of a node's memory, so that the test pass decodes
     with the same loader workers on the run's kind of device (dtstudy.training.evaluate). None
     extra for a local, emulated or CPU-only study: the profile's default resources apply."""
     if launcher["cluster"] != "slurm" or not launcher["gpus_per_node"]:
         return {}
     resources = {"gres": "gpu:1"} if launcher["gpu_request"] == "gres" else {"gpu": 1}
     resources["cpus_per_task"] = launcher["cpus_per_task"]
-    if launcher["mem_gb"] is not None:
-        resources["mem_mb"] = math.ceil(launcher["mem_gb"] * 1024)  # sbatch --mem=XG is X * 1024 MB
+    if launcher["mem_gb"] is not None:  # a node's memory for its training tasks: one GPU's share of it
+        resources["mem_mb"] = math.ceil(launcher["mem_gb"] * 1024 / launcher["gpus_per_node"])  # --mem=XG: X * 1024 MB
     for key, resource in (("partition", "slurm_partition"), ("account", "slurm_account"),
                           ("qos", "qos"), ("constraint", "constraint")):
         if launcher[key] is not None:
