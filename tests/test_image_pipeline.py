@@ -282,6 +282,19 @@ def test_in_memory_data_ignore_the_loader_section(tiny_data):
 # ----- end to end -----------------------------------------------------------------------------
 
 
+def test_a_gpu_run_tested_without_a_gpu_says_so(capsys):
+    """A run trained with launcher.device 'cuda' whose evaluate job sees no GPU is tested on the
+    CPU, and its log says why it is slow; `auto` and `cpu` runs are tested on the CPU silently."""
+    from dtstudy.training.evaluate import evaluation_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert evaluation_device("cuda") == torch.device("cpu")
+    assert "launcher.device is 'cuda' but this evaluate job sees no GPU" in capsys.readouterr().out
+    assert evaluation_device("auto") == evaluation_device("cpu") == torch.device("cpu")
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("decoder, shard_mb", [("torchvision", None), ("dali_cpu", 0.008)],
                          ids=["files", "dali_from_shards"])
 def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path, decoder,

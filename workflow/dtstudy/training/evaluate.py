@@ -45,9 +45,13 @@ def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = 
 
 def evaluation_device(preference: str) -> torch.device:
     """The run's kind of device (launcher.device): a GPU where the run trained on one and this
-    job sees one, else the CPU."""
+    job sees one, else the CPU; a run trained on a GPU (`cuda`) and tested on the CPU says so,
+    since the test pass then takes far longer (same numbers up to rounding)."""
     if preference != "cpu" and torch.cuda.is_available():
         return torch.device("cuda")
+    if preference == "cuda":
+        print("launcher.device is 'cuda' but this evaluate job sees no GPU: the test pass runs on the CPU "
+              "(on SLURM an evaluate job asks for a GPU when launcher.gpus_per_node > 0; docs/cluster.md)", flush=True)
     return torch.device("cpu")
 
 
