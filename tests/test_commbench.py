@@ -45,7 +45,7 @@ def _each_compressed_exchange_timed(ctx):
 
     from dtstudy.projection import commbench
     from dtstudy.strategies.registry import STRATEGIES
-    from dtstudy.strategies.onebit_codec import dequantize, quantization_groups, quantize
+    from dtstudy.strategies.compressed.onebit_codec import dequantize, quantization_groups, quantize
     from dtstudy.strategies.specs import SPECS
 
     # fp16: in a group of one, the hook's round trip is the casts alone

@@ -16,10 +16,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from conftest import in_workers, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
-from dtstudy.strategies import compressed
-from dtstudy.strategies.compressed import AllReduceOneBit
-from dtstudy.strategies import onebit_codec
-from dtstudy.strategies.onebit_codec import (chunk_groups, compress_with_feedback, decode, dequantize, encode, pack_signs,
+from dtstudy.strategies.compressed import strategy as compressed
+from dtstudy.strategies.compressed.strategy import AllReduceOneBit
+from dtstudy.strategies.compressed import onebit_codec
+from dtstudy.strategies.compressed.onebit_codec import (chunk_groups, compress_with_feedback, decode, dequantize, encode, pack_signs,
                                             quantization_groups, quantize, unpack_signs)
 
 

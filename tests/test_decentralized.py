@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from conftest import assert_same_parameters, in_workers, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
-from dtstudy.strategies.gossip import Gossip, pair_partner, ring_neighbours
-from dtstudy.strategies.local import EASGD, LocalSGD
+from dtstudy.strategies.gossip.strategy import Gossip, pair_partner, ring_neighbours
+from dtstudy.strategies.local.strategy import EASGD, LocalSGD
 
 PLAIN_SGD = {"momentum": 0.0, "weight_decay": 0.0}
 

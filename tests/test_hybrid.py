@@ -17,8 +17,8 @@ from dtstudy.perfmodel.machine import Link, Machine, Workload
 from dtstudy.projection import layer_profiles
 from dtstudy.runspec import RunSpec
 from dtstudy.strategies import registry, specs
-from dtstudy.strategies.allreduce import AllReduce
-from dtstudy.strategies.hybrid import Hybrid, shard_sizes
+from dtstudy.strategies.allreduce.strategy import AllReduce
+from dtstudy.strategies.hybrid.strategy import Hybrid, shard_sizes
 from dtstudy.training.loop import train_worker
 
 LENET_LINEAR = ((400, 120), (120, 84), (84, 10))  # LeNet-5 on 28-pixel images

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtstudy.strategies.onebit_codec import (chunk_groups, chunk_layout, compress_chunk, decompress_chunk,
+from dtstudy.strategies.compressed.onebit_codec import (chunk_groups, chunk_layout, compress_chunk, decompress_chunk,
                                             decompress_messages, group_index, quantization_groups, reduce_chunk)
 
 LENET5 = [(6, 1, 5, 5), (6,), (16, 6, 5, 5), (16,), (120, 400), (120,), (84, 120), (84,), (10, 84), (10,)]

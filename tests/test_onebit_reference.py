@@ -26,7 +26,7 @@ from dtstudy.training.models import build_model
 WORKERS = 4
 
 
-# ----- the two quantisers, written apart from dtstudy.strategies.onebit_codec ---------------------
+# ----- the two quantisers, written apart from dtstudy.strategies.compressed.onebit_codec ---------------------
 def scaled_sign(u: torch.Tensor) -> torch.Tensor:
     """Karimireddy et al. 2019: ||u||_1 / d * sign(u), one scale per tensor."""
     return u.abs().mean() * torch.sign(u)
@@ -234,7 +234,7 @@ def _check_momentum_resume(ctx, exchange):
     exactly; one that loads all but the momentum buffers (the planted bug) does not."""
     import torch.nn.functional as F
 
-    from dtstudy.strategies.compressed import AllReduceOneBit
+    from dtstudy.strategies.compressed.strategy import AllReduceOneBit
 
     torch.manual_seed(10 + ctx.rank)
     inputs, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))

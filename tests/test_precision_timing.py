@@ -229,7 +229,8 @@ def install_fake_exchange(name: str, strategy, device: FakeDevice, patch: pytest
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from dtstudy.strategies import gossip, local
+    from dtstudy.strategies.gossip import strategy as gossip
+    from dtstudy.strategies.local import strategy as local
 
     if name == "allreduce":
         def hook(state, bucket):  # after the bucket's last gradient: DDP's all-reduce of it

@@ -29,7 +29,8 @@ from conftest import REPO, read_json
 
 from dtstudy.projection import calibration, hardware, layer_profiles, project
 from dtstudy.perfmodel import collectives, steps, waits
-from dtstudy.strategies import specs
+from dtstudy.strategies import spec as strategy_spec, specs
+from dtstudy.strategies.parameter_server.spec import PS_REQUEST_BYTES
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, LayerProfile, Link, Machine, Stragglers, Workload
 
@@ -349,7 +350,7 @@ def test_profile_column_groups_are_the_quantisers():
     # the profile's count of 1-bit column groups is the one the strategy quantises with
     import torch
 
-    from dtstudy.strategies.onebit_codec import quantization_groups
+    from dtstudy.strategies.compressed.onebit_codec import quantization_groups
 
     for name in ("lenet5", "vgg16"):
         with torch.device("meta"):  # shapes only, as the profiles are measured
@@ -832,9 +833,9 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     update = (1 + 4) * m * 5e-11  # the shard's passes (1 gradient summed, 4 of SGD) at the server kernel
     modelled = 2 * one_way + update
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + specs.PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + specs.PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + specs.PS_REQUEST_BYTES, {"shards": 1})]
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + PS_REQUEST_BYTES, {"shards": 1})]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
@@ -858,7 +859,7 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     # the model's size from a parameter server's bytes: the gradient after its request header
     from dtstudy.strategies.parameter_server.protocol import REQUEST_SIZE
 
-    assert specs.PS_REQUEST_BYTES == REQUEST_SIZE * 8  # float64 fields
+    assert PS_REQUEST_BYTES == REQUEST_SIZE * 8  # float64 fields
     assert calibration.parameters_from_runs(calibration.read_runs(metrics[1:])) == 61706
     # without N=1 parameter-server runs nothing is charged
     workload = Workload(61706, 4, 64, t_c)
@@ -1052,8 +1053,8 @@ def test_band_of_the_parameter_servers_round_trip(tmp_path):
     update = (1 + 4) * m * 5e-11
     modelled = 2 * one_way + update
     metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + specs.PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + specs.PS_REQUEST_BYTES, {"shards": 1})]
+               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + PS_REQUEST_BYTES, {"shards": 1}),
+               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + PS_REQUEST_BYTES, {"shards": 1})]
     bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
              "kernels_s_per_byte": {"server_pass": 5e-11},
              "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
@@ -1337,7 +1338,7 @@ def test_the_model_predicts_the_exchange_of_the_recorded_n2_runs(tmp_path, monke
     planted = {
         "all-reduce x2": (steps, "allreduce_time", lambda *args, **kwargs: 2 * plain_allreduce_time(*args, **kwargs)),
         "no exchange": (project, "model_step", no_exchange),
-        "no jitter": (specs, "natural_wait", lambda *args, **kwargs: 0.0),
+        "no jitter": (strategy_spec, "natural_wait", lambda *args, **kwargs: 0.0),
     }
     for control, (owner, name, wrong) in planted.items():
         with monkeypatch.context() as patched:

@@ -7,7 +7,7 @@ import pytest
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.registry import get_strategy, STRATEGIES
 from dtstudy.strategies.base import CommMeter, Strategy
-from dtstudy.strategies.allreduce import AllReduce, ring_allreduce_bytes
+from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
 
 
 def test_registry_maps_names_to_strategy_classes():

@@ -125,6 +125,27 @@ def test_light_modules_do_not_import_torch_or_mlflow(module):
     assert json.loads(result.stdout) == [], f"{module} imports {result.stdout.strip()}"
 
 
+def test_each_strategy_lives_in_one_folder_its_spec_beside_its_class():
+    """One place per strategy: a family's folder holds the spec (torch-free) and the class of
+    each of its strategies, and each spec module stays light."""
+    from dtstudy.strategies.registry import STRATEGIES
+    from dtstudy.strategies.specs import SPECS
+
+    folders = {}
+    for name, spec in SPECS.items():
+        spec_folder, spec_module = spec.__module__.rsplit(".", 1)
+        class_folder, class_module = STRATEGIES[name].__module__.rsplit(".", 1)
+        assert (spec_module, class_module) == ("spec", "strategy"), (name, spec.__module__, STRATEGIES[name].__module__)
+        assert spec_folder == class_folder, f"{name}: spec in {spec_folder}, class in {class_folder}"
+        folders[spec.__module__] = spec_folder
+    assert len(set(folders.values())) == 7  # allreduce, compressed, hybrid, parameter_server, local, gossip, reference
+    code = (f"import sys; import {', '.join(sorted(folders))}; "
+            "print(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 def test_a_torch_importing_module_is_seen_by_the_light_import_check():
     """The check above can fail: the training loop's module imports torch."""
     code = "import sys; import dtstudy.training.loop; print('torch' in sys.modules)"

@@ -237,8 +237,8 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
     byte (the compressed strategies': exchange_seconds_per_byte, in a worker)."""
     import torch
 
-    from dtstudy.strategies.gossip import average_into
-    from dtstudy.strategies.local import flatten
+    from dtstudy.strategies.gossip.strategy import average_into
+    from dtstudy.strategies.local.strategy import flatten
 
     torch.set_num_threads(1)
     numel = 2**18

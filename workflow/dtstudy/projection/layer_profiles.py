@@ -91,7 +91,7 @@ def measure(name: str) -> dict:
     parameter's gradient-accumulated hook notes the backward FLOPs counted so far, which
     gives both the order backprop produces the gradients in and when (in FLOPs) each is ready;
     with each tensor's groups of 1-bit's `column` quantiser (its first dimension, a vector one:
-    strategies.onebit_codec.quantization_groups)."""
+    strategies.compressed.onebit_codec.quantization_groups)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

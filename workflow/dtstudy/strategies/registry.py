@@ -1,17 +1,18 @@
-"""The strategy registry: each strategy is one class (one file per family) plus one line here,
-and its knobs one spec class in dtstudy.strategies.specs (torch-free, for the config check)."""
+"""The strategy registry: each strategy is one class (its family folder's `strategy` module) plus
+one line here, and its knobs one spec class beside it (`<family>/spec.py`, torch-free, for the
+config check; collected in dtstudy.strategies.specs)."""
 
 from __future__ import annotations
 
 from dtstudy.strategies.specs import SPECS
-from dtstudy.strategies.allreduce import AllReduce
+from dtstudy.strategies.allreduce.strategy import AllReduce
 from dtstudy.strategies.base import CommMeter, DistContext, Strategy
-from dtstudy.strategies.compressed import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReducePowerSGD
-from dtstudy.strategies.gossip import Gossip
-from dtstudy.strategies.hybrid import Hybrid
-from dtstudy.strategies.local import EASGD, LocalSGD
+from dtstudy.strategies.compressed.strategy import AllReduceBF16, AllReduceFP16, AllReduceOneBit, AllReducePowerSGD
+from dtstudy.strategies.gossip.strategy import Gossip
+from dtstudy.strategies.hybrid.strategy import Hybrid
+from dtstudy.strategies.local.strategy import EASGD, LocalSGD
 from dtstudy.strategies.parameter_server.strategy import PsAsync, PsBackup, PsSync, Ssp
-from dtstudy.strategies.reference import NoExchange
+from dtstudy.strategies.reference.strategy import NoExchange
 
 STRATEGIES: dict[str, type[Strategy]] = {
     AllReduce.name: AllReduce,

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from dtstudy.strategies.onebit_codec import Chunks, chunk_layout, decode, dequantize, encode, group_index, levels_per_group, quantization_groups, quantize, reduce_chunk
-from dtstudy.strategies.allreduce import AllReduce, ring_allreduce_bytes
+from dtstudy.strategies.compressed.onebit_codec import Chunks, chunk_layout, decode, dequantize, encode, group_index, levels_per_group, quantization_groups, quantize, reduce_chunk
+from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
 
 
 def strategy_hook(state, bucket):

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dtstudy.strategies.allreduce import AllReduce, ring_allreduce_bytes
+from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
 from dtstudy.strategies.base import CommMeter, OptimizerFactory
 
 

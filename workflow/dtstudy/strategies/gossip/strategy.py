@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtstudy.strategies.base import OptimizerFactory
-from dtstudy.strategies.local import flatten, LocalTraining, shaped_like
+from dtstudy.strategies.local.strategy import flatten, LocalTraining, shaped_like
 
 
 
