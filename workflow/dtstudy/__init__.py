@@ -6,8 +6,9 @@ One folder per concern; the layering reads one way (a folder imports only those 
   gloo_loops             gloo's event-loop threads, lowered in priority (strategies, launch, benchmark)
   config/                the study config, torch-free: its JSON schema and messages, reading and slicing
   perfmodel/             the performance model's vocabulary: machines, collectives, waits, step formulas
-  strategies/            specs (each strategy's knobs, checks and performance model; torch-free),
-                         the registry, the interface (base) and one file per family
+  strategies/            one folder per family: each strategy's spec (knobs, checks, performance
+                         model; torch-free) beside its class; the specs by name, the registry,
+                         the interfaces (spec, base) and the device's clock (timing)
   runspec                one run (strategy x N x seed): its files, processes and tasks over nodes
   data/                  data-set checks, formats, one-off preparation, fast loading
   tracking/              MLflow records, a run's files, provenance
