@@ -410,7 +410,11 @@ def test_the_gpu_compute_check_runs_dry_on_the_cpu(tmp_path):
     record = json.loads((out / "compute_check.json").read_text())
     assert record["dry_run"] and record["compute"]["precision"] == "bf16"
     assert set(record["checks"]) == {"images_per_s_ratio_at_least_0.95", "data_share_under_0.05",
-                                     "step_parts_sum_to_events_within_0.05"}
+                                     "step_parts_sum_to_events_within_0.05", "test_pass_on_the_runs_device",
+                                     "straggler_delay_on_the_device_timeline"}
+    # on the CPU's clock too: the test pass ran where the run trained, the delay is added in full
+    assert record["checks"]["test_pass_on_the_runs_device"] and record["evaluation"]["test_images"] > 0
+    assert record["checks"]["straggler_delay_on_the_device_timeline"]
     assert len(record["reference_images_per_s"]) == 2 and record["study_images_per_s"] > 0
     assert record["epochs_timed_outside"][0]["steps"] == record["steps"]
     assert record["step_parts_sum_error"] < 0.05

@@ -7,8 +7,10 @@ reference trains (same batch, AMP, channels_last, same loader workers), in the s
 
 It passes when, on the GPU: the study's images/s are >= 0.95 of the reference's (the mean of a
 reference run before and one after the study's); data_s is under 5% of a step (data + step);
-and data + compute + communication seconds of every step of an epoch sum to within 5% of
-that epoch timed from outside with CUDA events. Figures and verdicts go to
+data + compute + communication seconds of every step of an epoch sum to within 5% of
+that epoch timed from outside with CUDA events; the study's test pass (`dtstudy evaluate`)
+runs on the GPU; and a straggler's delay adds at least 0.9 of itself to queued GPU work on
+the study's clock (CudaClock.sleep). Figures and verdicts go to
 DIR/compute_check.json, the record docs/testing.md quotes once it is kept in docs/records/.
 The dry run checks that every step works apart from CUDA; its figures say nothing.
 """
@@ -202,6 +204,40 @@ def epoch_sums(config: dict, data: Path, out: Path, device: torch.device) -> lis
     return epochs
 
 
+def straggler_delay(device: torch.device, delay_s: float = 0.03) -> dict:
+    """A straggler's delay on the device's timeline (dtstudy.strategies.timing's clock.sleep,
+    as the training loop spends it): device work queued, then the delay, timed with the
+    study's own clock against the same work alone. A host-only sleep would overlap the queued
+    work and add (almost) nothing."""
+    from dtstudy.strategies.timing import clock_for
+
+    clock = clock_for(device)
+    size = 256 if device.type == "cpu" else 8192
+    a = torch.randn(size, size, device=device)
+
+    def work(delay: float | None) -> float:
+        start = clock.mark()
+        for _ in range(20):
+            a @ a
+        if delay is not None:
+            clock.sleep(delay)
+        return clock.seconds(start, clock.mark())
+
+    work(None)  # warm-up
+    alone, delayed = work(None), work(delay_s)
+    return {"delay_s": delay_s, "work_alone_s": alone, "work_and_delay_s": delayed, "added_s": delayed - alone}
+
+
+def evaluation(run: Path, data: Path, out: Path) -> dict:
+    """The study's test pass (`python3 -m dtstudy evaluate`, the evaluate rule's command) on the run's model."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "workflow"), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "dtstudy", "evaluate", "--run", str(run), "--data", str(data), "--out", str(out)],
+                   check=True, cwd=REPO, env=env)
+    result = json.loads(out.read_text())
+    return {key: result[key] for key in ("top1", "test_images", "seconds")} | {
+        "device_type": result["environment"]["device_type"], "devices": result["environment"]["devices"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for compute_check.json")
@@ -241,6 +277,8 @@ def main() -> int:
     metrics = study_run(config_path, data, work / "run")
     references.append(reference_loop(config, root, device, steps, skip, workers))
     epochs = epoch_sums(config, data, work / "inprocess", device)
+    tested = evaluation(work / "run", data, work / "eval.json")
+    delay = straggler_delay(device)
 
     step = metrics["step_time"]
     reference = sum(references) / len(references)
@@ -250,6 +288,8 @@ def main() -> int:
         "images_per_s_ratio_at_least_0.95": metrics["throughput"] / reference >= MIN_RATIO,
         "data_share_under_0.05": data_share < MAX_DATA_SHARE,
         "step_parts_sum_to_events_within_0.05": sum_error <= MAX_SUM_ERROR,
+        "test_pass_on_the_runs_device": tested["device_type"] == device.type,
+        "straggler_delay_on_the_device_timeline": delay["added_s"] >= 0.9 * delay["delay_s"],
     }
     record = {
         "what": ("ResNet-50, bf16 autocast, channels_last, cuDNN autotuning: the study's allreduce at N=1 "
@@ -273,6 +313,8 @@ def main() -> int:
         "data_share_of_step": data_share,
         "epochs_timed_outside": epochs,
         "step_parts_sum_error": sum_error,
+        "evaluation": tested,
+        "straggler_delay": delay,
         "checks": checks,
         "passed": all(checks.values()),
         "seconds": time.perf_counter() - started,
@@ -280,7 +322,8 @@ def main() -> int:
     (args.out / "compute_check.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({key: record[key] for key in ("device", "reference_images_per_s", "study_images_per_s",
                                                    "images_per_s_ratio", "data_share_of_step",
-                                                   "step_parts_sum_error", "checks")}, indent=2))
+                                                   "step_parts_sum_error", "evaluation", "straggler_delay",
+                                                   "checks")}, indent=2))
     return 0 if dry or record["passed"] else 1
 
 
