@@ -311,7 +311,7 @@ def test_messages_are_received_in_the_order_of_the_clusters_clock():
                 buffer = torch.zeros(1)
                 got.append((dist.recv(buffer), buffer.item()))
         else:
-            timing.sleep(1.0 if rank == 2 else 0.0)
+            timing.clock_for(torch.device("cpu")).sleep(1.0 if rank == 2 else 0.0)
             dist.send(torch.tensor([10.0 * rank]), dst=0)
         clock = timing.clock_for(torch.device("cpu"))
         before = clock.mark()
@@ -336,7 +336,7 @@ def test_gather_object_reaches_the_root_only():
     from dtstudy.strategies import timing
 
     def body(rank):
-        timing.sleep(float(rank))  # arrivals at 0, 1, 2, 3
+        timing.clock_for(torch.device("cpu")).sleep(float(rank))  # arrivals at 0, 1, 2, 3
         everyone = [None] * 4 if rank == 0 else None
         dist.gather_object({"rank": rank, "log": [rank] * (rank + 1)}, everyone, dst=0)
         group = dist.new_group([1, 3])  # every rank makes every group

@@ -88,7 +88,7 @@ _thread = threading.local()  # a clock installed for this thread (dtstudy.emulat
 
 
 def install_clock(clock: Clock | None) -> None:
-    """Make `clock` what clock_for and sleep give on this thread (None: the device's again).
+    """Make `clock` what clock_for gives on this thread (None: the device's again).
     An emulated run's logical workers are threads, each on its own emulated clock."""
     _thread.clock = clock
 
@@ -99,16 +99,6 @@ def clock_for(device) -> Clock:
     if installed is not None:
         return installed
     return CudaClock() if device.type == "cuda" else HostClock()
-
-
-def sleep(seconds: float) -> None:
-    """Wait `seconds` on this thread's clock: the host's, or an installed clock's (an emulated
-    worker's time moves on without the host waiting)."""
-    installed = getattr(_thread, "clock", None)
-    if installed is not None:
-        installed.sleep(seconds)
-    else:
-        time.sleep(seconds)
 
 
 class StepTimer:
