@@ -160,12 +160,16 @@ def reference_loop(config: dict, root: Path, device: torch.device, steps: int, s
     return (steps - skip) * train["batch_size"] / seconds
 
 
+def run_dtstudy(*args: str) -> None:
+    """`python3 -m dtstudy ARGS` from the repository's source, the carried packages' path kept."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "workflow"), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "dtstudy", *args], check=True, cwd=REPO, env=env)
+
+
 def study_run(config_path: Path, data: Path, out: Path) -> dict:
     """The study's own path: `python3 -m dtstudy train` (submitit, the launcher, the loop)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "workflow"), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "dtstudy", "train", "--config", str(config_path), "--strategy", "allreduce",
-               "--workers", "1", "--seed", "0", "--data", str(data), "--out", str(out), "--no-tracking"]
-    subprocess.run(command, check=True, cwd=REPO, env=env)
+    run_dtstudy("train", "--config", str(config_path), "--strategy", "allreduce", "--workers", "1", "--seed", "0",
+                "--data", str(data), "--out", str(out), "--no-tracking")
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -230,9 +234,7 @@ def straggler_delay(device: torch.device, delay_s: float = 0.03) -> dict:
 
 def evaluation(run: Path, data: Path, out: Path) -> dict:
     """The study's test pass (`python3 -m dtstudy evaluate`, the evaluate rule's command) on the run's model."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "workflow"), os.environ.get("PYTHONPATH")]))}
-    subprocess.run([sys.executable, "-m", "dtstudy", "evaluate", "--run", str(run), "--data", str(data), "--out", str(out)],
-                   check=True, cwd=REPO, env=env)
+    run_dtstudy("evaluate", "--run", str(run), "--data", str(data), "--out", str(out))
     result = json.loads(out.read_text())
     return {key: result[key] for key in ("top1", "test_images", "seconds")} | {
         "device_type": result["environment"]["device_type"], "devices": result["environment"]["devices"]}
