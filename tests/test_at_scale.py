@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -29,7 +27,7 @@ from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
 from dtstudy.analysis.intervals import Interval
 from dtstudy.analysis.tables import accuracy_table
 from dtstudy.strategies.specs import SPECS
-from test_workflow import job_counts, train_threads
+from test_workflow import job_counts, shipped_study_dry_run, train_threads
 
 AT_SCALE = REPO / "config/at-scale.yaml"
 AT_SCALE_ASYNC = REPO / "config/at-scale-async.yaml"
@@ -40,9 +38,8 @@ EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 
 # --- the shipped config ----------------------------------------------------------------
 
-def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection():
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2", "--configfile",
-                             str(AT_SCALE)], cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection(tmp_path):
+    result = shipped_study_dry_run(tmp_path, AT_SCALE)
     assert result.returncode == 0, result.stderr
     study = yaml.safe_load(AT_SCALE.read_text())
     assert study["launcher"]["cluster"] == "emulate" and study["workers"] == [1, 4, 16, 64, 256]
@@ -51,7 +48,9 @@ def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection()
     # an emulated study is not projected (common.smk PROJECTS_THE_STUDY): no commbench, no project
     assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
                                          "aggregate": 1, "all": 1}
-    planned = run_dry(["--configfile", str(AT_SCALE), "--cores", "8", "--printshellcmds"])
+    planned = shipped_study_dry_run(tmp_path, AT_SCALE, args=("--cores", "8", "--printshellcmds"))
+    assert planned.returncode == 0, planned.stderr
+    planned = planned.stdout
     threads = train_threads(planned)
     assert set(threads.values()) == {1}  # EMULATED_RUN_THREADS whatever N: N=256 is one process
     assert len(threads) == len(study["strategies"]) * 5
@@ -59,22 +58,14 @@ def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection()
     assert "python -m dtstudy evaluate" in planned and "--via-pool" not in planned
 
 
-def run_dry(args):
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", *args], cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference():
+def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference(tmp_path):
     """config/at-scale-async.yaml, on top of at-scale.yaml, runs the four parameter servers with
     what the asynchronous claims compare them to (allreduce, gossip), at-scale.yaml's budget
     unchanged, each server run with 4 shards at every N (its host cost); the halves together
     run every strategy of the at-scale study."""
     from dtstudy.analysis import claims
 
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2", "--configfile",
-                             str(AT_SCALE), str(AT_SCALE_ASYNC)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = shipped_study_dry_run(tmp_path, AT_SCALE, AT_SCALE_ASYNC)
     assert result.returncode == 0, result.stderr
     overlay = yaml.safe_load(AT_SCALE_ASYNC.read_text())
     strategies = overlay["strategies"]
@@ -98,14 +89,13 @@ def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference()
     assert not set(PARAMETER_SERVERS) & set(synchronous)
 
 
-def test_the_onebit_part_runs_allreduce_onebit_beside_allreduce_and_the_parts_cover_the_strategies():
+def test_the_onebit_part_runs_allreduce_onebit_beside_allreduce_and_the_parts_cover_the_strategies(tmp_path):
     """config/at-scale-onebit.yaml, on top of at-scale.yaml: allreduce_onebit with its compressed
     reduce-scatter and allreduce, the asynchronous half's learning-rate rule, at-scale.yaml's
     budget otherwise; the three parts run every strategy but hybrid and the ceiling."""
     from dtstudy.analysis import claims
 
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2", "--configfile",
-                             str(AT_SCALE), str(AT_SCALE_ONEBIT)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = shipped_study_dry_run(tmp_path, AT_SCALE, AT_SCALE_ONEBIT)
     assert result.returncode == 0, result.stderr
     overlay = yaml.safe_load(AT_SCALE_ONEBIT.read_text())
     assert overlay["strategies"] == [claims.SYNC, claims.ONEBIT]

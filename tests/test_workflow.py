@@ -19,9 +19,18 @@ def dry_run(tmp_path, config, *args):
     return run_snakemake(tmp_path, config, "--dry-run", *(args or ("--cores", "2")), timeout=300)
 
 
-def test_default_study_dag_runs_every_strategy():
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+def shipped_study_dry_run(workdir, *configfiles, args=("--cores", "2")) -> subprocess.CompletedProcess:
+    """A dry run of the checkout's Snakefile and shipped `configfiles` (on top of
+    config/config.yaml, as in the checkout) in `workdir`, its own working folder: it plans the
+    whole study whatever the checkout's results/ holds (a user who ran the study, then the tests)."""
+    configs = [str(REPO / "config/config.yaml"), *(str(REPO / path) for path in configfiles)]
+    return subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--snakefile", str(REPO / "Snakefile"),
+                           "--directory", str(workdir), "--configfile", *configs, *args],
+                          cwd=workdir, capture_output=True, text=True, timeout=300)
+
+
+def test_default_study_dag_runs_every_strategy(tmp_path):
+    result = shipped_study_dry_run(tmp_path)
     assert result.returncode == 0, result.stderr
     default = yaml.safe_load((REPO / "config/config.yaml").read_text())
     assert default["strategies"] == list(STRATEGIES) and default["workers"] == [1, 2, 4]
@@ -31,10 +40,8 @@ def test_default_study_dag_runs_every_strategy():
                                          "aggregate": 1, "commbench": 1, "project": 1, "all": 1}
 
 
-def test_embedded_full_study_dag_has_three_seeds_of_every_strategy():
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--cores", "2",
-                             "--configfile", "config/embedded-full.yaml"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_embedded_full_study_dag_has_three_seeds_of_every_strategy(tmp_path):
+    result = shipped_study_dry_run(tmp_path, "config/embedded-full.yaml")
     assert result.returncode == 0, result.stderr
     full = yaml.safe_load((REPO / "config/embedded-full.yaml").read_text())
     assert full["seeds"] == [0, 1, 2] and full["dataset"]["subset"] is None
