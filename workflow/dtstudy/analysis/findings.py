@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from dtstudy.analysis import intervals
-from dtstudy.analysis.claims import (ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, Verdict, beyond_zero,
-                                     difference_range, read)
+from dtstudy.analysis.claims import (ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, UNDECIDED_READING, Verdict,
+                                     beyond_zero, difference_range, read)
 from dtstudy.analysis.intervals import Interval
 from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
 from dtstudy.config.run_kinds import ACCURACY, SCALING
@@ -47,8 +47,10 @@ def source_note(table_name: str, table: pd.DataFrame) -> str:
 
 def noise_note(noise: Mapping) -> str:
     if noise.get("n1_runs", 0) < 2:
-        return "Noise: fewer than two N=1 runs, so the machine's noise is not measured in this study."
-    return (f"Noise of this machine: at N=1 every strategy runs the same plain SGD loop, and their "
+        return ("Noise: fewer than two N=1 runs of the plain SGD loop (parameter servers left out), so the "
+                "machine's noise is not measured in this study.")
+    return (f"Noise of this machine: at N=1 every strategy without extra processes runs the same plain SGD loop "
+            f"(a parameter server's N=1 sends every step to a shard: not the same loop, left out), and their "
             f"{noise['n1_runs']} runs measured {noise['n1_min']:.0f} to {noise['n1_max']:.0f} images/s "
             f"(max/min {noise['n1_ratio']:.2f}, CV {100 * noise['n1_cv']:.1f}%); inside one run the timed windows "
             f"vary by {100 * noise['window_cv']:.1f}% (CV, median over runs). A difference between two rows smaller "
@@ -146,6 +148,40 @@ def _versus_allreduce(efficiency: Interval, allreduce: Interval) -> str:
             f"wider than ±{margin:.2f} ({RELATIVE_MARGIN:.0%} of allreduce's E){beyond_zero(low, high)}")
 
 
+def _efficiency_line(table_row, base_ci: Interval | None) -> str:
+    """A row of the efficiency ranking: its E, its share of the ceiling, and its reading against
+    allreduce's E (`base_ci`; None: no comparison)."""
+    versus = ""
+    if base_ci is not None and table_row["strategy"] != BASELINE_STRATEGY:
+        versus = _versus_allreduce(_interval(table_row, "efficiency"), base_ci)
+    ceiling_part = ("" if pd.isna(table_row["efficiency_vs_ceiling"])
+                    else f", {_cell(table_row, 'efficiency_vs_ceiling', '.2f')} of the ceiling")
+    return f"{table_row['strategy']}: E = {_cell(table_row, 'efficiency', '.2f')}{ceiling_part}{versus}"
+
+
+APART_WITHIN = "apart"
+#: a row within GAP_POINTS of allreduce, by its paired difference's interval -> how findings.md says it
+WITHIN_READINGS = {
+    LEVEL: f"Level with allreduce (the paired difference's interval holds 0 and lies within ±{GAP_POINTS} points)",
+    APART_WITHIN: f"Within {GAP_POINTS} points of allreduce but apart from it (the paired difference's interval, a "
+                  "t 95% CI or the range of 2 seeds, excludes 0)",
+    UNDECIDED_READING: f"Within {GAP_POINTS} points of allreduce on average, undecided (the interval holds 0 but "
+                       f"reaches past ±{GAP_POINTS} points, or one seed gives none)",
+}
+
+
+def _within_reading(table_row) -> str:
+    """LEVEL, APART_WITHIN or UNDECIDED_READING (WITHIN_READINGS) of a row's paired difference
+    to allreduce, whose mean lies within GAP_POINTS."""
+    difference = _interval(table_row, "top1_vs_allreduce", table_row["top1_interval"])
+    if difference.kind == "none" or pd.isna(difference.low):
+        return UNDECIDED_READING
+    if difference.low > 0 or difference.high < 0:
+        return APART_WITHIN
+    margin = GAP_POINTS / 100
+    return LEVEL if -margin <= difference.low and difference.high <= margin else UNDECIDED_READING
+
+
 def _largest_timed_n(scaling: pd.DataFrame) -> int | None:
     """The largest N whose runs were not oversubscribed (their throughput means something)."""
     timed = scaling[(scaling["workers"] > 1) & ~scaling["oversubscribed"]]
@@ -164,31 +200,33 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
         lines.append(f"- Ceiling of this machine (no_exchange) at N={r['workers']}: E = {_cell(r, 'efficiency', '.2f')}"
                      + (" (oversubscribed)" if r["oversubscribed"] else "") + ".")
     n_timed = _largest_timed_n(scaling)
+    ranked_apart = pd.DataFrame()
     if n_timed is None:
         lines.append("- No N > 1 ran without oversubscription: no scaling result on this machine.")
     else:
         rows = scaling[(scaling["workers"] == n_timed) & (scaling["strategy"] != REFERENCE_STRATEGY)]
         rows = rows.sort_values("efficiency", ascending=False)
+        # only rows whose throughput means something are ranked; the oversubscribed ones follow apart
+        ranked, ranked_apart = rows[~rows["oversubscribed"]], rows[rows["oversubscribed"]]
         lines.append(f"- Efficiency at N={n_timed} (the largest N not oversubscribed), best first:")
-        base = rows[rows["strategy"] == BASELINE_STRATEGY]
+        base = ranked[ranked["strategy"] == BASELINE_STRATEGY]
         base_ci = None if base.empty else _interval(base.iloc[0], "efficiency")
-        for _, r in rows.iterrows():
-            interval = _interval(r, "efficiency")
-            versus = ""
-            if base_ci is not None and r["strategy"] != BASELINE_STRATEGY:
-                versus = _versus_allreduce(interval, base_ci)
-            ceiling_part = ("" if pd.isna(r["efficiency_vs_ceiling"])
-                            else f", {_cell(r, 'efficiency_vs_ceiling', '.2f')} of the ceiling")
-            lines.append(f"  - {r['strategy']}: E = {_cell(r, 'efficiency', '.2f')}{ceiling_part}{versus}")
+        lines += [f"  - {_efficiency_line(r, base_ci)}" for _, r in ranked.iterrows()]
+        if not ranked_apart.empty:
+            lines.append(f"- Not ranked at N={n_timed}: oversubscribed, the N workers and the strategy's extra "
+                         "processes (parameter-server shards) outnumber the cores, and their N=1, which sends every "
+                         "step to a shard, is slower than the plain loop: their E is not a scaling result.")
+            lines += [f"  - {_efficiency_line(r, None)}" for _, r in ranked_apart.iterrows()]
     whole_n = [n for n, rows in scaling.groupby("workers") if rows["oversubscribed"].all()]
     if whole_n:
         lines.append(f"- N = {', '.join(map(str, whole_n))} ran more processes than cores: their throughput says "
                      "nothing about scaling (the accuracy still does).")
-    partly = scaling[scaling["oversubscribed"] & ~scaling["workers"].isin(whole_n)]
+    partly = scaling[scaling["oversubscribed"] & ~scaling["workers"].isin(whole_n)
+                     & ~scaling.index.isin(ranked_apart.index)]
     if not partly.empty:
         lines.append("- Also oversubscribed (a strategy's extra processes, e.g. parameter-server shards, beside "
                      "the N workers): " + ", ".join(f"{r['strategy']} N={r['workers']}" for _, r in partly.iterrows())
-                     + "; their efficiency above is not a scaling result.")
+                     + "; their efficiency is not a scaling result.")
     ceiling_above = ceiling[(ceiling["workers"] > 1) & (ceiling["efficiency_low"] > 1)]
     for _, r in ceiling_above.iterrows():
         lines.append(f"- The ceiling's E at N={r['workers']} is above 1 with its whole interval: the N=1 runs it is "
@@ -207,9 +245,12 @@ def findings_markdown(scaling: pd.DataFrame, accuracy: pd.DataFrame, noise: Mapp
         for _, r in marked.iterrows():
             lines.append(f"  - {r['strategy']} N={r['workers']}: {_difference_cell(r)}")
     within = others[~others["below_allreduce"] & others["top1_vs_allreduce"].notna()]
-    if not within.empty:
-        lines.append(f"- Within {GAP_POINTS} points of allreduce: "
-                     + ", ".join(f"{r['strategy']} N={r['workers']}" for _, r in within.iterrows()) + ".")
+    readings = {r.name: _within_reading(r) for _, r in within.iterrows()}
+    for reading, said in WITHIN_READINGS.items():
+        cells = [f"{r['strategy']} N={r['workers']}" + ("" if reading == LEVEL else f" {_difference_cell(r)}")
+                 for _, r in within.iterrows() if readings[r.name] == reading]
+        if cells:
+            lines.append(f"- {said}: " + ", ".join(cells) + ".")
     if claims is not None:
         lines += claims_markdown(*claims)
     return "\n".join(lines) + "\n"

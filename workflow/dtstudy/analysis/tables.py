@@ -7,8 +7,8 @@ them), the accuracy table the accuracy runs.
 Every cell comes with its uncertainty (dtstudy.analysis.intervals): throughput, speedup and
 efficiency with a bootstrap 95% CI over the timed windows of every seed; accuracy with a
 t 95% CI over seeds (3 or more), or the range of 2 seeds, and the paired difference to
-allreduce at the same N and seed. The machine's own noise (the N=1 rows are identical
-work) and its ceiling (no_exchange: N loops that exchange nothing) are reported beside.
+allreduce at the same N and seed. The machine's own noise (the N=1 rows without extra
+processes are identical work) and its ceiling (no_exchange: N loops that exchange nothing) are reported beside.
 """
 
 from __future__ import annotations
@@ -188,12 +188,13 @@ def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = No
 
 
 def noise_summary(df: pd.DataFrame) -> dict:
-    """The machine's noise, from the study itself: at N=1 every strategy runs the same plain
-    SGD loop, so the spread of their throughputs is noise; and the spread of the timed
-    windows inside a run (coefficient of variation, median over the runs); of the runs the
-    scaling table times."""
+    """The machine's noise, from the study itself: at N=1 every strategy without extra
+    processes runs the same plain SGD loop, so the spread of their throughputs is noise (a
+    parameter server's N=1 sends every step to its shard: a systematic gap, not noise, so it is
+    left out); and the spread of the timed windows inside a run (coefficient of variation,
+    median over the runs); of the runs the scaling table times."""
     df = runs_of_kind(df, throughput_kind(df))
-    single = df[df["workers"] == 1]
+    single = df[(df["workers"] == 1) & ~(df["extra_processes"] > 0)]  # NaN (not recorded): kept
     medians = [float(np.median(w)) for w in single["windows"] if len(w)]
     window_cvs = [float(np.std(w, ddof=1) / np.mean(w)) for w in df["windows"] if len(w) > 1]
     noise = {"n1_runs": len(medians), "window_cv": float(np.median(window_cvs)) if window_cvs else math.nan}
