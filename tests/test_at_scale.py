@@ -25,7 +25,7 @@ from dtstudy.strategies.specs import get_spec
 from dtstudy.analysis import claims
 from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
 from dtstudy.analysis.intervals import Interval
-from dtstudy.analysis.tables import accuracy_table
+from dtstudy.analysis.tables import accuracy_table, with_run_extras
 from dtstudy.strategies.specs import SPECS
 from test_workflow import job_counts, shipped_study_dry_run, train_threads
 
@@ -152,9 +152,9 @@ SEEDS = 3
 REACHED = [0.5, 0.6, 0.7]  # a run's time to the target, seconds, per seed (scaled per cell)
 
 
-def table(cells: dict, seeds: int = SEEDS) -> pd.DataFrame:
-    """The accuracy table (tables.accuracy_table) of hand-made runs: cells {(strategy, N): {top1:
-    [per seed], time: [per seed, None = not reached], steps: [...], staleness: [...]}}."""
+def seed_runs(cells: dict, seeds: int = SEEDS) -> tuple[pd.DataFrame, dict]:
+    """The runs frame and metrics.json of hand-made runs: cells {(strategy, N): {top1: [per seed],
+    time: [per seed, None = not reached], steps: [...], staleness: [...]}}."""
     rows, metrics = [], {}
     for (strategy, workers), cell in cells.items():
         for seed in range(seeds):
@@ -170,7 +170,20 @@ def table(cells: dict, seeds: int = SEEDS) -> pd.DataFrame:
             metrics[run_dir] = {"global_batch": 8 * workers, "target_accuracy": 0.8, "val_grid": grid,
                                 "strategy_metrics": ({"staleness_mean": cell["staleness"][seed]}
                                                      if "staleness" in cell else {})}
-    return accuracy_table(pd.DataFrame(rows), None, metrics)
+    return pd.DataFrame(rows), metrics
+
+
+def table(cells: dict, seeds: int = SEEDS) -> pd.DataFrame:
+    """The accuracy table (tables.accuracy_table) of hand-made runs (seed_runs)."""
+    runs, metrics = seed_runs(cells, seeds)
+    return accuracy_table(runs, None, metrics)
+
+
+def paired_facts(cells: dict, **facts) -> claims.StudyFacts:
+    """StudyFacts with the hand-made runs one per seed (for paired comparisons), and `facts`."""
+    runs, metrics = seed_runs(cells)
+    extras = with_run_extras(runs, metrics)
+    return claims.StudyFacts(runs=extras[["strategy", "workers", "seed", *claims.PAIRED_COLUMNS]], **facts)
 
 
 KEPT = [0.880, 0.885, 0.890]
@@ -185,7 +198,8 @@ def test_goyal_holds_up_to_a_batch_then_breaks():
     assert verdict.status == claims.HOLDS and verdict.from_n == 64
     assert "kept up to N=16, global batch 128 and breaks from N=64, global batch 512" in verdict.summary
     assert len(verdict.evidence) == 5 and "N=64, global batch 512: test top-1 0.8000 [" in verdict.evidence[3]
-    assert verdict.evidence[3].endswith("below N=1's (intervals apart)")
+    # N=4, 16 and 64 answer (N=256 did not learn): N=64, the clearest, is read at Holm's 1 - 0.05/3
+    assert verdict.evidence[3].endswith("below N=1's (intervals apart at 0.9833, Holm's level for its place among the N)")
     assert ", kept, not below N=1's by more than 0.03: the difference lies in [" in verdict.evidence[2]
 
 
@@ -201,30 +215,32 @@ def test_goyal_a_narrow_overlapping_cell_is_kept():
 
 N1 = [0.845974, 0.85, 0.854026]  # 0.8500 [0.8400, 0.8600]
 SPLIT = [0.10, 0.10, 0.677]  # one seed learned, two did not: 0.2923 [-0.5352, 1.1199], the last at-scale run's N=64
+WIDE = [0.45, 0.88, 0.88]  # every seed learned, one far less: 0.7367 [0.1200, 1.3534]
+CHANCE = [0.10, 0.10, 0.10]  # did not learn, in every seed
 
 
 @pytest.mark.parametrize("n256, status, said", [
-    ([0.10, 0.10, 0.10], claims.PARTLY, "Accuracy is kept up to N=16, global batch 128; the study cannot tell at "
-     "N=64 (intervals too wide); below N=1's from N=256, global batch 2048: where between N=16 and N=256 it breaks "
-     "is not known."),
     (N1, claims.PARTLY, "Accuracy is kept up to N=256, global batch 2048; the study cannot tell at N=64 (intervals "
      "too wide): no break is seen, nor can one be ruled out."),
+    (CHANCE, claims.PARTLY, "Accuracy is kept up to N=16, global batch 128; the study cannot tell at N=64 (intervals "
+     "too wide); cannot tell at N=256: allreduce did not learn (a mean test top-1 below 0.4250, 50% of allreduce's "
+     "at N=1): no break is seen, nor can one be ruled out."),
 ])
 def test_goyal_a_wide_interval_is_undecided_not_kept(n256, status, said):
-    cells = goyal_cells(n1=N1, n4=N1, n16=N1, n64=SPLIT, n256=n256)
+    cells = goyal_cells(n1=N1, n4=N1, n16=N1, n64=WIDE, n256=n256)
     accuracy = table(cells)
     wide = accuracy[accuracy["workers"] == 64].iloc[0]
-    assert round(wide["top1_low"], 2) == -0.54 and round(wide["top1_high"], 2) == 1.12  # unclipped
+    assert round(wide["top1_low"], 2) == 0.12 and round(wide["top1_high"], 2) == 1.35  # unclipped
     verdict = claims.goyal_batch_limit(accuracy)
     assert verdict.status == status and verdict.from_n is None and verdict.summary == said
     assert verdict.evidence[3] == (
-        "N=64, global batch 512: test top-1 0.2923 [-0.5352, 1.1199], undecided against N=1's: the interval "
-        "[-0.5352, 1.1199] is too wide to tell (3 seeds; it reaches outside [0, 1], where no top-1 lies: too few "
-        "seeds for their spread); the difference lies in [-1.39, +0.27], wider than a margin of 0.03 allows")
+        "N=64, global batch 512: test top-1 0.7367 [0.1200, 1.3534], undecided against N=1's: the interval "
+        "[0.1200, 1.3534] is too wide to tell (3 seeds; it reaches outside [0, 1], where no top-1 lies: too few "
+        "seeds for their spread); the difference lies in [-0.73, +0.503], wider than a margin of 0.03 allows")
 
 
 def test_goyal_is_undecided_when_no_n_is_kept_or_below():
-    verdict = claims.goyal_batch_limit(table(goyal_cells(n4=SPLIT, n16=SPLIT, n64=SPLIT, n256=SPLIT)))
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n4=WIDE, n16=WIDE, n64=WIDE, n256=WIDE)))
     assert verdict.status == claims.UNDECIDED and verdict.from_n is None
     assert verdict.summary == "No N > 1 is kept: the study cannot tell at N=4, 16, 64, 256 (intervals too wide)."
     assert "**Undecided**: No N > 1 is kept" in "\n".join(claims_markdown([verdict], "emulated"))
@@ -307,7 +323,7 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {16: low, 64: low, 256: low})))
     assert verdict.status == claims.HOLDS and verdict.from_n == 16
     assert verdict.evidence[1].startswith("N=16: ps_backup top-1 0.8850 [")
-    assert ": above ps_async's (intervals apart);" in verdict.evidence[1]
+    assert ": above ps_async's (intervals apart at " in verdict.evidence[1]
     # above at 64 only, level at the largest N: it does not hold at Chen's scale
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: low})))
     assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
@@ -348,6 +364,7 @@ def onebit_cells(**by_n) -> dict:
 
 
 LOST = [0.80, 0.81, 0.82]  # 7.5 points below KEPT in every seed: apart from the margin
+ONEBIT_WIDE = [0.80, 0.88, 0.90]  # learned in every seed, 8 points below KEPT in one: across the margin
 
 
 def test_seide_holds_where_onebit_keeps_allreduces_top1_within_the_margin():
@@ -373,9 +390,9 @@ def test_seide_holds_where_onebit_keeps_allreduces_top1_within_the_margin():
      "against allreduce's at N=64, 256."),
     ({"n4": LOST, "n16": LOST, "n64": LOST, "n256": LOST}, claims.DOES_NOT_HOLD,
      "allreduce_onebit loses more than 0.03 against allreduce's at N=4, 16, 64, 256."),
-    ({"n4": SPLIT, "n16": SPLIT, "n64": SPLIT, "n256": SPLIT}, claims.UNDECIDED,
+    ({"n4": ONEBIT_WIDE, "n16": ONEBIT_WIDE, "n64": ONEBIT_WIDE, "n256": ONEBIT_WIDE}, claims.UNDECIDED,
      "The study cannot tell at N=4, 16, 64, 256 (intervals across the margin)."),
-    ({"n256": SPLIT}, claims.PARTLY,
+    ({"n256": ONEBIT_WIDE}, claims.PARTLY,
      "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64; the study cannot tell at N=256 "
      "(intervals across the margin)."),
 ])
@@ -478,3 +495,150 @@ def test_dai_does_not_hold_without_growth_or_cost_and_in_part_with_growth_only()
                              "undecided (N=256); whether more steps are needed is undecided (N=256).")
     verdict = claims.dai_staleness(table(dai_cells({256: [9.0, 9.5, 10.0]}, {}, {})))
     assert verdict.status == claims.PARTLY and verdict.summary.startswith("Staleness grows from N=256; accuracy is lost at no N")
+
+
+# --- what a verdict cannot tell: runs that did not learn, the resolution, several N, pairs ----
+
+def at_chance_beyond_n1(strategies: tuple[str, ...]) -> dict:
+    """allreduce and `strategies` at KEPT at N=1 and at chance in every seed at every N > 1."""
+    return {(name, n): {"top1": KEPT if n == 1 else CHANCE} for name in ("allreduce", *strategies)
+            for n in (1, 4, 16, 64, 256)}
+
+
+def test_seide_with_both_at_chance_in_every_seed_cannot_tell():
+    """Misreading (i): two runs at chance lose nothing to each other, a paired difference of zero
+    width that read "holds"."""
+    verdict = claims.seide_onebit(table(at_chance_beyond_n1(("allreduce_onebit",))))
+    assert (verdict.status, verdict.from_n) == (claims.CANNOT_TELL, None)
+    assert verdict.summary == ("Cannot tell at N=4, 16, 64, 256: allreduce_onebit and allreduce did not learn (a mean "
+                               "test top-1 below 0.4425, 50% of allreduce's at N=1).")
+    assert verdict.evidence[0].endswith("+0.0000 [+0.0000, +0.0000]: cannot tell: allreduce_onebit and allreduce did "
+                                        "not learn")
+    assert "**Cannot tell**: Cannot tell at N=4" in "\n".join(claims_markdown([verdict], "emulated"))
+
+
+def test_chen_with_both_at_chance_at_the_largest_n_is_read_where_they_learned():
+    """Misreading (ii): both at chance at the largest N read "level" there, so "does not hold"."""
+    low = [0.70, 0.71, 0.72]
+    verdict = claims.chen_backup_vs_async(table(ps_cells({256: CHANCE}, {16: low, 64: low, 256: CHANCE})))
+    assert (verdict.status, verdict.from_n) == (claims.HOLDS, 16)
+    assert verdict.summary == ("ps_backup's top-1 is above ps_async's from N=16 up to N=64; cannot tell at N=256: "
+                               "ps_backup and ps_async did not learn (a mean test top-1 below 0.4425, 50% of "
+                               "allreduce's at N=1).")
+    assert ": cannot tell: ps_backup and ps_async did not learn; time to target" in verdict.evidence[-1]
+    everywhere = claims.chen_backup_vs_async(table(at_chance_beyond_n1(("ps_backup", "ps_async"))))
+    assert everywhere.status == claims.CANNOT_TELL
+
+
+def test_jin_with_neither_reaching_the_target_at_the_largest_n_keeps_its_crossover():
+    """Misreading (iii): neither run-set reaching the target at the largest N forced "does not
+    hold" on a clean crossover at smaller N."""
+    cells = jin_cells({4: FAST, 64: SLOW, 256: NEVER}, {4: FAST, 64: SLOW, 256: NEVER})
+    cells[("allreduce", 256)]["time"] = NEVER
+    verdict = claims.jin_crossover(table(cells))
+    assert (verdict.status, verdict.from_n) == (claims.HOLDS, 64)
+    assert verdict.summary == ("ps_async faster at the smallest N > 1 and allreduce faster from N=64 (cannot tell at "
+                               "N=256: neither reached the target); gossip faster at the smallest N > 1 and allreduce "
+                               "faster from N=64 (cannot tell at N=256: neither reached the target).")
+    # a challenger that did not learn cannot tell either, whatever its time
+    cells = jin_cells({4: FAST, 256: SLOW})
+    cells[("gossip", 4)]["top1"] = CHANCE
+    verdict = claims.jin_crossover(table(cells))
+    assert "cannot tell at N=4: gossip did not learn" in verdict.summary and verdict.status == claims.DOES_NOT_HOLD
+
+
+def test_goyal_a_budget_that_does_not_learn_is_no_break_of_the_rule():
+    """N=256 at chance (52 updates of the at-scale budget) read as where the linear rule breaks."""
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n256=CHANCE)))
+    assert (verdict.status, verdict.from_n) == (claims.HOLDS, None)
+    assert verdict.summary == ("Accuracy is kept at every N that learned, up to N=64, global batch 512; cannot tell at "
+                               "N=256: allreduce did not learn (a mean test top-1 below 0.4425, 50% of allreduce's "
+                               "at N=1): no break is seen where the runs learned.")
+    verdict = claims.goyal_batch_limit(table(at_chance_beyond_n1(())))
+    assert (verdict.status, verdict.from_n) == (claims.CANNOT_TELL, None)
+    # a run that learned, below N=1's: that is a break
+    verdict = claims.goyal_batch_limit(table(goyal_cells(n256=[0.60, 0.61, 0.62])))
+    assert (verdict.status, verdict.from_n) == (claims.HOLDS, 256)
+
+
+def test_dai_cannot_tell_accuracy_or_steps_where_ps_async_did_not_learn():
+    grows = {4: [3.0, 3.1, 3.2], 16: [15.0, 15.2, 15.1], 64: [60.0, 61.0, 62.0], 256: [250.0, 251.0, 252.0]}
+    verdict = claims.dai_staleness(table(dai_cells(grows, {256: CHANCE}, {256: [None, None, None]})))
+    assert verdict.status == claims.PARTLY
+    assert verdict.summary.startswith("Staleness grows from N=4; accuracy is lost at no N (cannot tell at N=256: "
+                                      "ps_async did not learn"), verdict.summary
+    assert "; whether accuracy is lost: cannot tell: ps_async did not learn" in verdict.evidence[-1]
+
+
+def test_no_interval_is_narrower_than_what_it_was_measured_on():
+    """Deterministic emulated times half a validation-grid step apart, and seeds that agree to
+    one test image: zero-width intervals would read them apart."""
+    cells = jin_cells({4: [0.95] * 3, 16: [0.95] * 3, 64: SLOW, 256: SLOW})
+    for n in (1, 4, 16, 64, 256):
+        cells[("allreduce", n)]["time"] = [1.0] * 3
+    accuracy = table(cells)
+    assert claims.jin_crossover(accuracy).status == claims.PARTLY  # gossip "faster" by half a grid step
+    grid = {(name, n): (50.0, 0.1) for name in ("allreduce", "gossip") for n in (1, 4, 16, 64, 256)}
+    verdict = claims.jin_crossover(accuracy, claims.StudyFacts(grid=grid))
+    assert verdict.status == claims.UNDECIDED
+    assert "the interval [0.9, 1] is too wide to tell (3 seeds; as wide as its resolution, 0.1, what it was measured " \
+           "on can tell)" in verdict.evidence[1], verdict.evidence[1]
+    one_image = table(ps_cells({n: [0.8801] * 3 for n in (4, 16, 64, 256)}, {n: [0.8800] * 3 for n in (4, 16, 64, 256)}))
+    assert claims.chen_backup_vs_async(one_image).status == claims.HOLDS
+    verdict = claims.chen_backup_vs_async(one_image, claims.StudyFacts(test_images=10_000))
+    assert verdict.status == claims.DOES_NOT_HOLD and ": level with ps_async's within ±0.03" in verdict.evidence[-1]
+
+
+def test_study_facts_read_the_resolution_and_the_seeds_from_the_runs(tmp_path):
+    runs, metrics = seed_runs({("allreduce", 1): {"top1": KEPT}, ("allreduce", 4): {"top1": KEPT}})
+    runs["run_dir"] = [str(tmp_path / run_dir) for run_dir in runs["run_dir"]]
+    metrics = {str(tmp_path / run_dir): {**m, "lr_schedule": {"rule": "linear"}} for run_dir, m in metrics.items()}
+    for i, run_dir in enumerate(runs["run_dir"]):
+        (tmp_path / run_dir).mkdir(parents=True)
+        (tmp_path / run_dir / "eval.json").write_text(json.dumps({"top1": 0.88, "test_images": 10_000 - i}))
+        # the grid's points 0.5 s apart, one gap of 0.75 s; step gaps 40 and 60
+        metrics[run_dir]["val_grid"] = [{"step": s, "train_s": t, "top1": 0.5} for s, t in
+                                        ((0, 0.0), (40, 0.5), (100, 1.25), (140, 1.75))]
+    facts = claims.study_facts(runs, metrics)
+    assert facts.lr_rules == ("linear",) and facts.test_images == 10_000 - 5
+    assert facts.grid[("allreduce", 4)] == (60.0, 0.75)
+    assert facts.resolution("top1", "allreduce", 4) == 1 / 9995
+    assert facts.resolution("time_to_accuracy_s", "allreduce", 4) == 0.75
+    assert facts.resolution("steps_to_accuracy", "allreduce", 1) == 60.0
+    assert list(facts.runs.columns) == ["strategy", "workers", "seed", *claims.PAIRED_COLUMNS] and len(facts.runs) == 6
+
+
+def test_several_n_are_one_family_whose_error_holm_holds():
+    """Each N alone has its intervals apart at 95% (by 0.0002); four such N read at once are
+    not all "above": Holm's step-down lets none of them."""
+    cells = ps_cells({}, {n: [0.855, 0.86, 0.865] for n in (4, 16, 64, 256)})
+    accuracy = table(cells)
+    single = table({key: cell for key, cell in cells.items() if key[1] in (1, 256)})
+    assert claims.chen_backup_vs_async(single).status == claims.HOLDS  # one N: read at 95%
+    verdict = claims.chen_backup_vs_async(accuracy)
+    assert verdict.status == claims.UNDECIDED
+    assert "the 95% intervals are apart, but not at Holm's level for the several N" in verdict.evidence[-1]
+    # Holm's step-down: a clear difference is apart at α/m, the next at α/(m-1)
+    clear, reference = Interval(0.5, 0.49, 0.51, 3, "t95"), Interval(0.88, 0.87, 0.89, 3, "t95")
+    just = Interval(0.853, 0.8406, 0.8654, 3, "t95")  # apart at 95%, not at 97.5%
+    comparisons = [claims.Comparison(x, reference, "top1", "N=1's") for x in (just, clear, reference)]
+    assert claims.holm_levels(comparisons) == {1: 1 - 0.05 / 3}
+    assert claims.apart_p(clear, reference) < 1e-3 and claims.apart_p(reference, reference) == 1.0
+
+
+def test_runs_sharing_seeds_and_stragglers_are_compared_by_their_paired_differences():
+    """ps_backup 2 points above ps_async in every seed, the seeds 5 points apart: the two
+    cells' intervals overlap widely, their per-seed differences do not."""
+    backup, asynchronous = [0.80, 0.85, 0.90], [0.78, 0.83, 0.88]
+    cells = ps_cells({n: backup for n in (4, 16, 64, 256)}, {n: asynchronous for n in (4, 16, 64, 256)})
+    accuracy = table(cells)
+    assert claims.chen_backup_vs_async(accuracy).status == claims.UNDECIDED
+    verdict = claims.chen_backup_vs_async(accuracy, paired_facts(cells, test_images=10_000))
+    assert (verdict.status, verdict.from_n) == (claims.HOLDS, 4)
+    assert ": above ps_async's (paired by seed) (intervals apart at 0.9875" in verdict.evidence[0]
+    # the times of Jin's claim too: gossip 0.1 s ahead of allreduce in every seed of spread times
+    jin = jin_cells({n: [0.4, 0.9, 1.4] for n in (4, 16)} | {64: SLOW, 256: SLOW})
+    for n in (4, 16):
+        jin[("allreduce", n)]["time"] = [0.5, 1.0, 1.5]
+    assert claims.jin_crossover(table(jin)).status == claims.UNDECIDED
+    assert claims.jin_crossover(table(jin), paired_facts(jin)).status == claims.PARTLY

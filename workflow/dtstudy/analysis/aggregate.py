@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dtstudy.analysis.claims import StudyFacts, verdicts
+from dtstudy.analysis.claims import study_facts, verdicts
 from dtstudy.analysis.findings import accuracy_markdown, findings_markdown, scaling_markdown
 from dtstudy.analysis.plots import make_plots
 from dtstudy.analysis.runs import load_run_metrics, load_runs
@@ -89,8 +89,7 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     findings_path = tables_dir / "findings.md"
     # an emulated study tests the published claims at scale (dtstudy.analysis.claims)
     cluster = emulated_cluster(run_metrics)
-    lr_rules = tuple(sorted({(m.get("lr_schedule") or {}).get("rule", "linear") for m in run_metrics.values()}))
-    claims = None if cluster is None else (verdicts(accuracy, StudyFacts(lr_rules)), cluster)
+    claims = None if cluster is None else (verdicts(accuracy, study_facts(df, run_metrics)), cluster)
     write_text(findings_path, findings_markdown(scaling, accuracy, noise, claims))
     table_paths.append(findings_path)
     log(f"wrote {len(table_paths)} tables to {tables_dir}")
