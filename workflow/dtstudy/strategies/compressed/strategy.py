@@ -17,6 +17,47 @@ from dtstudy.strategies.compressed.onebit_codec import Chunks, chunk_layout, dec
 from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
 
 
+def memory_order(tensor: torch.Tensor) -> list[int] | None:
+    """`tensor`'s dimensions from the outermost in memory when it is dense but not contiguous
+    (a channels_last weight: N, H, W, C), else None. DDP lays such a parameter's gradient in
+    its bucket in that order (its bucket views take the parameter's strides), while
+    GradBucket.gradients() views every segment as contiguous."""
+    if tensor.is_contiguous():
+        return None
+    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def in_bucket_order(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` flat in the order of its gradient in a DDP bucket (see memory_order)."""
+    order = memory_order(tensor)
+    return (tensor if order is None else tensor.permute(order)).reshape(-1)
+
+
+class LogicalBuckets:
+    """A bucket's segments in DDP's memory order (channels_last weights) rearranged in place
+    to the logical order its `gradients()` views assume, and back: a hook that reads those
+    views as matrices (PowerSGD's) then compresses a channels_last run's gradients as a
+    contiguous run's, not with each row's columns permuted (tests/test_device_rules.py)."""
+
+    def __init__(self, bucket: dist.GradBucket):
+        self.segments = [(view.view(-1), parameter.shape, order)
+                         for parameter, view in zip(bucket.parameters(), bucket.gradients())
+                         if (order := memory_order(parameter)) is not None]
+
+    @torch.no_grad()
+    def to_logical(self) -> None:
+        for flat, shape, order in self.segments:
+            stored = flat.view([shape[d] for d in order])
+            flat.copy_(stored.permute([order.index(d) for d in range(len(order))]).reshape(-1))
+
+    @torch.no_grad()
+    def to_memory(self, future: torch.futures.Future) -> torch.Tensor:
+        for flat, shape, order in self.segments:
+            flat.copy_(flat.view(shape).permute(order).reshape(-1))
+        return future.value()
+
+
 def strategy_hook(state, bucket):
     """The DDP hook of every compressed strategy: AllReduce registers it with state=the strategy.
     (No annotations: DDP compares them with dist.GradBucket, and here they would be strings.)"""
@@ -83,7 +124,12 @@ class AllReducePowerSGD(CompressedAllReduce):
         state = self.powersgd
         compressing = state.iter >= state.start_powerSGD_iter
         _, _, reduced_before = state.compression_stats()  # elements reduced so far, P, Q and uncompressed
-        future = powerSGD_hook(state, bucket)
+        logical = LogicalBuckets(bucket) if compressing else None
+        if logical is not None and logical.segments:
+            logical.to_logical()
+            future = powerSGD_hook(state, bucket).then(logical.to_memory)
+        else:
+            future = powerSGD_hook(state, bucket)
         buffer = bucket.buffer()
         numel = state.compression_stats()[2] - reduced_before if compressing else buffer.numel()
         self.meter.bytes_sent += ring_allreduce_bytes(numel * buffer.element_size(), self.ctx.workers)
@@ -204,7 +250,8 @@ class AllReduceOneBit(CompressedAllReduce):
         """Weight decay's share of the update, the same on every worker (nothing sent)."""
         if not self.weight_decay:
             return None
-        decay = torch.cat([p.detach().reshape(-1) for p in parameters]).mul_(self.weight_decay)
+        # in the bucket's order: a channels_last weight lies there as it does in memory
+        decay = torch.cat([in_bucket_order(p.detach()) for p in parameters]).mul_(self.weight_decay)
         if not self.momentum:
             return decay
         velocity = torch.cat([self.decay_velocities[p] for p in parameters]).mul_(self.momentum).add_(decay)

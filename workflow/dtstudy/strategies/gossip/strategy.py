@@ -64,9 +64,10 @@ class Gossip(LocalTraining):
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)
         if self.params["topology"] == "random_pairs" and self.ctx.workers > 1:
-            seed = torch.tensor([torch.initial_seed() % 2**62])
+            # on the run's device: NCCL moves no host memory (tests/test_device_rules.py)
+            seed = torch.tensor([torch.initial_seed() % 2**62], device=self.ctx.device)
             dist.broadcast(seed, src=0, group=self.ctx.worker_group)
-            self.pairing = torch.Generator().manual_seed(int(seed))
+            self.pairing = torch.Generator().manual_seed(int(seed.item()))
         return module
 
     def neighbours(self) -> list[int]:

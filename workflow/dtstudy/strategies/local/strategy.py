@@ -11,16 +11,24 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.model_averaging import utils as model_averaging
 
 from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.strategies.base import OptimizerFactory, Strategy
 
 
+@torch.no_grad()
 def average_over_workers(tensors: Iterable[torch.Tensor], group) -> int:
-    """Replace each tensor by its mean over the workers (one flat all-reduce); returns the payload bytes."""
+    """Replace each tensor by its mean over the workers (one flat all-reduce); returns the payload bytes.
+
+    In place: each tensor keeps its strides (a channels_last weight stays channels_last, its
+    gradient keeps the parameter's strides, as the fused CUDA SGD kernel wants) and its
+    identity. torch's average_parameters would set `.data` to contiguous views of its flat
+    buffer, and synchronize the device before its all-reduce (tests/test_device_rules.py)."""
     tensors = list(tensors)
-    model_averaging.average_parameters(iter(tensors), group)
+    flat = flatten(tensors)
+    flat /= dist.get_world_size(group)
+    dist.all_reduce(flat, group=group)
+    torch._foreach_copy_(tensors, shaped_like(flat, tensors))
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
