@@ -635,6 +635,14 @@ def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> 
                    f"{_batch(broken)}" + (f"; {told}" if told else "") + ".", int(broken["workers"]), evidence)
 
 
+#: what a verdict read on the emulated clock rests on (Jin's times; Chen's gradients dropped or not)
+RESTS_ON_THE_CLOCK = ("rests on the emulated clock: the assumed compute rate (emulate.images_per_s, an estimate, "
+                      "not a measurement) and the straggler model (stragglers)")
+#: Jin et al.'s decentralised SGD was asynchronous gossip; this study's is not
+SYNCHRONOUS_GOSSIP = ("gossip here is synchronous (every worker averages with its fixed ring neighbours each step), "
+                      "not Jin et al.'s asynchronous gossip")
+
+
 def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     """HOLDS from the N where ps_backup's top-1 is above ps_async's (apart, paired by seed,
     Holm over the N) up to the largest N that can answer; UNDECIDED when that N is undecided;
@@ -654,7 +662,7 @@ def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) 
         comparisons.append(Comparison(None, None, "top1", "ps_async's", why=why) if why
                            else _compare(study, backup[n], asynchronous[n], "top1", "ps_async's"))
     readings = read_family(comparisons)
-    evidence = [f"N={n}: ps_backup top-1 {_cell(backup[n], 'top1', '.4f')} vs ps_async "
+    evidence = [f"which of ps_backup's gradients are dropped {RESTS_ON_THE_CLOCK}"] + [f"N={n}: ps_backup top-1 {_cell(backup[n], 'top1', '.4f')} vs ps_async "
                 f"{_cell(asynchronous[n], 'top1', '.4f')}: {reading.text}; time to target {_time(backup[n])} "
                 f"vs {_time(asynchronous[n])}" for n, reading in zip(ns, readings)]
     told = cannot_tell(table, _silent(ns, readings, [c.why for c in comparisons]))
@@ -720,7 +728,9 @@ def jin_crossover(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
     why = unmeasured(table, [SYNC])
     if why:
         return _not_measured(claim, source, why)
-    parts, evidence = {}, []
+    parts, evidence = {}, [f"every time {RESTS_ON_THE_CLOCK}"]
+    if not unmeasured(table, [DECENTRALISED]):
+        evidence.append(SYNCHRONOUS_GOSSIP)
     for challenger in (ASYNC, DECENTRALISED):
         absent = unmeasured(table, [challenger])
         if absent:
