@@ -87,9 +87,16 @@ def read_bytes(source: Path | np.ndarray) -> np.ndarray:
     return source if isinstance(source, np.ndarray) else read_file(source)
 
 
+#: how loader workers start where nothing else is asked for: None, the DataLoader's default (fork on Linux)
+FORK = None
+
+
 class CpuDecoder:
     """Workers decode and transform each image; the batch is uint8 pixels [B, 3, S, S].
     Every decoder's `load` takes an image's encoded bytes (data.storage reads them)."""
+
+    #: the multiprocessing start method its loader workers need (data.feed's DataLoader)
+    worker_start_method: str | None = FORK
 
     def __init__(self, decode):
         self.decode = decode
@@ -112,6 +119,8 @@ class _HeaderPlanDecoder:
     (nvjpeg: on the GPU, in `finish`; dali_cpu: in the worker, in `collate`). Other files (not
     a JPEG, grayscale or CMYK) are decoded by the workers on the CPU as `torchvision` does,
     and joined to the batch (`join`)."""
+
+    worker_start_method: str | None = FORK
 
     def takes(self, transform) -> bool:
         """Whether this decoder's batch path serves `transform` (else every file is decoded whole)."""
@@ -152,16 +161,42 @@ class NvjpegDecoder(_HeaderPlanDecoder):
     """nvJPEG through torchvision.io.decode_jpeg on the run's GPU: the main process decodes
     the batch's JPEGs in one call on the device and crops, resizes and flips there (the
     workers only read the files and draw the crops). On a CPU device decode_jpeg runs the
-    same code with libjpeg-turbo (what the tests check)."""
+    same code with libjpeg-turbo (what the tests check).
+
+    On a GPU the decode runs on a stream of its own. torchvision allocates the decoded
+    images on the caller's current stream, then writes them from a private stream that does
+    not wait for the caller's: on the training stream, a block freed by the previous step
+    but still read by its queued kernels could be handed to the decoder and overwritten
+    (pytorch/vision#9606). On the decode stream the images come from that stream's own
+    blocks; the training stream waits for the decode (torchvision makes the current stream
+    wait for its private one) and each image is recorded as used by the training stream, so
+    that its block is not handed out again before the training stream's kernels are done."""
+
+    def __init__(self):
+        self._streams: dict[torch.device, object] = {}  # device -> its decode stream
 
     def finish(self, batch: dict, transform, device: torch.device) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         decoded = []
         if batch["jpegs"]:
-            images = decode_jpeg(batch["jpegs"], mode=ImageReadMode.RGB, device=device)
+            images = self._decode(batch["jpegs"], device)
             decoded = [transform.apply(image, plan) for image, plan in zip(images, batch["plans"])]
         return self.join(batch, decoded, transform, device)
+
+    def _decode(self, jpegs: list, device: torch.device) -> list:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        if device.type != "cuda":
+            return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+        consumer = torch.cuda.current_stream(device)
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        with torch.cuda.stream(stream):
+            images = decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+        consumer.wait_stream(stream)
+        for image in images:
+            image.record_stream(consumer)
+        return images
 
 
 DALI_CHUNK = 16  # JPEGs per DALI run: as fast per image as 64 on 1500x1125 JPEGs, without 64's stalls
@@ -175,10 +210,19 @@ class DaliCpuDecoder(_HeaderPlanDecoder):
     whose transform reads the whole image (Resize + CenterCrop) decode as `torchvision` does.
 
     One DALI pipeline per worker process (its own thread, built on first use: DALI's threads
-    do not survive a fork), CPU only: it needs no GPU and touches no CUDA context."""
+    do not survive a fork), CPU only: it needs no GPU. Building it still loads the CUDA
+    driver (libcuda) where there is one, and a training process on a GPU has initialised
+    CUDA before its loaders start their workers: a child forked from it must not call the
+    driver. The workers start from a fresh interpreter instead (forkserver: one clean process
+    that forks them; the split's items are pickled to them)."""
+
+    worker_start_method = "forkserver"
 
     def __init__(self):
         self._pipeline = None  # (pid, pipeline)
+
+    def __getstate__(self):  # to a started worker: no pipeline (each builds its own)
+        return {"_pipeline": None}
 
     def takes(self, transform) -> bool:
         return transform.reads_a_region

@@ -150,7 +150,8 @@ class Feed:
         self.device, self.decoder, self.transform = split.device, split.decoder, split.transform
         self.batch_sampler = _SwappableBatches()
         workers = split.workers
-        options = {"persistent_workers": True, "prefetch_factor": split.prefetch} if workers else {}
+        options = {"persistent_workers": True, "prefetch_factor": split.prefetch,
+                   "multiprocessing_context": split.decoder.worker_start_method} if workers else {}
         self.loader = DataLoader(_Items(split), batch_sampler=self.batch_sampler, num_workers=workers,
                                  collate_fn=_Collate(split.decoder, split.transform),
                                  pin_memory=split.device.type == "cuda", **options)
