@@ -522,8 +522,10 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
                               "study-test", strategies_order=["allreduce"],
                               study_params={"model": "lenet5", "train": {"epochs": 3}})
 
+    # each Markdown file with its HTML page for the report (dtstudy.analysis.pages)
     assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [
-        "accuracy.csv", "accuracy.md", "findings.md", "scaling.csv", "scaling.md"]
+        "accuracy.csv", "accuracy.html", "accuracy.md", "findings.html", "findings.md", "scaling.csv", "scaling.html",
+        "scaling.md"]
     parent = client.get_run(summary["parent_run_id"])
     assert parent.data.params == {"model": "lenet5", "train.epochs": "3"}
     assert parent.data.metrics == {"accuracy_runs": 2.0, "scaling_runs": 1.0}  # it logs both kinds

@@ -1237,7 +1237,7 @@ def _recorded_rounds(path, folder, monkeypatch):
     hands them to it."""
     on_machine = _benchmark_module("projection_on_machine")
     plotted = []
-    monkeypatch.setattr(project, "plot", lambda rows, _path: plotted.append(rows))
+    monkeypatch.setattr(project, "plot", lambda rows, *_where: plotted.append(rows))
     record = read_json(path)
     rounds, rows = [], []
     for k, measured in enumerate(record["rounds"]):

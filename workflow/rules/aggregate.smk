@@ -9,6 +9,10 @@ rule aggregate:
         accuracy=report("results/tables/accuracy.csv", caption="../report/accuracy_table.rst", category="Tables"),
         accuracy_md="results/tables/accuracy.md",
         findings="results/tables/findings.md",
+        # the Markdown above as pages of the report (dtstudy.analysis.pages)
+        findings_page=report("results/tables/findings.html", caption="../report/findings.rst", category="Findings"),
+        scaling_page=report("results/tables/scaling.html", caption="../report/scaling.rst", category="Tables"),
+        accuracy_page=report("results/tables/accuracy.html", caption="../report/accuracy_table.rst", category="Tables"),
         throughput_plot=report("results/plots/throughput.png", caption="../report/throughput.rst", category="Scaling"),
         efficiency_plot=report("results/plots/efficiency.png", caption="../report/efficiency.rst", category="Scaling"),
         accuracy_plot=report("results/plots/accuracy.png", caption="../report/accuracy.rst", category="Accuracy"),

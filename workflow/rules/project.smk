@@ -27,6 +27,7 @@ rule project:
     output:
         table="results/tables/projection.csv",
         table_md="results/tables/projection.md",
+        table_page=report("results/tables/projection.html", caption="../report/projection_table.rst", category="Scaling"),
         plot=report("results/plots/projection.png", caption="../report/projection.rst", category="Scaling"),
     log:
         "results/logs/project.log",

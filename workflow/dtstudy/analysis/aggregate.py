@@ -10,6 +10,7 @@ import pandas as pd
 
 from dtstudy.analysis.claims import study_facts, verdicts
 from dtstudy.analysis.findings import accuracy_markdown, findings_markdown, scaling_markdown
+from dtstudy.analysis.pages import write_page
 from dtstudy.analysis.plots import make_plots
 from dtstudy.analysis.runs import load_run_metrics, load_runs
 from dtstudy.analysis.tables import accuracy_table, noise_summary, scaling_table, write_table
@@ -92,7 +93,9 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     claims = None if cluster is None else (verdicts(accuracy, study_facts(df, run_metrics)), cluster)
     write_text(findings_path, findings_markdown(scaling, accuracy, noise, claims))
     table_paths.append(findings_path)
-    log(f"wrote {len(table_paths)} tables to {tables_dir}")
+    # the report shows HTML as a page, Markdown only as a download
+    pages = [write_page(path) for path in table_paths if path.suffix == ".md"]
+    log(f"wrote {len(table_paths)} tables and {len(pages)} pages of them to {tables_dir}")
 
     plot_paths = make_plots(df, run_metrics, plots_dir, strategies_order, scaling, accuracy,
                             clock="emulated cluster's" if cluster else "this machine's")

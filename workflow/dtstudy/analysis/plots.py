@@ -11,7 +11,10 @@ import pandas as pd
 from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
+from dtstudy.analysis.figures import DRAWN
+from dtstudy.analysis import intervals
 from dtstudy.analysis.runs import runs_of_kind
 from dtstudy.analysis.tables import BASELINE_STRATEGY, accuracy_table, scaling_table, sorted_by_strategy
 from dtstudy.atomic_files import atomic_write
@@ -23,13 +26,17 @@ from dtstudy.strategies.specs import FAMILIES, REFERENCE_STRATEGY
 # lines; allreduce (the baseline) and no_exchange (the machine's ceiling) on every panel.
 # What is plotted and from which runs is the figure's title, once; a panel's title is its family.
 
-def _family_panels(table: pd.DataFrame, title: str, ncols: int = 2) -> tuple[Figure, list[tuple[str, object]]]:
+def _family_panels(table: pd.DataFrame, name: str, source: str, drawn: Iterable[str] | None = None,
+                   ncols: int = 2) -> tuple[Figure, list[tuple[str, object]]]:
+    """The figure `name` (figures.DRAWN: its title) with a panel per family present in `table`;
+    `drawn`: the kinds of interval its rows hold."""
     present = [f for f in FAMILIES if f != "reference" and (table["family"] == f).any()]
     present = present or ["all"]
     rows = math.ceil(len(present) / ncols)
-    figure = Figure(figsize=(6.0 * min(ncols, len(present)), 4.0 * rows), layout="constrained")
+    width = 6.0 * min(ncols, len(present))
+    figure = Figure(figsize=(width, 4.0 * rows), layout="constrained")
     FigureCanvasAgg(figure)  # a bare Figure with an Agg canvas: no pyplot global state
-    figure.suptitle(title)
+    figure.suptitle(DRAWN[name].title(source, drawn), wrap=True)  # wrapped to the figure's width
     return figure, [(family, figure.add_subplot(rows, min(ncols, len(present)), i + 1))
                     for i, family in enumerate(present)]
 
@@ -51,7 +58,7 @@ def _log2_workers_axis(ax, workers: Iterable[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.minorticks_off()
-    ax.set_xlabel("workers N")
+    ax.set_xlabel(DRAWN["throughput"].x_label)
 
 
 def _colors(names: Sequence[str]) -> dict:
@@ -76,7 +83,7 @@ def _finish(ax, family: str, ylabel: str, rows: pd.DataFrame | None = None) -> N
 
 
 def _mark_oversubscribed(ax, rows: pd.DataFrame, column: str) -> None:
-    marked = rows[rows["oversubscribed"]]
+    marked = rows[rows["oversubscribed"].astype(bool)]
     ax.plot(marked["workers"], marked[column], "kx", markersize=9, label=None)
 
 
@@ -106,16 +113,27 @@ def _source(table: pd.DataFrame) -> str:
     return f"{table['from_runs'].iloc[0]} runs"
 
 
+def _plot_ideals(ax, scaling: pd.DataFrame, rows: pd.DataFrame, colors: dict) -> None:
+    """Each strategy of the panel's own ideal, its N=1 throughput times N (dashed, in its colour):
+    a family's N=1 need not be allreduce's (a parameter server's N=1 sends every step to a shard)."""
+    ns = sorted(scaling["workers"].unique())
+    drawn = False
+    for name, own in rows.groupby("strategy", sort=False):
+        one = own[own["workers"] == 1]["throughput"]
+        if not one.empty:
+            ax.plot(ns, [one.iloc[0] * n for n in ns], color=colors[name], linestyle="--", linewidth=0.8, alpha=0.6)
+            drawn = True
+    if drawn:  # one legend entry for the dashed lines
+        ax.add_line(Line2D([], [], color="grey", linestyle="--", linewidth=0.8, label="ideal: its own thr(1)·N"))
+
+
 def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
-    figure, panels = _family_panels(scaling, f"Throughput against N (95% CI; {_source(scaling)})")
+    figure, panels = _family_panels(scaling, "throughput", _source(scaling))
     colors = _colors(list(dict.fromkeys(scaling["strategy"])))
     ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
-    base_one = scaling[(scaling["strategy"] == BASELINE_STRATEGY) & (scaling["workers"] == 1)]["throughput"]
     for family, ax in panels:
         rows = _plot_strategies(ax, scaling, family, "throughput", colors)
-        ns = sorted(scaling["workers"].unique())
-        if not base_one.empty:
-            ax.plot(ns, [base_one.iloc[0] * n for n in ns], color="grey", linestyle="--", label="ideal thr(1)·N")
+        _plot_ideals(ax, scaling, rows, colors)
         _plot_ceiling(ax, ceiling, "throughput")
         _log2_workers_axis(ax, scaling["workers"])
         _finish(ax, family, "images/s (all workers)", rows)
@@ -123,7 +141,7 @@ def plot_throughput(scaling: pd.DataFrame, path: Path) -> Path:
 
 
 def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
-    figure, panels = _family_panels(scaling, f"Efficiency E(N) = S(N)/N (95% CI; {_source(scaling)})")
+    figure, panels = _family_panels(scaling, "efficiency", _source(scaling))
     colors = _colors(list(dict.fromkeys(scaling["strategy"])))
     ceiling = scaling[scaling["strategy"] == REFERENCE_STRATEGY]
     for family, ax in panels:
@@ -136,8 +154,7 @@ def plot_efficiency(scaling: pd.DataFrame, path: Path) -> Path:
 
 
 def plot_accuracy(accuracy: pd.DataFrame, path: Path) -> Path:
-    figure, panels = _family_panels(
-        accuracy, f"Test top-1 against N (mean over seeds with its 95% CI, or the range of 2 seeds; {_source(accuracy)})")
+    figure, panels = _family_panels(accuracy, "accuracy", _source(accuracy), accuracy["top1_interval"])
     colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
     for family, ax in panels:
         _plot_strategies(ax, accuracy, family, "top1", colors)
@@ -150,11 +167,12 @@ def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this
     """Time to target_accuracy against N per family, the mean over the seeds that reached it with
     its interval (a log scale: it spans orders of magnitude from N=1 to the largest N); `clock`
     says whose seconds they are (an emulated study's are the cluster's)."""
-    figure, panels = _family_panels(accuracy, f"Time to the target accuracy against N (mean over the seeds that "
-                                              f"reached it, 95% CI or range; {_source(accuracy)})")
+    reached = accuracy["reached_target"].map(lambda fraction: int(fraction.split("/")[0]))
+    figure, panels = _family_panels(accuracy, "time_to_accuracy", _source(accuracy),
+                                    reached.map(intervals.mean_interval_kind))
     colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
     for family, ax in panels:
-        _plot_strategies(ax, accuracy, family, "time_to_accuracy_s", colors)
+        rows = _plot_strategies(ax, accuracy, family, "time_to_accuracy_s", colors)
         _log2_workers_axis(ax, accuracy["workers"])
         if (accuracy["time_to_accuracy_s"] > 0).any():
             ax.set_yscale("log")
@@ -164,8 +182,17 @@ def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this
         if _family_rows(accuracy, family)["time_to_accuracy_s"].isna().any():
             ax.annotate("no point: no seed reached the target", (0, 0), xycoords="axes fraction", xytext=(4, 4),
                         textcoords="offset points", fontsize="x-small", ha="left", va="bottom")
-        _finish(ax, family, f"seconds to target ({clock} clock)")
+        _finish(ax, family, f"seconds to target ({clock} clock)", rows)
     return _save(figure, path)
+
+
+def with_oversubscribed(accuracy: pd.DataFrame, df: pd.DataFrame) -> pd.DataFrame:
+    """The accuracy table with the column `oversubscribed` of its runs (any seed), for marking the
+    times that ran more processes than cores (the table itself does not time anything)."""
+    runs = runs_of_kind(df, ACCURACY)
+    marked = runs.groupby(["strategy", "workers"])["oversubscribed"].any()
+    keys = zip(accuracy["strategy"], accuracy["workers"])
+    return accuracy.assign(oversubscribed=[bool(marked.get(key, False)) for key in keys])
 
 
 def _representative_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -178,7 +205,7 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
     """Validation top-1 against training time, per family (the lowest seed of each run), of the accuracy runs."""
     df = runs_of_kind(df, ACCURACY)
     runs = sorted_by_strategy(_representative_runs(df[df["strategy"] != REFERENCE_STRATEGY]), strategies_order)
-    figure, panels = _family_panels(runs, f"Validation top-1 against training time (the lowest seed; {ACCURACY} runs)")
+    figure, panels = _family_panels(runs, "convergence", f"{ACCURACY} runs")
     colors = _colors(list(dict.fromkeys(runs["strategy"])))
     linestyles = ["-", "--", ":", "-."]
     worker_counts = sorted(runs["workers"].unique())
@@ -191,9 +218,9 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
             style = linestyles[worker_counts.index(run.workers) % len(linestyles)]
             ax.plot([v.get("train_s", v["wall_s"]) for v in val], [v["top1"] for v in val], color=colors[run.strategy],
                     linestyle=style, marker=".", markersize=3, label=f"{run.strategy} N={run.workers}")
-        for target in targets - {None}:
-            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
-        ax.set_xlabel("training time (s, evaluation left out)")
+        for target in sorted(targets - {None}):
+            ax.axhline(target, color="grey", linewidth=0.8, linestyle=":", label=f"target_accuracy {target:g}")
+        ax.set_xlabel(DRAWN["convergence"].x_label)
         _finish(ax, family, "validation top-1")
     return _save(figure, path)
 
@@ -212,7 +239,7 @@ def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_d
         plot_throughput(scaling, plots_dir / "throughput.png"),
         plot_efficiency(scaling, plots_dir / "efficiency.png"),
         plot_accuracy(accuracy, plots_dir / "accuracy.png"),
-        plot_time_to_accuracy(accuracy, plots_dir / "time_to_accuracy.png", clock),
+        plot_time_to_accuracy(with_oversubscribed(accuracy, df), plots_dir / "time_to_accuracy.png", clock),
         plot_convergence(df, metrics_by_dir, plots_dir / "convergence.png", strategies_order),
     ]
 

@@ -6,13 +6,15 @@ import csv
 import dataclasses
 import functools
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from dtstudy.projection import calibration, hardware, layer_profiles
 from dtstudy.analysis import intervals
+from dtstudy.analysis.pages import write_page
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Link, Machine, Stragglers, Workload
-from dtstudy.strategies.specs import SPECS, knob_defaults, model_step
+from dtstudy.strategies.specs import REFERENCE_STRATEGY, SPECS, knob_defaults, model_step
 
 COLUMNS = ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s", "step_exchange_s",
            "bound", "profile", "step_s", "exchange_total_s", "server_s", "straggler_s", "measured_throughput", "measured_exchange_s", "overlap",
@@ -173,57 +175,105 @@ def _measured_errors(points: list[dict]) -> list[list[float]]:
     return [[side(r, "low") for r in points], [side(r, "high") for r in points]]
 
 
-def plot(rows: list[dict], path: str | Path) -> None:
-    """Throughput and efficiency vs N (log N), projected lines, measured points on top."""
+# a panel's strategies told apart where their lines coincide (fp16 and bf16 often do): each its
+# marker, line style and a smaller marker than the one drawn before it
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _family_of(name: str) -> str:
+    return SPECS[name].family if name in SPECS else "unknown"
+
+
+def _projection_panels(strategies: list[str]) -> tuple[list[str], list[str]]:
+    """The families of `strategies` with a panel each (the reference, no_exchange, is drawn on
+    every panel as the ceiling), and the strategies drawn on every panel beside their own."""
+    from dtstudy.analysis.tables import BASELINE_STRATEGY
+
+    families = list(dict.fromkeys(_family_of(name) for name in strategies if name != REFERENCE_STRATEGY))
+    shared = [name for name in (BASELINE_STRATEGY, REFERENCE_STRATEGY) if name in strategies]
+    return families or ["reference"], shared
+
+
+def _draw_strategy(ax_thr, ax_eff, mine: list[dict], style: dict) -> None:
+    """One strategy's projected lines (and band), its measured points on top."""
+    n = [r["workers"] for r in mine]
+    ax_thr.plot(n, [r["throughput"] for r in mine], **style)
+    ax_eff.plot(n, [100 * r["efficiency"] for r in mine], **style)
+    color = style["color"]
+    if mine[0]["throughput_low"] != "":  # the band: the model over its inputs' intervals
+        ax_thr.fill_between(n, [r["throughput_low"] for r in mine], [r["throughput_high"] for r in mine],
+                            color=color, alpha=0.12, linewidth=0)
+        ax_eff.fill_between(n, [100 * r["efficiency_low"] for r in mine], [100 * r["efficiency_high"] for r in mine],
+                            color=color, alpha=0.12, linewidth=0)
+    points = [r for r in mine if r["measured_throughput"] != ""]
+    if not points:
+        return
+    x, y = [r["workers"] for r in points], [r["measured_throughput"] for r in points]
+    spread = _measured_errors(points)
+    marker = style.get("marker", "o")
+    ax_thr.errorbar(x, y, yerr=spread, fmt=marker, color=color, mfc="white", capsize=3)
+    single = next((r["measured_throughput"] for r in mine if r["workers"] == 1 and r["measured_throughput"] != ""), None)
+    if single:  # the measured efficiency; its bars: the runs' spread at N over the mean at N=1
+        scale = [100 / (k * single) for k in x]
+        ax_eff.errorbar(x, [v * f for v, f in zip(y, scale)], yerr=[[e * f for e, f in zip(side, scale)] for side in spread],
+                        fmt=marker, color=color, mfc="white", capsize=3)
+
+
+def plot(rows: list[dict], path: str | Path, units: dict[str, str] | None = None,
+         measured_kinds: Iterable[str] = ()) -> None:
+    """Throughput and efficiency vs N (log N): two rows per profile, a panel per strategy family
+    (allreduce grey and the ceiling dotted on every panel), the projected lines with distinct
+    markers, the measured points on top (open markers). `units`: {profile: what its N counts,
+    e.g. "GPUs"}; `measured_kinds`: the kinds of interval of the measured points (t95, range)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dtstudy.analysis.figures import DRAWN
+
+    units = units or {}
     profiles = list(dict.fromkeys(r["profile"] for r in rows)) or [""]
-    fig, axes = plt.subplots(len(profiles), 2, figsize=(12, 4.8 * len(profiles)), squeeze=False)
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    for (ax_thr, ax_eff), profile in zip(axes, profiles):
-        for i, name in enumerate(strategies):
-            mine = [r for r in rows if r["strategy"] == name and r["profile"] == profile]
-            color = plt.cm.tab20(i % 20)
-            n = [r["workers"] for r in mine]
-            ax_thr.plot(n, [r["throughput"] for r in mine], "-", color=color, label=name)
-            ax_eff.plot(n, [100 * r["efficiency"] for r in mine], "-", color=color, label=name)
-            if mine and mine[0]["throughput_low"] != "":  # the band: the model over its inputs' intervals
-                ax_thr.fill_between(n, [r["throughput_low"] for r in mine], [r["throughput_high"] for r in mine],
-                                    color=color, alpha=0.15, linewidth=0)
-                ax_eff.fill_between(n, [100 * r["efficiency_low"] for r in mine],
-                                    [100 * r["efficiency_high"] for r in mine], color=color, alpha=0.15, linewidth=0)
-            points = [r for r in mine if r["measured_throughput"] != ""]
-            if points:
-                x = [r["workers"] for r in points]
-                y = [r["measured_throughput"] for r in points]
-                spread = _measured_errors(points)
-                ax_thr.errorbar(x, y, yerr=spread, fmt="o", color=color, capsize=3)
-                single = next((r["measured_throughput"] for r in mine
-                               if r["workers"] == 1 and r["measured_throughput"] != ""), None)
-                if single:  # the measured efficiency; its bars: the runs' spread at N over the mean at N=1
-                    scale = [100 / (k * single) for k in x]
-                    ax_eff.errorbar(x, [v * f for v, f in zip(y, scale)],
-                                    yerr=[[e * f for e, f in zip(side, scale)] for side in spread], fmt="o",
-                                    color=color, capsize=3)
-        for ax in (ax_thr, ax_eff):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("workers N (GPUs)")
-            ax.grid(True, which="both", alpha=0.3)
-        ax_thr.set_yscale("log")
-        ax_thr.set_ylabel("images/s (all workers)")
-        ax_eff.set_ylabel("efficiency S(N)/N (%)")
-        has_points = any(r["measured_throughput"] != "" for r in rows if r["profile"] == profile)
-        ax_thr.set_title(f"{profile}: projected (lines; shade: the band of the measured inputs' 95% intervals)\n"
-                         + ("measured here (points; bars: the runs' spread)" if has_points
-                            else "no measured points: another machine than the runs'"), fontsize=10)
-        ax_eff.set_title(f"{profile}: efficiency against the modelled N=1")
-        ax_eff.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    families, shared = _projection_panels(strategies)
+    fig, axes = plt.subplots(2 * len(profiles), len(families), figsize=(4.6 * len(families), 3.6 * 2 * len(profiles)),
+                             squeeze=False, layout="constrained")
+    for p, profile in enumerate(profiles):
+        for f, family in enumerate(families):
+            ax_thr, ax_eff = axes[2 * p][f], axes[2 * p + 1][f]
+            own = [name for name in strategies if _family_of(name) == family and name != REFERENCE_STRATEGY]
+            drawn = own + [name for name in shared if name not in own]
+            for i, name in enumerate(drawn):
+                mine = [r for r in rows if r["strategy"] == name and r["profile"] == profile]
+                if not mine:
+                    continue
+                if name in own:
+                    style = {"color": plt.cm.tab10(i % 10), "marker": MARKERS[i % len(MARKERS)],
+                             "markersize": max(2.5, 6 - 1.5 * i), "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                             "label": name}
+                elif name == REFERENCE_STRATEGY:
+                    style = {"color": "black", "linestyle": ":", "label": "ceiling (no_exchange)"}
+                else:
+                    style = {"color": "grey", "linestyle": "-", "linewidth": 1, "label": name}
+                _draw_strategy(ax_thr, ax_eff, mine, style)
+            for ax in (ax_thr, ax_eff):
+                ax.set_xscale("log", base=2)
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda n, _position: f"{n:g}"))
+                ax.set_xlabel(f"{DRAWN['projection'].x_label} ({units.get(profile, 'GPUs')})")
+                ax.grid(True, which="both", alpha=0.3)
+            ax_thr.set_yscale("log")
+            ax_thr.set_ylabel("images/s (all workers)")
+            ax_eff.set_ylabel("efficiency S(N)/N (%)")
+            ax_thr.set_title(f"{profile}: {family}", fontsize=10)
+            ax_eff.set_title(f"{profile}: {family}, efficiency", fontsize=10)
+            ax_thr.legend(fontsize=7, loc="upper left")
+    banded = ["band"] if any(r["throughput_low"] != "" for r in rows) else []
+    fig.suptitle(DRAWN["projection"].title("open markers: measured on the machine the runs ran on",
+                                           banded + list(measured_kinds)), wrap=True)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -339,7 +389,10 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
         rows += profile_rows
     write_csv(rows, table)
     write_markdown(rows, table_md, provenances)
-    plot(rows, plot_path)
+    write_page(table_md)  # the report's page of it
+    units = {profile["name"]: "processes on this machine" if hardware.measured_here(profile) else "GPUs"
+             for profile in map(hardware.load_profile, hardware.profile_names(settings["hardware"]))}
+    plot(rows, plot_path, units, sorted({interval.kind for interval in measured.values()} & {"t95", "range"}))
     return rows
 
 
