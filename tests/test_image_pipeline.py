@@ -16,7 +16,7 @@ from PIL import Image
 
 from conftest import dataset_config, read_json, tiny_study, validated
 from dtstudy.data import feed as feed_module
-from dtstudy.data.augment import ResizeCenterCrop
+from dtstudy.data.augment import Draws, ResizeCenterCrop
 from dtstudy.data.checks import check_loader
 from dtstudy.data.decoding import DALI_CHUNK, DECODERS, decode_pil, decode_torchvision, jpeg_frame, read_bytes
 from dtstudy.data.errors import DataConfigError
@@ -122,8 +122,7 @@ def test_nvjpeg_path_on_the_cpu_gives_the_torchvision_decoders_pixels(prepared, 
     the grayscale, CMYK and PNG files take the workers' CPU path inside the same batch."""
     def pixels(decoder: str, seed: int) -> torch.Tensor:
         data = load_split(prepared, split, loader_config(workers=0, decoder=decoder))
-        torch.manual_seed(seed)
-        return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))])])
+        return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))], Draws(seed))])
 
     assert torch.equal(pixels("nvjpeg", 0), pixels("torchvision", 0))
     if split == "train":  # control: the comparison sees another draw of the crops
@@ -137,8 +136,7 @@ def test_dali_cpu_decodes_only_the_crops_region_and_gives_the_torchvision_decode
     grayscale, CMYK and PNG files take the workers' CPU path inside the same batch."""
     def pixels(decoder: str, seed: int) -> torch.Tensor:
         data = load_split(prepared, "train", loader_config(workers=workers, decoder=decoder))
-        torch.manual_seed(seed)  # the workers' seeds come from this draw, as in training
-        return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))])])
+        return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))], Draws(seed))])
 
     assert torch.equal(pixels("dali_cpu", 0), pixels("torchvision", 0))
     assert not torch.equal(pixels("dali_cpu", 0), pixels("torchvision", 1))  # control: another draw
@@ -190,9 +188,9 @@ def test_nvjpeg_on_a_cpu_run_is_refused_naming_the_key():
 
 
 def two_passes_differ(split) -> bool:
-    """Whether two passes over the same images give different pixels (random augmentation)."""
-    first = torch.cat([x for x, _ in split.batches([range(len(split))])])
-    second = torch.cat([x for x, _ in split.batches([range(len(split))])])
+    """Whether two epochs over the same images give different pixels (random augmentation)."""
+    first = torch.cat([x for x, _ in split.batches([range(len(split))], Draws(0, epoch=0))])
+    second = torch.cat([x for x, _ in split.batches([range(len(split))], Draws(0, epoch=1))])
     return not torch.equal(first, second)
 
 

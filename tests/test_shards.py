@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import dataset_config
+from dtstudy.data.augment import Draws
 from dtstudy.data.checks import check_dataset
 from dtstudy.data.errors import DataConfigError
 from dtstudy.data.loading import load_split
@@ -73,8 +74,7 @@ def test_every_split_is_packed_byte_for_byte_in_webdatasets_layout(tree, prepare
 def test_training_and_evaluation_read_the_same_pixels_from_shards_as_from_files(prepared, workers):
     def pixels(form: str, split: str, seed: int) -> torch.Tensor:
         data = load_split(prepared[form], split, loader_config(workers=workers))
-        torch.manual_seed(seed)
-        return torch.cat([inputs for inputs, _ in data.batches([range(0, 5), range(5, len(data))])])
+        return torch.cat([inputs for inputs, _ in data.batches([range(0, 5), range(5, len(data))], Draws(seed))])
 
     for split in ("train", "test"):
         assert torch.equal(pixels("shards", split, 0), pixels("files", split, 0))

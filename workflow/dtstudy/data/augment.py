@@ -6,12 +6,21 @@ Each transform is split in two: `plan` draws the random parameters from the imag
 alone and `apply` does the pixel work, so that a decoder may draw the crop from a JPEG's
 header in a loader worker and crop on the GPU after nvJPEG has decoded it, or decode only
 the crop's region (`reads_a_region`, `apply_to_region`; data.decoding).
+
+Where the random parameters come from (`Draws`): each image's plan from a generator of its
+own, seeded by (run seed, purpose, epoch, image index), never from torch's global generator,
+which every rank seeds alike (the model's initialisation must be the same on every rank) and
+every DataLoader worker inherits: the same seed reproduces a run whatever the worker count,
+a resumed epoch draws what the interrupted one would have, and the ranks, which see distinct
+images of an epoch (DistributedSampler), draw distinct crops.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F
@@ -21,6 +30,28 @@ CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
 EVAL_RESIZE = 256 / 224  # resize the shorter side to 256 for a 224 crop
+
+
+#: what a pass's draws are for: one stream of draws each, for the same seed and epoch
+TRAINING, BATCH_NORM = 0, 1
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Where a pass over a split draws its random augmentation: image i's plan comes from
+    `generator(i)`, seeded by (seed, purpose, epoch, i), so it depends on nothing else (not the
+    rank, the loader worker, the batch or what was drawn before). `purpose` BATCH_NORM: the
+    batches an averaged model's BatchNorm statistics are recomputed on (the same on every rank)."""
+
+    seed: int
+    epoch: int = 0
+    purpose: int = TRAINING
+
+    def generator(self, index: int) -> torch.Generator:
+        # SeedSequence hashes the four numbers into well-mixed state: nearby keys (image i and
+        # i + 1, epoch e and e + 1) give unrelated streams
+        words = np.random.SeedSequence([self.seed, self.purpose, self.epoch, int(index)]).generate_state(2)
+        return torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))
 
 
 class RandomResizedCropFlip:

@@ -15,23 +15,37 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dtstudy.data.augment import ResizeCenterCrop, split_transform
-from dtstudy.data.decoding import DECODERS, decode_torchvision
+from dtstudy.data.augment import Draws, ResizeCenterCrop, split_transform
+from dtstudy.data.decoding import DECODERS, CpuDecoder, decode_torchvision
 from dtstudy.data.storage import FileStore
 
 
+#: the most loader processes `loader.workers: null` starts per training process: torchvision's
+#: references/classification default (`--workers 16`), which keeps a GPU fed with ResNet-50
+MAX_LOADER_WORKERS = 16
+
+
 def loader_workers(setting: int | None) -> int:
-    """`loader.workers`, with null resolved to the CPUs this process may use minus one (the
-    training process's own): 7 loader processes per GPU in a SLURM task of 8 CPUs, 0 (load in
-    the training process) in a local run's rank pinned to one core."""
+    """`loader.workers`, with null resolved to this process's share of the CPUs minus one (the
+    training process's own), at most MAX_LOADER_WORKERS: 7 loader processes per GPU in a SLURM
+    task of 8 CPUs, 0 (load in the training process) in a local run's rank pinned to one core.
+    The share is the CPUs this process may use, but no more than SLURM_CPUS_PER_TASK where SLURM
+    set it: a site that does not bind tasks to cores lets every rank use the whole node, and
+    every rank of the node would start a loader process per core."""
     if setting is not None:
         return setting
-    return max(len(os.sched_getaffinity(0)) - 1, 0)
+    cpus = len(os.sched_getaffinity(0))
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0:
+        cpus = min(cpus, int(per_task))
+    return min(max(cpus - 1, 0), MAX_LOADER_WORKERS)
 
 
 class ImageFolderSplit(Dataset):
     """A split of image files: item i is (the transformed image as the decoder hands it to the
-    batch, label); `batches` feeds a device, `batch` gives evaluation's view on the CPU.
+    batch, label); `batches` feeds a device, `batch` gives the same pixels on the CPU. The
+    training transform's random plans come from `draws` (data.augment.Draws; None: seed 0's
+    first epoch): the same draws give the same pixels.
 
     `loader`: the config's `loader` section, or None for a plain reader (the evaluation
     transform on every split, torchvision's decoder, no worker process). `store`: where the
@@ -63,24 +77,27 @@ class ImageFolderSplit(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        return _Items(self)[i]
+        return _Items(self)[(i, Draws(0))]
 
-    def batch(self, indices):
+    def batch(self, indices, draws: Draws | None = None):
         """(float inputs normalised [B, 3, S, S], int64 labels) on the CPU, decoded in this process
-        with the evaluation transform: the same pixels on every worker (BatchNorm's statistics)."""
-        evaluation = ResizeCenterCrop(self.size)
+        with torchvision's decoder and this split's transform, plans from `draws`: the pixels
+        `batches` gives for the same draws (the decoders agree), in any process. An averaged
+        model's BatchNorm statistics are recomputed on such batches of the training split."""
+        draws = draws or Draws(0)
         chosen = torch.as_tensor(indices, dtype=torch.long).tolist()
-        pixels = torch.stack([evaluation.apply(decode_torchvision(self.store.read(i)), evaluation.plan(0, 0))
-                              for i in chosen])
+        decoder = CpuDecoder(decode_torchvision)
+        pixels = torch.stack([decoder.load(self.store.read(i), self.transform, draws.generator(i)) for i in chosen])
         normalise = Normalise(self.mean, self.std, torch.device("cpu"))
         return normalise(pixels), torch.tensor([self.samples[i][1] for i in chosen], dtype=torch.int64)
 
-    def batches(self, index_batches):
+    def batches(self, index_batches, draws: Draws | None = None):
         """(inputs, labels) on this split's device for each list of indices, in order: inputs
-        float32, normalised. One DataLoader serves every call (its workers persist)."""
+        float32, normalised; the training transform's plans from `draws`. One DataLoader serves
+        every call (its workers persist)."""
         if self._feed is None:
             self._feed = Feed(self)
-        return self._feed(index_batches)
+        return self._feed(index_batches, draws or Draws(0))
 
     def describe(self) -> dict:
         """What this split's pipeline does, for the run's log."""
@@ -113,8 +130,9 @@ class _Items(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int):
-        return self.decoder.load(self.store.read(i), self.transform), self.samples[i][1]
+    def __getitem__(self, key: tuple[int, Draws]):
+        i, draws = key
+        return self.decoder.load(self.store.read(i), self.transform, draws.generator(i)), self.samples[i][1]
 
 
 class _SwappableBatches:
@@ -157,8 +175,9 @@ class Feed:
                                  pin_memory=split.device.type == "cuda", **options)
         self.normalise = Normalise(split.mean, split.std, split.device)
 
-    def __call__(self, index_batches):
-        self.batch_sampler.source = [list(map(int, indices)) for indices in index_batches]
+    def __call__(self, index_batches, draws: Draws):
+        # the draws travel with each index: a worker draws image i's plan from its own generator
+        self.batch_sampler.source = [[(int(i), draws) for i in indices] for indices in index_batches]
         for batch, labels in self.loader:
             pixels = self.decoder.finish(batch, self.transform, self.device)
             yield self.normalise(pixels), labels.to(self.device, non_blocking=True)

@@ -80,7 +80,8 @@ class TensorSplit:
         inputs, labels = self.batch([i])
         return inputs[0], labels[0]
 
-    def batch(self, indices):
+    def batch(self, indices, draws=None):
+        """(inputs, labels) of `indices`; `draws` changes nothing (in-memory data are not augmented)."""
         import torch
 
         indices = torch.as_tensor(indices, dtype=torch.long)

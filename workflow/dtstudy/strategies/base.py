@@ -206,23 +206,26 @@ class Strategy(ABC):
     def eval_model(self) -> nn.Module:
         """The model whose parameters are evaluated and checkpointed (a collective call)."""
 
-    def use_batch_norm_data(self, dataset, batch_size: int) -> None:
+    def use_batch_norm_data(self, dataset, batch_size: int, draws=None) -> None:
         """The training set, given by the loop after `setup`: a strategy that `averages_models`
-        recomputes the averaged model's BatchNorm statistics on its first batches."""
-        self.batch_norm_data = (dataset, batch_size)
+        recomputes the averaged model's BatchNorm statistics on its first batches, augmented
+        as training augments them with `draws` (data.augment.Draws of the run's seed)."""
+        self.batch_norm_data = (dataset, batch_size, draws)
 
     def recompute_batch_norm(self, model: nn.Module) -> None:
         """Running BatchNorm statistics of `model` recomputed (torch.optim.swa_utils.update_bn)
-        over the first `batch_norm_batches` batches of the training set, in data-set order:
-        the same images on every worker, so every worker gets the same statistics. An average
-        of models is not a model whose statistics are the average of theirs (Izmailov et al.
-        2018). No-op for a model without BatchNorm or before `use_batch_norm_data`."""
+        over the first `batch_norm_batches` batches of the training set, in data-set order,
+        through the training transform (as the running statistics of a model trained alone are
+        gathered: the same preprocessing for every strategy) with the same draws on every
+        worker, so every worker gets the same statistics. An average of models is not a model
+        whose statistics are the average of theirs (Izmailov et al. 2018). No-op for a model
+        without BatchNorm or before `use_batch_norm_data`."""
         data = getattr(self, "batch_norm_data", None)
         if data is None or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             return
-        dataset, batch_size = data
+        dataset, batch_size, draws = data
         count = min(len(dataset), self.batch_norm_batches * batch_size)
-        batches = (dataset.batch(torch.arange(start, min(start + batch_size, count)))[0]
+        batches = (dataset.batch(torch.arange(start, min(start + batch_size, count)), draws)[0]
                    for start in range(0, count, batch_size))
         torch.optim.swa_utils.update_bn(batches, model, device=self.ctx.device)
 

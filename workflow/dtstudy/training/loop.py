@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from dtstudy.data.augment import BATCH_NORM, Draws
 from dtstudy.data.checks import check_loader
 from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
 from dtstudy.training import checkpoint
@@ -75,19 +76,20 @@ def make_criterion(train: dict) -> nn.Module:
     return nn.CrossEntropyLoss(label_smoothing=train["label_smoothing"])
 
 
-def epoch_batches(dataset, batch_sampler: BatchSampler, skip: int = 0):
+def epoch_batches(dataset, batch_sampler: BatchSampler, skip: int = 0, draws: Draws | None = None):
     """(inputs, labels) batches: in-memory data sets are indexed directly (no per-image
     Python work; on the CPU, as before any pipeline existed), file-backed ones come from their
     split's persistent DataLoader (`loader` config: worker processes, pinned memory), already
-    on the run's device and normalised there. `skip`: leave out the epoch's first batches (a
-    resumed run), without loading them."""
+    on the run's device and normalised there, augmented with `draws` (the run's seed and the
+    epoch: data.augment.Draws). `skip`: leave out the epoch's first batches (a resumed run),
+    without loading them."""
     if skip:
         batch_sampler = list(itertools.islice(batch_sampler, skip, None))
     if getattr(dataset, "is_in_memory", True):
         for indices in batch_sampler:
             yield dataset.batch(torch.as_tensor(indices))
     else:
-        yield from dataset.batches(batch_sampler)
+        yield from dataset.batches(batch_sampler, draws)
 
 
 @torch.no_grad()
@@ -185,7 +187,8 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
                          f"{strategy.spec().no_fp16_because}; allowed: fp32, bf16")
     strategy.grad_scaler = compute.grad_scaler
     batch_size = per_worker_batch(train, spec.workers)
-    strategy.use_batch_norm_data(train_set, batch_size)  # for averaged models' BatchNorm statistics
+    # for averaged models' BatchNorm statistics: training's augmentation, the same draws on every rank
+    strategy.use_batch_norm_data(train_set, batch_size, Draws(spec.seed, purpose=BATCH_NORM))
     sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
     # the rate of the batch one update really averages: the strategy's rule (Strategy.update_batch)
@@ -215,7 +218,7 @@ def resume_or_start(run: WorkerRun) -> LoopState:
     if saved is None:
         return fresh
     if saved["position"]["step"] > 0 and strategy.replays_first_step and spec.workers > 1:
-        batches = epoch_batches(run.train_set, run.batch_sampler)
+        batches = epoch_batches(run.train_set, run.batch_sampler, draws=Draws(spec.seed, 0))
         inputs, labels = next(batches)
         batches.close()
         throwaway_step(run, inputs.to(ctx.device), labels.to(ctx.device))
@@ -245,7 +248,7 @@ def train_one_epoch(run: WorkerRun, state: LoopState, epoch: int, start: float) 
     log = state.log
     run.sampler.set_epoch(epoch)
     first = state.step_in_epoch if epoch == state.epoch else 0
-    batches = epoch_batches(run.train_set, run.batch_sampler, skip=first)
+    batches = epoch_batches(run.train_set, run.batch_sampler, skip=first, draws=Draws(run.spec.seed, epoch))
     for step_in_epoch in range(first, run.steps_per_epoch):
         if state.step >= run.schedule.total_steps:
             break
