@@ -88,3 +88,45 @@ def test_a_model_that_cannot_take_the_data_sets_images_is_refused_before_any_wor
         validated(tiny_study(model="alexnet_small"))
     validated(tiny_study(model="alexnet_small", dataset={"name": "synthetic", "image_size": 32, "subset": None}))
     validated(tiny_study(model="lenet5"))  # the control: the same data for a model that takes it
+
+
+def _last_batch_norms(model: torch.nn.Module) -> list[torch.nn.BatchNorm2d]:
+    """The BatchNorm that ends each residual block's branch (bn3 of a Bottleneck, bn2 of a BasicBlock)."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    return [block.bn3 if isinstance(block, Bottleneck) else block.bn2
+            for block in model.modules() if isinstance(block, (BasicBlock, Bottleneck))]
+
+
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16)])
+def test_zero_init_residual_starts_every_blocks_last_batch_norm_at_gamma_zero(name, blocks):
+    """model_options.zero_init_residual (Goyal et al. 2017 section 5.1): gamma = 0 in the last
+    BatchNorm of every residual block, and in no other; without it (torchvision's default) 1."""
+    from dtstudy.config.study_config import validate_schema
+
+    default = validate_schema({"model": name})["model_options"]
+    assert default["zero_init_residual"] is False
+    plain = build_model(name, 3, 10, 32, default)
+    zeroed = build_model(name, 3, 10, 32, {**default, "zero_init_residual": True})
+    assert len(_last_batch_norms(zeroed)) == blocks
+    for bn in _last_batch_norms(plain):
+        assert torch.equal(bn.weight, torch.ones_like(bn.weight))
+    for bn in _last_batch_norms(zeroed):
+        assert torch.equal(bn.weight, torch.zeros_like(bn.weight))
+    last = {id(bn) for bn in _last_batch_norms(zeroed)}
+    others = [m for m in zeroed.modules() if isinstance(m, torch.nn.BatchNorm2d) and id(m) not in last]
+    assert others and all(torch.equal(bn.weight, torch.ones_like(bn.weight)) for bn in others)
+
+
+def test_the_cluster_study_trains_resnet50_with_zero_gamma():
+    """config/cluster.yaml follows Goyal et al.'s recipe: its model is built with zero gamma."""
+    import yaml
+    from conftest import REPO
+
+    from dtstudy.config.study_config import deep_merge, validate_schema
+
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cluster = validate_schema(deep_merge(base, yaml.safe_load((REPO / "config" / "cluster.yaml").read_text())))
+    assert cluster["model"] == "resnet50" and cluster["model_options"]["zero_init_residual"] is True
+    model = build_model(cluster["model"], 3, 1000, cluster["dataset"]["image_size"], cluster["model_options"])
+    assert all(torch.equal(bn.weight, torch.zeros_like(bn.weight)) for bn in _last_batch_norms(model))

@@ -76,8 +76,11 @@ class AlexNetSmall(nn.Module):
 
 
 def _torchvision_resnet(factory: Callable[..., nn.Module]):
-    def build(in_channels: int, num_classes: int, image_size: int, small_input: bool = True) -> nn.Module:
-        model = factory(weights=None, num_classes=num_classes)
+    def build(in_channels: int, num_classes: int, image_size: int, small_input: bool = True,
+              zero_init_residual: bool = False) -> nn.Module:
+        # zero_init_residual: each residual block's last BatchNorm starts at gamma = 0, so that
+        # every block starts as the identity (Goyal et al. 2017, section 5.1: large batches)
+        model = factory(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
         if small_input:
             # CIFAR-style stem: a 7x7/2 conv and a max-pool would shrink 28x28 inputs to 7x7
             # before the first block.
