@@ -492,6 +492,30 @@ def test_every_plots_titles_fit_in_it_and_do_not_overlap(tmp_path, monkeypatch):
     assert all(figure.get_suptitle() for figure in figures)
 
 
+def test_plots_draw_each_familys_own_ideal_a_labelled_target_and_mark_oversubscribed_times(tmp_path, monkeypatch):
+    """ps_sync's N=1 (80, 90 images/s) is not allreduce's (100, 110): its panel's ideal starts at
+    its own; the convergence's target line says what it is; ps_sync at N=4 ran oversubscribed,
+    which its time to the target (30 s, one seed) is marked with."""
+    from dtstudy.analysis import plots
+
+    run_dirs = [write_run(tmp_path, strategy, workers, seed, oversubscribed=strategy == "ps_sync" and workers == 4)
+                for strategy, workers in THROUGHPUT for seed in SEEDS]
+    figures = {}
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.setdefault(path.stem, figure) and real_save(figure, path))
+    make_plots(load_runs(run_dirs), load_run_metrics(run_dirs), tmp_path / "plots")
+    panels = {ax.get_title(): ax for ax in figures["throughput"].axes}
+    dashed_at_one = lambda ax: sorted(line.get_ydata()[0] for line in ax.get_lines()  # noqa: E731
+                                      if line.get_linestyle() == "--" and len(line.get_xdata()))
+    assert dashed_at_one(panels["parameter server"]) == [pytest.approx(85.0)]  # ps_sync's N=1: 80 and 90
+    assert dashed_at_one(panels["synchronous"]) == [pytest.approx(105.0)]
+    convergence = figures["convergence"].axes[0]
+    assert "target_accuracy 0.85" in [line.get_label() for line in convergence.get_lines()]
+    times = {ax.get_title(): ax for ax in figures["time_to_accuracy"].axes}["parameter server"]
+    marks = [line for line in times.get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in marks] == [([4], [30.0])]
+
+
 # --- the whole step, with a real MLflow store -----------------------------------------
 
 def test_run_writes_everything_and_adopts_child_runs(tmp_path):
