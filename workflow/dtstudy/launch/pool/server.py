@@ -109,7 +109,7 @@ def _evaluate(conn: socket.socket, message: dict) -> dict:
     torch.set_num_threads(1)  # the evaluate rule reserves one core
     held = cores.lease(1)  # and takes one no timed run is pinned to
     if held is not None:
-        cores.pin(held.cores[0])
+        cores.pin(held.cores)
     return {"result": evaluate_run(message["run_dir"], message["data_dir"], message["out"])}
 
 
@@ -124,9 +124,11 @@ def _train(conn: socket.socket, message: dict) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     world_size = spec.layout().world_size
     # distinct cores for the ranks while the run is timed; held until this process and its ranks end
-    held = cores.lease(world_size)
+    counts = _cores_per_rank(spec, message.get("environ", {}))
+    held = cores.lease(sum(counts))
+    rank_cores = cores.split(held.cores, counts) if held is not None else None
     os.environ.pop(PINNED_ENV, None)
-    if held is not None:
+    if held is not None:  # every rank's cores, rank by rank
         os.environ[PINNED_ENV] = ",".join(map(str, held.cores))
     timings = {**message["timings"], "pool_job_start": time.time()}
     ranks: dict[int, int] = {}  # pid -> rank
@@ -138,8 +140,8 @@ def _train(conn: socket.socket, message: dict) -> dict:
         pid = os.fork()
         if pid == 0:
             conn.close()
-            if held is not None:
-                cores.pin(held.cores[rank])
+            if rank_cores is not None:
+                cores.pin(rank_cores[rank])
             os._exit(_run_rank(spec, rank, out, err, timings, message.get("environ", {})))
         ranks[pid] = rank
     # which process is which rank, for whoever watches or debugs the run
@@ -148,6 +150,35 @@ def _train(conn: socket.socket, message: dict) -> dict:
     if failure:
         raise PoolError(f"{spec.run_name}: {failure}")
     return {}
+
+
+def _cores_per_rank(spec: RunSpec, environ: dict) -> list[int]:
+    """The cores each rank of the run is pinned to (dtstudy.launch.cores.cores_per_rank): one
+    per CPU worker; a worker that loads with worker processes, or computes on a GPU, gets
+    its loader's cores as well (they inherit its pinning)."""
+    config = spec.config
+    layout = spec.layout()
+    loader_workers = config["loader"]["workers"] if config["dataset"]["name"] == "imagefolder" else 0
+    on_gpu = _workers_on_gpu(config["launcher"]["device"], environ)
+    return cores.cores_per_rank(layout.workers, layout.world_size - layout.workers, on_gpu, loader_workers,
+                                len(cores.machine_cores()))
+
+
+def _workers_on_gpu(preference: str, environ: dict) -> bool:
+    """Whether the run's workers will compute on GPUs (launcher.device, as
+    dtstudy.launch.process_group.pick_device resolves it in the ranks), seen from the job
+    process without initialising CUDA, which would break the ranks it forks: `auto` counts
+    the GPUs that the client's CUDA_VISIBLE_DEVICES leaves visible through NVML alone.
+    torch.cuda.device_count() would fall back to the CUDA runtime where NVML cannot tell
+    (MIG devices named by UUID); then, as when NVML is missing, the workers count as CPU
+    workers (one core each, as before GPUs were told apart)."""
+    if preference != "auto":
+        return preference == "cuda"
+    import torch
+
+    apply_environment(environ)  # the client's CUDA_VISIBLE_DEVICES; the ranks apply it again
+    count_nvml = getattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    return torch.backends.cuda.is_built() and count_nvml() > 0
 
 
 def _wait_for_ranks(conn: socket.socket, ranks: dict[int, int], logs: dict[int, str]) -> str | None:
