@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from conftest import assert_same_parameters
+from conftest import assert_same_parameters, in_workers
 from dtstudy.strategies.registry import STRATEGIES
 from test_emulation import emulated_run
 
@@ -311,3 +311,24 @@ def test_channels_last_survives_every_exchange_and_ends_where_contiguous_ends(st
     _, contiguous, control = stand_in_runs(strategy, knobs, "contiguous")
     assert not control.channels_last_seen  # control: the check tells the layouts apart
     assert_same_parameters(channels_last, contiguous, atol=1e-5)
+
+
+def _averages_in_place_without_a_device_sync(ctx):
+    from dtstudy.strategies.local.strategy import average_over_workers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the exchange synchronized the device")
+
+    # this worker process only: an accelerator that may not be waited for
+    torch.accelerator.is_available, torch.accelerator.synchronize, torch.cuda.synchronize = (lambda: True), refuse, refuse
+    weight = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    values, storage = weight.clone(), weight.data_ptr()
+    average_over_workers([weight], ctx.worker_group)
+    assert torch.equal(weight, values) and weight.data_ptr() == storage  # one worker: its own values, in place
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_local_averaging_never_waits_for_the_device(tmp_path):
+    """local SGD's exchange queues its all-reduce behind the step's work, as every other
+    exchange does: torch's average_parameters synchronized the whole device first."""
+    in_workers(tmp_path, 1, _averages_in_place_without_a_device_sync)
