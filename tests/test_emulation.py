@@ -2,7 +2,7 @@
 the real loop and strategies over the emulated process group, on the cluster's clock.
 
 - an emulated run equals a real run (cluster local, gloo processes) of the same seed: losses
-  per step and final parameters, for allreduce (DDP) and the other synchronous families;
+  per step and final parameters, for every synchronous strategy at N = 2 and 4;
 - the same emulated run twice gives the same numbers;
 - N = 64 runs, and its memory per logical worker keeps N = 256 under 1 GB;
 - a step's emulated seconds are the performance model's (compute + exchange + stragglers);
@@ -54,13 +54,36 @@ def emulated_run(tmp_path, data_dir, workers, batch_size, steps=6, seed=0, strat
 
 # ----- (a) the same numbers as a real run ----------------------------------------------------
 
-# allreduce: DDP and its C++ reducer (N = 2 and 4); local_sgd: broadcast at set-up, all-reduce
-# of the gradients in its warm-up, then of parameters and momentum every `period` steps;
-# 1-bit's reduce_scatter: a DDP comm hook over all_to_all_single with uneven splits, with
-# error feedback; hybrid: all_gather_single, reduce_scatter_single and all-to-all of activations;
-# ps_sync: its shard a thread (rank N) running the real serve(), pushes and replies as messages
-SYNCHRONOUS = [("allreduce", {}, 2), ("allreduce", {}, 4), ("local_sgd", {"warmup_steps": 2, "period": 2}, 2),
-               ("allreduce_onebit", {"exchange": "reduce_scatter"}, 4), ("hybrid", {}, 2), ("ps_sync", {}, 2)]
+# Every synchronous strategy at N = 2 and 4, with knobs that make its exchange happen within the
+# 8 steps. allreduce: DDP and its C++ reducer; fp16 and bf16: DDP's compression hooks; PowerSGD:
+# its hook, compressing from step 2 (its default, 10, is past the run); local_sgd: broadcast at
+# set-up, all-reduce of the gradients in its warm-up, then of parameters and momentum every
+# `period` steps; easgd: the elastic exchange with the centre every `period` steps; gossip: each
+# step an average with its ring neighbours (isend/irecv); 1-bit's reduce_scatter: a DDP comm
+# hook over all_to_all_single with uneven splits, with error feedback; hybrid: all_gather_single,
+# reduce_scatter_single and all-to-all of activations; ps_sync: its shard a thread (rank N)
+# running the real serve(), pushes and replies as messages
+SYNCHRONOUS_KNOBS = {
+    "allreduce": {}, "allreduce_fp16": {}, "allreduce_bf16": {}, "allreduce_powersgd": {"start_powerSGD_iter": 2},
+    "local_sgd": {"warmup_steps": 2, "period": 2}, "easgd": {"period": 2}, "gossip": {},
+    "allreduce_onebit": {"exchange": "reduce_scatter"}, "hybrid": {}, "ps_sync": {},
+}
+#: what the equality leaves out, and why: their updates depend on the order the pushes arrive in,
+#: which a real run takes from the host's scheduling (test_emulated_staleness_matches_the_real_runs
+#: holds them to real runs by their staleness); no_exchange trains nothing together
+NOT_STEP_BY_STEP = {"ps_backup", "ps_async", "ssp", "no_exchange"}
+SYNCHRONOUS = [(strategy, knobs, workers) for strategy, knobs in SYNCHRONOUS_KNOBS.items() for workers in (2, 4)]
+#: the parameters' tolerance where 16-bit gradients of more than 2 workers are summed: gloo's ring
+#: sums them in another order than the emulated group's rank order, each partial sum rounded to
+#: the format, so after 8 steps they differ by a few of its rounding steps times the learning
+#: rate (measured at N = 4: 2.2e-5 fp16, 1.3e-4 bf16; about a tenth of each format's epsilon,
+#: 4.9e-4 and 3.9e-3). Two summands commute: at N = 2 they are held to 1e-5 like the rest
+SIXTEEN_BIT_ATOL = {"allreduce_fp16": 5e-5, "allreduce_bf16": 4e-4}
+
+
+def test_every_strategy_but_the_asynchronous_is_held_to_its_real_run_step_by_step():
+    assert set(SYNCHRONOUS_KNOBS) | NOT_STEP_BY_STEP == set(SPECS)
+    assert not set(SYNCHRONOUS_KNOBS) & NOT_STEP_BY_STEP
 
 
 @pytest.mark.parametrize("strategy, knobs, workers", SYNCHRONOUS, ids=[f"{s}-n{n}" for s, _, n in SYNCHRONOUS])
@@ -72,7 +95,8 @@ def test_emulated_run_equals_the_real_run_of_the_same_seed(tmp_path, tiny_data, 
     assert emulated["steps"] == real["steps"] == 8
     # float tolerance: gloo sums in its own order, the emulated group in rank order
     assert emulated["train_loss"] == pytest.approx(real["train_loss"], rel=1e-5, abs=1e-6)
-    assert_same_parameters(emulated_state, real_state, atol=1e-5)
+    atol = SIXTEEN_BIT_ATOL[strategy] if strategy in SIXTEEN_BIT_ATOL and workers > 2 else 1e-5
+    assert_same_parameters(emulated_state, real_state, atol=atol)
     assert emulated["bytes_per_step"] == pytest.approx(real["bytes_per_step"])  # the strategy's own count
     # the comparison has teeth: the model moved, and the loss changed over the steps
     assert real["train_loss"][0] != pytest.approx(real["train_loss"][-1], rel=1e-3)
