@@ -374,10 +374,16 @@ def run_command_without_torch(tmp_path, args):
 def test_command_with_a_layer_profile(tmp_path):
     m, h = write_inputs(tmp_path)
     fixed = project.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
-    # without the key the fixed overlap holds, and the table says how to take the timeline
-    assert ("model.layer_profile not given; 'resnet50' has a shipped profile: model.layer_profile: resnet50"
-            in (tmp_path / "fixed.md").read_text())
+    # a model named like no shipped profile keeps the fixed overlap, and the table says why
+    assert ("the hardware profile's fixed overlap, 0 of compute: model.layer_profile not given and model.name names "
+            "none: no layer profile of 'my_resnet50' is shipped" in (tmp_path / "fixed.md").read_text())
     measured = yaml.safe_load((tmp_path / "M.yaml").read_text())
+    measured["model"]["name"] = "resnet50"  # named like a shipped profile: it takes it, and says so
+    (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
+    (tmp_path / "named").mkdir()
+    named = project.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "named/projection.csv"))
+    assert ("wait-free backprop on the layer profile 'resnet50' (model.name 'resnet50', a shipped layer profile; "
+            "model.layer_profile not given;" in (tmp_path / "named/projection.md").read_text())
     measured["model"]["layer_profile"] = "resnet50"
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
     out = tmp_path / "projection.csv"
@@ -393,7 +399,18 @@ def test_command_with_a_layer_profile(tmp_path):
     # test_command_on_a_measurement_file_alone); at N=64 the timeline hides part of the exchange
     assert float(rows[("allreduce", 64)]["step_exchange_s"]) < 0.9 * before[("allreduce", 64)]["step_exchange_s"]
     assert float(rows[("ps_sync", 64)]["throughput"]) == pytest.approx(before[("ps_sync", 64)]["throughput"], rel=1e-5)
-    assert "wait-free backprop on the layer profile 'resnet50'" in (tmp_path / "projection.md").read_text()
+    assert "wait-free backprop on the layer profile 'resnet50' (model.layer_profile;" in (tmp_path / "projection.md").read_text()
+    # the profile the name names is the one the key names
+    for name_row, key_row in zip(named, rows.values()):
+        assert name_row["throughput"] == pytest.approx(float(key_row["throughput"]), rel=1e-5)
+    # a name whose profile is another network (resnet152's parameters are not these): the fixed overlap, saying why
+    measured["model"] = {**measured["model"], "name": "resnet152"}
+    del measured["model"]["layer_profile"]
+    (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
+    (tmp_path / "other").mkdir()
+    other = project.run_command(m, h, "allreduce", "1,64", str(tmp_path / "other/projection.csv"))
+    assert other[-1]["overlap"] == "fixed 0 of compute"
+    assert "the shipped layer profile does not fit: 'resnet152' has" in (tmp_path / "other/projection.md").read_text()
 
 
 # ----- stragglers: order statistics -------------------------------------------------------
@@ -509,7 +526,8 @@ def test_fit_recovers_alpha_and_beta():
 
 
 def write_inputs(tmp_path, measured=None, hardware_profile=None):
-    m = measured or {"model": {"name": "resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
+    # a name of no shipped layer profile: the hardware profile's fixed overlap, as hand-solved
+    m = measured or {"model": {"name": "my_resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
                      "per_worker_batch": 64, "throughput": {1: 52.4, 8: 378}}
     h = hardware_profile or {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50},
                              "strategy_params": {"ps_sync": {"shards": 8, "placement": "colocated"}}}

@@ -293,6 +293,7 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     if profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED:
         raise ConfigError(f"hardware profile {hardware_path}: key 'ps_request_us': 'measured' needs a study's N=1 "
                           f"parameter-server runs; give a number of microseconds (0: not modelled)")
+    measured, layers_from = with_named_profile(measured)
     workload = calibration.workload_from_measured(measured)
     needing = [name for name in strategies if SPECS[name].needs_matrices]
     if needing and workload.matrices is None:
@@ -316,7 +317,7 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
                                     f"at N={g} run at the measured {measured['throughput'][g]:g} images/s")
     provenance["compute_s"] = (f"measured: per_worker_batch / throughput at N=1 = {workload.compute_s:.4g} s "
                                f"({measured_path})")
-    provenance["overlap"] = overlap_source(workload, machine, "model.layer_profile", without_layer_profile(measured))
+    provenance["overlap"] = overlap_source(workload, machine, layers_from, layers_from)
     observed = {(measured_strategy, n): thr for n, thr in measured["throughput"].items()}
     provenance["stragglers"] = (f"profile: {stragglers}; the expected wait over the slow workers' delays"
                                 if stragglers else "none (no key 'stragglers' in the hardware profile)")
@@ -328,14 +329,18 @@ def run_command(measured_path: str, hardware_path: str, strategies_text: str, wo
     return rows
 
 
-def without_layer_profile(measured: dict) -> str:
-    """Why a measurement file's projection has no layer profile, and how to give it one where
-    its model's name is a shipped architecture (the wait-free timeline, the study's default)."""
+def with_named_profile(measured: dict) -> tuple[dict, str]:
+    """A measurement file (calibration.load_measured) with its layer profile: model.layer_profile,
+    or else the shipped profile its model's name names (resnet152) where its parameter count
+    fits; and where the profile came from, or why there is none (then the fixed overlap holds)."""
+    if measured["layers"] is not None:
+        return measured, "model.layer_profile"
     name = measured["model"]["name"]
-    if name in layer_profiles.names():
-        return (f"model.layer_profile not given; {name!r} has a shipped profile: model.layer_profile: {name} "
-                f"takes the wait-free timeline instead")
-    return "model.layer_profile not given"
+    layers, why_not = calibration.study_layers(name, int(measured["model"]["parameters"]))
+    if layers is None:
+        return measured, f"model.layer_profile not given and model.name names none: {why_not}"
+    return {**measured, "layers": layers}, (f"model.name {name!r}, a shipped layer profile; model.layer_profile "
+                                            f"not given")
 
 
 def overlap_source(workload, machine, key: str, without: str) -> str:
