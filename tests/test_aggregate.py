@@ -535,12 +535,13 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
         run_dirs.append(run_dir)
 
-    scaling_dir = write_run(tmp_path, "allreduce", 2, 0, kind="scaling")
-    child_id = client.create_run(experiment_id).info.run_id
-    metrics = json.loads((scaling_dir / "metrics.json").read_text())
-    metrics["mlflow"]["run_id"] = child_id
-    (scaling_dir / "metrics.json").write_text(json.dumps(metrics))
-    run_dirs.append(scaling_dir)
+    for workers in (1, 2):
+        scaling_dir = write_run(tmp_path, "allreduce", workers, 0, kind="scaling")
+        child_id = client.create_run(experiment_id).info.run_id
+        metrics = json.loads((scaling_dir / "metrics.json").read_text())
+        metrics["mlflow"]["run_id"] = child_id
+        (scaling_dir / "metrics.json").write_text(json.dumps(metrics))
+        run_dirs.append(scaling_dir)
 
     summary = aggregate_study(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
                               "study-test", strategies_order=["allreduce"],
@@ -552,13 +553,19 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         "scaling.md"]
     parent = client.get_run(summary["parent_run_id"])
     assert parent.data.params == {"model": "lenet5", "train.epochs": "3"}
-    assert parent.data.metrics == {"accuracy_runs": 2.0, "scaling_runs": 1.0}  # it logs both kinds
+    assert parent.data.metrics == {"accuracy_runs": 2.0, "scaling_runs": 2.0}  # it logs both kinds
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"plots", "tables"}
     assert len(client.list_artifacts(parent.info.run_id, "tables")) == 5
     assert len(client.list_artifacts(parent.info.run_id, "plots")) == 5
     for run_dir in run_dirs:
         child_id = json.loads((run_dir / "metrics.json").read_text())["mlflow"]["run_id"]
         assert client.get_run(child_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
+    # the runs the scaling table pools (the scaling runs) carry their cell's efficiency, rounded as shown
+    scaling = pd.read_csv(tmp_path / "tables/scaling.csv").set_index("workers")
+    timed = client.get_run(json.loads((scaling_dir / "metrics.json").read_text())["mlflow"]["run_id"]).data.metrics
+    assert timed["efficiency"] == round(scaling.loc[2, "efficiency"], 2)
+    assert (timed["efficiency_low"], timed["efficiency_high"]) == (round(scaling.loc[2, "efficiency_low"], 2),
+                                                                   round(scaling.loc[2, "efficiency_high"], 2))
 
 
 def test_speedup_at_one_worker_is_one_without_an_interval(tmp_path):

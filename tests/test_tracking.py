@@ -23,7 +23,7 @@ def test_resolve_uri_defaults_to_absolute_sqlite_in_results(tmp_path):
 
 def test_flatten_params_uses_dotted_keys():
     flat = mlflow_store.flatten_params({"a": 1, "b": {"c": [1, 2], "d": {"e": None}}, "f": {}})
-    assert flat == {"a": "1", "b.c": "[1, 2]", "b.d.e": "None", "f": "{}"}
+    assert flat == {"a": "1", "b.c": "[1, 2]", "b.d.e": "None"}  # an empty mapping has no value to log
 
 
 def test_init_store_is_idempotent_and_keeps_artifacts_beside_the_db(uri, tmp_path):
@@ -231,3 +231,53 @@ def test_metric_points_sent_before_a_lost_connection_are_not_sent_again(monkeypa
     assert len(points) == 1500 and points[0][2] == 1000  # the first batch went through
     mlflow_store.log_metric_points("http://x", "r", points)
     assert points == [] and sent == list(range(2500))  # every step once
+
+
+# ----- what a training run shows in MLflow ---------------------------------------------------
+
+def test_a_runs_throughput_in_mlflow_is_the_tables_median_of_its_windows_with_its_interval(uri):
+    """MLflow's `throughput` is the figure the scaling table pools (the median of the timed
+    windows, 9535 here, not the whole run's mean 7592) with its bootstrap CI, rounded as the
+    table shows them; the mean is kept beside as throughput_mean."""
+    experiment_id = mlflow_store.init_store(uri, "exp")
+    run_id = MlflowClient(uri).create_run(experiment_id).info.run_id
+    metrics = {**_final_metrics(3), "throughput": 7592.3871, "throughput_median": 9535.4129,
+               "throughput_ci95": [9401.2271, 9612.5003], "step_time": {"compute_s": 0.0123456789, "comm_s": 0.00200001,
+                                                                           "data_s": 0.001},
+               "strategy_metrics": {"staleness_mean": 1.23456789}}
+    mlflow_store.log_training_results(uri, {"run_id": run_id}, metrics)
+    logged = MlflowClient(uri).get_run(run_id).data.metrics
+    assert (logged["throughput"], logged["throughput_low"], logged["throughput_high"]) == (9535.0, 9401.0, 9613.0)
+    assert logged["throughput_mean"] == 7592.0
+    assert (logged["compute_s"], logged["comm_s"]) == (0.01235, 0.002)
+    assert logged["staleness_mean"] == 1.235
+    # a run recorded before timed windows: its mean is all it has
+    old_id = MlflowClient(uri).create_run(experiment_id).info.run_id
+    mlflow_store.log_training_results(uri, {"run_id": old_id}, _final_metrics(3))
+    assert MlflowClient(uri).get_run(old_id).data.metrics["throughput"] == 100.0
+    assert "throughput_low" not in MlflowClient(uri).get_run(old_id).data.metrics
+
+
+def test_a_run_logs_only_the_config_keys_that_apply_to_it():
+    """Fashion-MNIST with LeNet-5 and allreduce: no synthetic data set's keys, no image size,
+    no input pipeline (in-memory data), no ResNet options, no empty strategy_params; the
+    synthetic data set and a ResNet get theirs, a parameter server its knobs once."""
+    from conftest import tiny_study, validated
+    from dtstudy.config.study_config import run_config
+    from dtstudy.runspec import RunSpec
+    from dtstudy.tracking.live_run import run_params
+
+    def logged(config: dict, strategy: str) -> dict[str, str]:
+        spec = RunSpec(strategy, 2, 0, run_config(validated(config), strategy), "", "")
+        return mlflow_store.flatten_params(run_params(spec))
+
+    plain = logged(tiny_study(), "allreduce")
+    assert plain["config.dataset.name"] == "fashion_mnist" and plain["config.train.batch_size"] == "32"
+    for absent in ("config.dataset.synthetic.", "config.dataset.image_size", "config.loader.", "config.model_options.",
+                   "config.strategy_params", "config.launcher.partition", "config.stragglers.delay_ms"):
+        assert not [key for key in plain if key.startswith(absent)], absent
+    assert "config.launcher.local_processes" in plain
+    synthetic = logged(tiny_study(dataset={"name": "synthetic"}, model="resnet18"), "ps_sync")
+    assert {"config.dataset.synthetic.train_size", "config.dataset.image_size", "config.model_options.small_input",
+            "strategy_params.shards"} <= set(synthetic)
+    assert "config.dataset.root" not in synthetic and not [key for key in synthetic if key.startswith("config.strategy_params")]

@@ -64,6 +64,22 @@ def host_facts_off_the_clock(df: pd.DataFrame, run_metrics: Mapping[str, Mapping
     return df.assign(oversubscribed=df["oversubscribed"] & ~emulated, pinned=df["pinned"] | emulated)
 
 
+#: the scaling table's columns each run it pools gets in MLflow (under the table's names)
+RUN_TABLE_FIGURES = ("efficiency", "efficiency_low", "efficiency_high")
+
+
+def efficiency_by_run(scaling: pd.DataFrame, df: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """{MLflow run id: RUN_TABLE_FIGURES of its scaling-table cell}, for the runs the table pools
+    (those of its from_runs kind); figures the table has not (NaN) left out."""
+    cells = scaling.set_index(["strategy", "workers"])
+    figures = {}
+    for run in df[df["kind"] == scaling["from_runs"].iloc[0]].itertuples():
+        if run.mlflow_run_id and (run.strategy, run.workers) in cells.index:
+            cell = cells.loc[(run.strategy, run.workers)]
+            figures[run.mlflow_run_id] = {key: float(cell[key]) for key in RUN_TABLE_FIGURES if not pd.isna(cell[key])}
+    return figures
+
+
 def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plots_dir: str | Path,
         tracking_uri: str | None, experiment: str,
         strategies_order: Sequence[str] | None = None,
@@ -102,6 +118,7 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     log(f"wrote {len(plot_paths)} plots to {plots_dir}")
 
     uri = mlflow_store.resolve_uri(tracking_uri)
+    mlflow_store.log_table_figures(uri, efficiency_by_run(scaling, df))
     child_run_ids = [run_id for run_id in df["mlflow_run_id"] if run_id]
     artifacts = {**{p: "tables" for p in table_paths}, **{p: "plots" for p in plot_paths}}
     # the study run adopts the runs of both kinds and counts each (scaling_runs, accuracy_runs)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dtstudy.atomic_files import write_json
 from dtstudy.runspec import EVAL_FILE, METRICS_FILE, RunSpec
+from dtstudy.tracking.logged_params import applicable_config
 
 RUN_ID_FILE = "mlflow_run.json"  # the run's MLflow id, as soon as it exists (for failure marking)
 PENDING_FILE = "mlflow_pending.json"  # what the run could not deliver to MLflow before it ended
@@ -206,9 +207,9 @@ def run_tags(spec: RunSpec) -> dict:
 
 
 def run_params(spec: RunSpec) -> dict:
-    """What a training run was asked to do: config values and strategy knobs."""
-    return {"strategy": spec.strategy, "workers": spec.workers, "seed": spec.seed, "config": spec.config,
-            "strategy_params": spec.strategy_params()}
+    """What a training run was asked to do: the config values that apply to it and the strategy's knobs."""
+    return {"strategy": spec.strategy, "workers": spec.workers, "seed": spec.seed,
+            "config": applicable_config(spec.config), "strategy_params": spec.strategy_params()}
 
 
 def start_live_run(spec: RunSpec) -> LiveRun:

@@ -89,11 +89,12 @@ def init_store(uri: str, experiment: str) -> str:
 
 
 def flatten_params(params: Mapping, prefix: str = "") -> dict[str, str]:
-    """Nested dicts -> {"a.b.c": "value"} with string values, as MLflow params need."""
+    """Nested dicts -> {"a.b.c": "value"} with string values, as MLflow params need; an empty
+    mapping has no value to log (a strategy without knobs): left out."""
     flat: dict[str, str] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
+        if isinstance(value, Mapping):
             flat.update(flatten_params(value, prefix=f"{name}."))
         else:
             flat[name] = str(value)
@@ -164,8 +165,8 @@ def attach_artifacts(uri: str, run_id: str, artifacts: Iterable[str | Path] | Ma
 
 RUNS_VIEW_KEY = "dtstudy"  # the UI's shared view ?viewStateShareKey=dtstudy
 _SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's UI reads a shared view's state here
-RUNS_VIEW_METRICS = ("test_top1", "final_val_top1", "throughput", "time_to_accuracy_s", "compute_s", "comm_s",
-                     "bytes_per_step", "wall_time_s")
+RUNS_VIEW_METRICS = ("test_top1", "final_val_top1", "throughput", "efficiency", "time_to_accuracy_s", "compute_s",
+                     "comm_s", "bytes_per_step", "wall_time_s")
 RUNS_VIEW_PARAMS = ("strategy", "workers", "seed")
 
 
@@ -233,11 +234,41 @@ def log_metric_points(uri: str, run_id: str, points: list[tuple[str, float, int,
         del points[:len(batch)]
 
 
+#: the decimals MLflow shows of a figure: the tables' (dtstudy.analysis.findings) where a table
+#: has it, since MLflow's UI prints every digit of a float; other figures keep SHOWN_DIGITS
+#: significant digits
+SHOWN_DECIMALS = {"throughput": 0, "throughput_low": 0, "throughput_high": 0, "throughput_mean": 0,
+                  "efficiency": 2, "efficiency_low": 2, "efficiency_high": 2, "speedup": 2, "speedup_low": 2,
+                  "speedup_high": 2, "compute_s": 5, "comm_s": 5, "data_s": 5, "bytes_per_step": 0, "wall_time_s": 1,
+                  "final_val_top1": 4}
+SHOWN_DIGITS = 4
+
+
+def shown(key: str, value: float) -> float:
+    """`value` rounded as MLflow shows the figure `key` (SHOWN_DECIMALS)."""
+    value = float(value)
+    if key in SHOWN_DECIMALS:
+        return round(value, SHOWN_DECIMALS[key])
+    return float(f"{value:.{SHOWN_DIGITS}g}")
+
+
+def throughput_figures(metrics: Mapping) -> dict[str, float]:
+    """The run's throughput as the tables pool it: the median of its timed windows with its
+    bootstrap 95% CI (throughput_low, _high), and the mean over the whole run beside
+    (throughput_mean); a run recorded before timed windows has its mean alone."""
+    if "throughput_median" not in metrics:
+        return {"throughput": metrics["throughput"]}
+    low, high = metrics.get("throughput_ci95") or (None, None)
+    figures = {"throughput": metrics["throughput_median"], "throughput_low": low, "throughput_high": high,
+               "throughput_mean": metrics["throughput"]}
+    return {key: value for key, value in figures.items() if value is not None}
+
+
 def _final_metrics(metrics: Mapping) -> list[Metric]:
     now = get_current_time_millis()
     series = [Metric("train_loss_mean", float(loss), now, step) for step, loss in enumerate(metrics["train_loss"])]
     finals = {
-        "throughput": metrics["throughput"],
+        **throughput_figures(metrics),
         "compute_s": metrics["step_time"]["compute_s"],
         "comm_s": metrics["step_time"]["comm_s"],
         "data_s": metrics["step_time"]["data_s"],
@@ -248,7 +279,7 @@ def _final_metrics(metrics: Mapping) -> list[Metric]:
         **{key: value for key, value in metrics.get("strategy_metrics", {}).items()
            if isinstance(value, (int, float))},
     }
-    return series + [Metric(key, float(value), now, 0) for key, value in finals.items() if value is not None]
+    return series + [Metric(key, shown(key, value), now, 0) for key, value in finals.items() if value is not None]
 
 
 def log_training_results(uri: str, record: Mapping, metrics: Mapping, done: set | None = None) -> None:
@@ -292,6 +323,14 @@ def end_run(uri: str, run_id: str, status: str, reason: str | None = None, reaso
         client.set_tag(run_id, reason_tag, reason[:4000])
     if client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id, status=status)
+
+
+def log_table_figures(uri: str, figures: Mapping[str, Mapping[str, float]]) -> None:
+    """{run id: {name: value}}: a table's figures of its cell (the efficiency of the strategy at
+    its N, pooled over seeds) on each training run the cell pools, rounded as shown."""
+    client, now = client_for(uri), get_current_time_millis()
+    for run_id, values in figures.items():
+        client.log_batch(run_id, metrics=[Metric(key, shown(key, value), now, 0) for key, value in values.items()])
 
 
 def log_test_metrics(uri: str, run_id: str, result: Mapping) -> None:
