@@ -394,27 +394,52 @@ def test_a_preempted_fp16_run_resumes_with_its_loss_scale(tmp_path, tiny_data):
 
 def test_the_gpu_compute_check_runs_dry_on_the_cpu(tmp_path):
     """tests/device/compute_check.py's every step apart from CUDA (the GPU check cannot run in
-    CI): the JPEG tree, the study's run through `python3 -m dtstudy train`, the reference loop,
-    the in-process epochs timed from outside, the record. On the CPU's clock the steps' parts
-    must already sum to the epoch timed from outside."""
+    CI): the JPEG tree, the study's run through `python3 -m dtstudy train` started as a cluster
+    task starts (one fresh submitit task, not pinned), the reference loop decoding with the
+    study's decoder (and PIL's figure beside it), the in-process epochs timed from outside, and
+    every cluster strategy at N = 2 over gloo with its tensors on the run's device, in a record
+    written as it goes. On the CPU's clock the steps' parts must already sum to the epoch timed
+    from outside."""
     import json
     import subprocess
     import sys
+
+    import yaml
 
     from conftest import REPO
 
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "tests/device/compute_check.py", "--dry-run", "--out", str(out),
-                             "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads((out / "compute_check.json").read_text())
-    assert record["dry_run"] and record["compute"]["precision"] == "bf16"
-    assert set(record["checks"]) == {"images_per_s_ratio_at_least_0.95", "data_share_under_0.05",
-                                     "step_parts_sum_to_events_within_0.05", "test_pass_on_the_runs_device",
-                                     "straggler_delay_on_the_device_timeline"}
+    assert record["dry_run"] and record["complete"] and record["compute"]["precision"] == record["precision"] == "fp32"
+    assert set(record["checks"]) == {"study_run_started_unpinned", "images_per_s_ratio_at_least_0.95",
+                                     "data_share_under_0.05", "step_parts_sum_to_events_within_0.05",
+                                     "test_pass_on_the_runs_device", "straggler_delay_on_the_device_timeline",
+                                     "n2_exchange_on_the_device_for_every_strategy"}
+    # started as a cluster task starts: a fresh task, nothing pinned, every core the check has
+    assert record["start"]["local_processes"] == "tasks" and record["start"]["pinned_cores"] is None
+    assert record["checks"]["study_run_started_unpinned"]
+    # the reference decodes as the study does (tests/test_device_check.py: read_rgb gives the
+    # study's torchvision decoder's pixels), PIL's figure beside it
+    assert record["study_decoder"] == "torchvision" and record["reference_decoder"].endswith(".read_rgb")
+    assert record["reference_beside_decoder"] == "torchvision.datasets.folder.default_loader"
+    assert len(record["reference_images_per_s"]) == 2 and record["study_images_per_s"] > 0
+    assert record["reference_pil_images_per_s"] > 0 and record["images_per_s_ratio_to_pil_reference"] > 0
+    # every strategy of the cluster study (and gossip's random pairs) at N = 2, its exchange
+    # seen on the device (on the CPU: the CPU), nothing handed to a collective off it
+    cluster = yaml.safe_load((REPO / "config" / "cluster.yaml").read_text())["strategies"]
+    runs = {run["strategy"]: run for run in record["exchange_n2"]}
+    assert list(runs) == [*cluster, "gossip_random_pairs"] and record["exchange_runs_planned"] == len(runs)
+    for name, run in runs.items():
+        assert run["completed"] and run["workers"] == 2 and not run["off_device"], (name, run)
+        assert run["collectives"] and all(key.endswith("@cpu") for key in run["collectives"]), (name, run)
+    assert runs["allreduce_onebit"]["collectives"].get("all_gather@cpu")  # its exchange, not only the loop's
+    assert runs["gossip"]["collectives"].get("isend@cpu") and runs["local_sgd"]["collectives"].get("all_reduce@cpu")
+    assert record["checks"]["n2_exchange_on_the_device_for_every_strategy"]
     # on the CPU's clock too: the test pass ran where the run trained, the delay is added in full
     assert record["checks"]["test_pass_on_the_runs_device"] and record["evaluation"]["test_images"] > 0
     assert record["checks"]["straggler_delay_on_the_device_timeline"]
-    assert len(record["reference_images_per_s"]) == 2 and record["study_images_per_s"] > 0
     assert record["epochs_timed_outside"][0]["steps"] == record["steps"]
     assert record["step_parts_sum_error"] < 0.05

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# What tests/device/nccl_check.sh needs on a GPU machine that has torch but no network:
-#   .whl/      wheels (Python 3.12, x86-64) of the study's packages that machine lacks
+# What the device checks (nccl_check.sh, compute_check.sh) need on a GPU machine that has torch
+# but no network:
+#   .whl/      wheels (x86-64) of the study's packages that machine lacks, for ITS Python:
+#              DEVICE_PYTHON (default 3.12, the device machine's python3), whatever Python runs
+#              here; .whl/python-version names it and carried_packages.sh refuses another
 #   .gpudata/  the first 8000 training images of Debian's Fashion-MNIST, and its test set
-# Both are git-ignored (.git/info/exclude) and travel as the device tool's `carry`.
+# Both are git-ignored (.git/info/exclude) and travel as the device tool's `carry`. The wheels
+# come from this machine's package index (pip's configured index and find-links).
+#   bash tests/device/make_carry.sh                     # for Python 3.12
+#   DEVICE_PYTHON=3.13 bash tests/device/make_carry.sh  # for a machine whose python3 is 3.13
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+DEVICE_PYTHON=${DEVICE_PYTHON:-3.12}
 for path in /.whl/ /.gpudata/; do grep -qx "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude; done
 platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 scratch=$(mktemp -d)
 pip wheel -q --no-deps -w "$scratch" connection_pool==0.0.3  # an sdist only; pure Python
-python3 -m pip download -q --find-links "$scratch" --only-binary=:all: --python-version 3.12 --implementation cp \
+python3 -m pip download -q --find-links "$scratch" --only-binary=:all: --python-version "$DEVICE_PYTHON" --implementation cp \
     $platforms -d "$scratch" mlflow==3.17.2 submitit==1.5.4 snakemake==9.27.1 sqlalchemy==2.0.58
 # already on the machine (its image's package list), and pulp (only snakemake's ILP
 # scheduler imports it; the check runs --scheduler greedy)
@@ -25,6 +32,7 @@ for wheel in "$scratch"/*.whl; do
     [[ " $(echo $present) " == *" $name "* ]] || cp "$wheel" .whl/
 done
 rm -rf "$scratch"
+echo "$DEVICE_PYTHON" > .whl/python-version
 mkdir -p .gpudata/fashion-mnist
 python3 - <<'PY'
 import gzip, shutil, struct

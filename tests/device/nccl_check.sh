@@ -6,6 +6,8 @@
 #   2. allreduce, ps_sync and PowerSGD at N=1 as fresh submitit tasks (launcher.local_processes:
 #      tasks; the study's config), then each compared with the study's run (train.deterministic)
 #   3. N=2 on one GPU: must fail at once, naming the key (NCCL needs one GPU per worker)
+# At N=1 no strategy exchanges anything between ranks; compute_check.sh runs every strategy's
+# exchange at N=2 on the one GPU (over gloo), a node of several GPUs runs N>1 here (workers: [...]).
 set -u
 OUT=${OUT:-/tmp/nccl_check_out}; LOGS=/tmp/nccl_check_logs; mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
