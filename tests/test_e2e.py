@@ -192,3 +192,30 @@ def test_changing_how_runs_are_launched_retrains_nothing_and_changing_what_they_
     output = result.stdout + result.stderr
     assert job_counts(output)["train"] == 2 * len(NAMES) and "params have changed" in output
     run_snakemake(study, STUDY, "--dry-run", "--cores", "2")  # the fixture's config file back
+
+
+def reported_page(report, path: str) -> str:
+    """The data URI under which the Snakemake report `report` embeds the output `path`, as an HTML page."""
+    found = re.search(re.escape(f'"{path}": {{') + r'.*?"data_uri": "(data:text/html;[^"]+)"', report.read_text(), re.S)
+    assert found, f"{path} is not in {report} as an HTML page"
+    return found.group(1)
+
+
+def test_a_reader_finds_the_runs_through_the_printed_link_and_the_findings_in_the_report(study):
+    """Headless Chromium (skipped, saying why, where it cannot start) opens the link the aggregate
+    log prints in `mlflow ui` and sees every training run, then the Snakemake report with its
+    Findings and the findings page in it."""
+    from headless import browser_or_skip, mlflow_ui, rendered
+
+    browser = browser_or_skip()
+    link = re.search(r"open (http://localhost:5000/\S+)", (study / "results/logs/aggregate.log").read_text()).group(1)
+    with mlflow_ui(f"sqlite:///{study / 'results/mlflow.db'}") as address:
+        runs_page = rendered(browser, link.replace("http://localhost:5000", address))
+    missing = [f"{name}-n{n}-seed0" for name in NAMES for n in (1, 2) if f"{name}-n{n}-seed0" not in runs_page]
+    assert not missing and "study" not in runs_page.split(), (missing, runs_page[:3000])  # the training runs, flat
+    report = study / "results/report.html"
+    result = run_snakemake(study, STUDY, "--report", str(report), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {"Findings", "Tables", "Scaling", "Accuracy"} <= set(rendered(browser, report.as_uri()).split())
+    findings = rendered(browser, reported_page(report, "results/tables/findings.html"))
+    assert "Scaling: how does throughput scale with N?" in " ".join(findings.split())
