@@ -141,11 +141,15 @@ class MlflowServer:
     """A real `mlflow server` (SQLite behind it, as on a login node) that a test can stop and
     start again on the same port and store: a tracking server that goes away mid-study."""
 
-    def __init__(self, folder: Path, port: int | None = None):
+    def __init__(self, folder: Path, port: int | None = None, host: str = "127.0.0.1", name: str | None = None,
+                 options: tuple[str, ...] = (), env: dict | None = None):
+        """`host`: the address it listens on; `name`: the host name its clients use (a login
+        node's); `options` and `env`: more of `mlflow server`'s (its authentication)."""
         from dtstudy.launch.ports import free_port
 
-        self.folder, self.port = Path(folder), port or free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.folder, self.port, self.host = Path(folder), port or free_port(), host
+        self.uri = f"http://{name or host}:{self.port}"
+        self.options, self.env = tuple(options), env or {}
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120) -> "MlflowServer":
@@ -155,11 +159,11 @@ class MlflowServer:
         import urllib.request
 
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "mlflow", "server", "--host", self.host, "--port", str(self.port), *self.options,
              "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
              "--artifacts-destination", str(self.folder / "artifacts"), "--workers", "1"],
             cwd=self.folder, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -443,8 +443,17 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     states = final_states(f"{strategy}-n2-seed0", since)
     assert states == ["FAILED", "COMPLETED"], states  # the killed job, the resubmitted one
 
+    assert_ends_as_uninterrupted(tmp_path, tiny_data, strategy, out, SLOW)
+
+
+def assert_ends_as_uninterrupted(tmp_path, tiny_data, strategy: str, out: Path, stragglers: dict) -> dict:
+    """The interrupted run in `out` (test_faults.launch, CHECKPOINTED) has the metrics of an
+    uninterrupted local run of the same seed (the launcher's keys change no number) and left
+    no resume folder; returns its metrics."""
+    from test_faults import CHECKPOINTED, launch
+
     reference_command, reference_out, _ = launch(tmp_path, tiny_data, strategy, "reference", train=CHECKPOINTED,
-                                                 stragglers=SLOW)
+                                                 stragglers=stragglers)
     reference = subprocess.run(reference_command, capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     metrics, expected = read_json(out / "metrics.json"), read_json(reference_out / "metrics.json")
@@ -453,6 +462,7 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in expected["val"]] != []
     assert metrics["final_val_top1"] == expected["final_val_top1"]
     assert not (out / "resume").exists()
+    return metrics
 
 
 def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_running(tmp_path, tiny_data,

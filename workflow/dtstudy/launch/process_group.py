@@ -5,7 +5,9 @@ Two bounds keep a run from outliving a lost process (config/README.md, `launcher
 
 - every collective and point-to-point wait of the run's groups ends in an error after
   `launcher.comm_timeout_s` (the process-group time-out, independent of the job's time
-  limit); joining the group (the rendezvous) may take up to the job's time limit;
+  limit); joining the group (the rendezvous) may take up to the job's time limit, but a
+  rank whose node gets no answer at all from MASTER_ADDR fails after `comm_timeout_s`,
+  naming its host and the address (`wait_for_master`);
 - `PeerWatch`: each process announces itself in the job's TCP store and beats there every
   second; a thread in every process checks the others, and a peer whose process is gone
   (same host) or that has not beaten for half of `comm_timeout_s` (a frozen process or
@@ -14,7 +16,10 @@ Two bounds keep a run from outliving a lost process (config/README.md, `launcher
   so on its stderr, kills the peer if it is a frozen process on this host (nothing else
   would: submitit's local controller waits for every task) and exits with status 1. Its own
   peers then see it gone in turn, so every process of the run ends within seconds; on SLURM,
-  srun --kill-on-bad-exit ends the job's other tasks as well.
+  srun --kill-on-bad-exit ends the job's other tasks as well. A process that fails because a
+  peer's connection closed looks for the cause before it exits: a peer on its host by its
+  process, one on another host (a node lost whole) by its heartbeats, which takes up to half
+  of `comm_timeout_s`.
 """
 
 from __future__ import annotations
@@ -119,6 +124,9 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
         # a CPU worker stands for one GPU: one thread each, so N workers use N cores
         torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world_size))
+    if rank != 0:  # a master this rank can never reach is an error now, not at the job's time limit
+        wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, comm_timeout_s,
+                        timeout_min * 60)
     # the store of the rendezvous waits as long as the job may; the groups' waits are bounded
     # apart from it (a lost peer must not hold the others for the job's time limit)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size,
@@ -142,6 +150,46 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
         startup_timeout_s=timeout_min * 60,
         gloo_loop_nice=gloo_loop_nice,
     )
+
+
+class MasterUnreachable(RuntimeError):
+    """A rank cannot reach the rendezvous (MASTER_ADDR:MASTER_PORT) from its node."""
+
+
+def wait_for_master(master: str, port: int, rank: int, unreachable_s: float, timeout_s: float) -> None:
+    """Wait until rank 0's store at `master`:`port` takes a connection from this node. A refused
+    connection is a master not listening yet (tasks start when the scheduler starts them): wait
+    up to `timeout_s`, as the rendezvous does. No answer at all (no route to the address, or
+    packets dropped) for `unreachable_s` (launcher.comm_timeout_s) means the address is one this
+    node cannot reach (the first node's name resolving to an interface the others have no route
+    to, a port closed between nodes): a MasterUnreachable naming this host and the address,
+    where torch's store would wait out the job's time limit."""
+    here = socket.gethostname()
+    try:
+        address = socket.getaddrinfo(master, port, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as error:
+        raise MasterUnreachable(f"rank {rank} on {here}: MASTER_ADDR {master!r} does not resolve ({error})") from None
+    named = master if master == address else f"{master} ({address})"
+    started = time.monotonic()
+    answered = False  # the address's host refused: it is reachable, its master not yet listening
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=min(5.0, unreachable_s)).close()
+            return
+        except ConnectionRefusedError:
+            answered = True
+            failure = "connection refused"
+        except OSError as error:  # no route, host unreachable, timed out
+            failure = str(error) or type(error).__name__
+        waited = time.monotonic() - started
+        if (not answered and waited >= unreachable_s) or waited >= timeout_s:
+            raise MasterUnreachable(
+                f"rank {rank} on {here} cannot reach MASTER_ADDR {named} port {port} (rank 0's store) after "
+                f"{waited:.0f} s: {failure}. Every node must reach the job's first node at that address: "
+                "check that its host name resolves to an interface the other nodes can route to "
+                "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the interface the process groups use) and "
+                "that TCP ports between the nodes are open (docs/cluster.md, 'Multi-node runs')")
+        time.sleep(0.5)
 
 
 # ----- the watch over a run's processes --------------------------------------------------
@@ -193,8 +241,11 @@ class PeerWatch:
         gone without a word (killed), if any."""
         if not self._stop_watching("failed"):
             return
-        # a killed peer's sockets close before its process shows as gone: look again for a moment
-        deadline = time.monotonic() + LOSS_SETTLE_S
+        # a killed peer's sockets close before its process shows as gone: look again for a
+        # moment. A peer on another host (a node lost whole) shows only by its heartbeats
+        # stopping: look until they would have been missed that long.
+        remote = any(self._info.get(r, {}).get("host") != socket.gethostname() for r in self.peers)
+        deadline = time.monotonic() + (self.unseen_limit_s + 2 * HEARTBEAT_S if remote else LOSS_SETTLE_S)
         with contextlib.suppress(Exception):
             while True:
                 lost = [(r, why) for r, why, failed in self._check() if not failed]

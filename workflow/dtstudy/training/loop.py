@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,6 +431,7 @@ def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
     strategy.finish()
     state.log.loss = state.losses_so_far()
     state.log.injected_delay_s = run.straggler.total_s
+    state.log.host = socket.gethostname()  # this attempt's: a resumed run may have moved
 
     logs: list[WorkerLog] = [state.log]
     if spec.workers > 1:  # to rank 0 only: N logs unpickled once, not N times each (N^2 when emulated)

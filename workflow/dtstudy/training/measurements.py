@@ -42,6 +42,7 @@ class WorkerLog:
     bytes_sent: list[float] = field(default_factory=list)
     images: list[int] = field(default_factory=list)
     injected_delay_s: float = 0.0  # straggler injection, inside step_s
+    host: str = ""  # where the worker ran its last attempt (a multi-node job's ranks on several)
 
     def record(self, data_s: float, step_s: float, comm_s: float, bytes_sent: float, images: int) -> None:
         self.data_s.append(data_s)
@@ -152,5 +153,6 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
         # environment.kernels)
         "compute": compute,
         "config": spec.config,
-        "environment": environment,
+        # rank 0's; which host each worker ran on beside it (a multi-node job spans several)
+        "environment": {**environment, "worker_hosts": [worker.host for worker in logs]},
     }
