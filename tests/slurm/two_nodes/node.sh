@@ -18,7 +18,8 @@ case $what in
     nsenter --net="/run/netns/$node" unshare --uts sh -c "hostname $node && exec slurmd -N $node" ;;
   kill)
     pids=$(ip netns pids "$node")
-    [[ -z $pids ]] || kill -9 $pids 2>/dev/null || true ;;
+    [[ -z $pids ]] || kill -9 $pids 2>/dev/null || true
+    rm -f "$BASE/run/slurmd.$node.pid" ;;   # stale now: its number may go to another process
   cut) ip link set "dtsv-$node" down ;;
   mend) ip link set "dtsv-$node" up ;;
   *) echo "node.sh: start, kill, cut or mend, not '$what'" >&2; exit 2 ;;
