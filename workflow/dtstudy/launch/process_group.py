@@ -244,6 +244,8 @@ class PeerWatch:
         # a killed peer's sockets close before its process shows as gone: look again for a
         # moment. A peer on another host (a node lost whole) shows only by its heartbeats
         # stopping: look until they would have been missed that long.
+        with contextlib.suppress(Exception):  # where each peer is: those announced since the watch last looked
+            self._check()
         remote = any(self._info.get(r, {}).get("host") != socket.gethostname() for r in self.peers)
         deadline = time.monotonic() + (self.unseen_limit_s + 2 * HEARTBEAT_S if remote else LOSS_SETTLE_S)
         with contextlib.suppress(Exception):
