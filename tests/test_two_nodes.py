@@ -19,6 +19,7 @@ from conftest import REPO
 pytestmark = pytest.mark.slurm
 
 TWO_NODES = REPO / "tests" / "slurm" / "two_nodes"
+CLUSTER_BASE = Path(os.environ.get("BASE", "/tmp/dtstudy-slurm2"))  # up.sh's configs, state and logs
 
 
 def cluster_names() -> dict[str, str]:
@@ -194,7 +195,9 @@ def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(t
         assert sorted(steps) == [step for step in range(metrics["steps"]) if (step + 1) % every == 0] != []
         assert len(client.get_metric_history(run_id, "train_loss_mean")) == metrics["steps"]
     assert not any(password in str(value) for value in logged.to_dict("list").values())  # params, tags
-    written = [path for path in tmp_path.rglob("*") if path.is_file() and password.encode() in path.read_bytes()]
+    # what the study wrote, what the server logged, what the cluster's daemons logged
+    searched = [*tmp_path.rglob("*"), server.folder / "server.log", *CLUSTER_BASE.glob("log/*")]
+    written = [path for path in searched if path.is_file() and password.encode() in path.read_bytes()]
     assert written == []
 
 
