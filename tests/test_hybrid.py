@@ -275,13 +275,14 @@ def test_the_project_command_needs_a_layer_profile_for_hybrid(tmp_path):
     """`python -m dtstudy project` on a measurement file: without model.layer_profile hybrid's
     fully connected layers are unknown and the command says which key; with one (ResNet-50's,
     the control) it projects hybrid, whose one small classifier leaves it slower than
-    allreduce at N=64 on a 10 Gbit/s network."""
+    allreduce at N=64 on a 10 Gbit/s network. A model named like a shipped profile takes
+    that profile without the key (the same projection)."""
     import yaml
 
     from dtstudy.errors import ConfigError
     from dtstudy.projection import project
 
-    measured = {"model": {"name": "resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
+    measured = {"model": {"name": "my_resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
                 "per_worker_batch": 64, "throughput": {1: 52.4, 8: 378}}
     hardware = {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50}}
     (tmp_path / "H.yaml").write_text(yaml.safe_dump(hardware))
@@ -293,3 +294,7 @@ def test_the_project_command_needs_a_layer_profile_for_hybrid(tmp_path):
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
     rows = {(r["strategy"], r["workers"]): r for r in project.run_command(*args, str(tmp_path / "p.csv"))}
     assert rows[("hybrid", 64)]["throughput"] < rows[("allreduce", 64)]["throughput"]
+    measured["model"] = {"name": "resnet50", "parameters": 25557032, "bytes_per_parameter": 4}
+    (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
+    named = {(r["strategy"], r["workers"]): r for r in project.run_command(*args, str(tmp_path / "p.csv"))}
+    assert named[("hybrid", 64)]["throughput"] == rows[("hybrid", 64)]["throughput"]
