@@ -174,6 +174,22 @@ def test_full_study_without_a_dataset_root_says_what_to_edit(tmp_path):
     assert "dataset.root: '/path/to/imagenet'" in output
 
 
+def restart_while_training(server, process, runs: list[Path], logs: Path, deadline: float) -> bool:
+    """Stop the tracking server once a run has logged to it, start it again once a run said it
+    was unreachable; whether the outage met a run that was still training. That run, and those
+    that start while the server is away, train on."""
+    while not any((run / "mlflow_run.json").exists() for run in runs):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
+        time.sleep(0.2)
+    server.stop()
+    while not any("unreachable" in log.read_text() for log in logs.glob("train/*/*/*.log")):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
+        time.sleep(0.5)
+    met_training = not all((run / "metrics.json").exists() for run in runs)
+    server.start()
+    return met_training
+
+
 def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_server):
     """The study on SLURM, with its MLflow server stopped while the runs train and started again
     on the same store: the study completes and every metric the runs measured is in MLflow."""
@@ -186,18 +202,8 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
     process = slurm_snakemake(tmp_path, study)
     names = run_names(study)
     runs_dirs = {name: tmp_path / "results/runs/{}/{}/seed0".format(*name.split("-")[:2]) for name in names}
-    deadline = time.monotonic() + 600
-    # the server goes away once the first run logs to it: that run, and those that start while
-    # it is away, train on; the outage lasts until a run says it noticed
-    while not any((run / "mlflow_run.json").exists() for run in runs_dirs.values()):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
-        time.sleep(0.2)
-    mlflow_server.stop()
-    while not any("unreachable" in log.read_text() for log in tmp_path.glob("results/logs/train/*/*/*.log")):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
-        time.sleep(0.5)
-    away_until_training_ended = not all((run / "metrics.json").exists() for run in runs_dirs.values())
-    mlflow_server.start()
+    away_until_training_ended = restart_while_training(mlflow_server, process, list(runs_dirs.values()),
+                                                       tmp_path / "results/logs", time.monotonic() + 600)
     output = process.communicate(timeout=900)[0]
     assert process.returncode == 0, output[-6000:]
     assert away_until_training_ended  # the outage met a run that was still training

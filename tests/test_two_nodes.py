@@ -120,21 +120,6 @@ grant_default_workspace_access = false
 STUDY_STRATEGIES = ["allreduce", "ps_sync", "gossip", "local_sgd"]
 
 
-def restart_while_training(server, process, runs: list[Path], logs: Path, deadline: float) -> bool:
-    """Stop the tracking server once a run has logged to it, start it again once a run said it
-    was unreachable; whether the outage met a run that was still training."""
-    while not any((run / "mlflow_run.json").exists() for run in runs):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
-        time.sleep(0.2)
-    server.stop()
-    while not any("unreachable" in log.read_text() for log in logs.glob("train/*/*/*.log")):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()[-6000:]
-        time.sleep(0.5)
-    met_training = not all((run / "metrics.json").exists() for run in runs)
-    server.start()
-    return met_training
-
-
 def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(tmp_path, two_nodes, login_mlflow,
                                                                                 monkeypatch):
     """The tiny SLURM study at N = 4 with 2 (fake) GPUs per node through `snakemake --profile
@@ -147,7 +132,7 @@ def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(t
     import mlflow
 
     from conftest import read_json
-    from test_slurm import run_names, sacct_states, slurm_snakemake, tiny_cluster_study
+    from test_slurm import restart_while_training, run_names, sacct_states, slurm_snakemake, tiny_cluster_study
 
     server, password = login_mlflow, login_mlflow.password
     # rank 0 logs the loss of every 5th step: 14 steps an epoch at N = 4
