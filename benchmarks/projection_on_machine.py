@@ -208,7 +208,7 @@ def write_record(path: str, records: list[dict], config: dict, repeats: int, ste
 
     import torch
 
-    from dtstudy.atomic_files import write_text
+    from dtstudy.common.atomic_files import write_text
     from dtstudy.tracking.provenance import cpu_model
 
     write_text(path, json.dumps({

@@ -145,7 +145,7 @@ class MlflowServer:
                  options: tuple[str, ...] = (), env: dict | None = None):
         """`host`: the address it listens on; `name`: the host name its clients use (a login
         node's); `options` and `env`: more of `mlflow server`'s (its authentication)."""
-        from dtstudy.launch.ports import free_port
+        from dtstudy.common.ports import free_port
 
         self.folder, self.port, self.host = Path(folder), port or free_port(), host
         self.uri = f"http://{name or host}:{self.port}"

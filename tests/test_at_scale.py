@@ -24,7 +24,7 @@ from conftest import REPO, run_snakemake, tiny_study
 from dtstudy.strategies.specs import get_spec
 from dtstudy.analysis import claims
 from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
-from dtstudy.analysis.intervals import Interval
+from dtstudy.common.intervals import Interval
 from dtstudy.analysis.tables import accuracy_table, with_run_extras
 from dtstudy.strategies.specs import SPECS
 from test_workflow import job_counts, shipped_study_dry_run, train_threads

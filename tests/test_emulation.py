@@ -326,7 +326,7 @@ def test_messages_are_received_in_the_order_of_the_clusters_clock():
     import torch
     import torch.distributed as dist
 
-    from dtstudy.strategies import timing
+    from dtstudy.common import timing
 
     def body(rank):
         got = []
@@ -357,7 +357,7 @@ def test_gather_object_reaches_the_root_only():
     import torch
     import torch.distributed as dist
 
-    from dtstudy.strategies import timing
+    from dtstudy.common import timing
 
     def body(rank):
         timing.clock_for(torch.device("cpu")).sleep(float(rank))  # arrivals at 0, 1, 2, 3

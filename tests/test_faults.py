@@ -136,7 +136,7 @@ def _watch_over(tmp_path: Path, monkeypatch, peer_pid: int):
 
     import torch.distributed as dist
 
-    from dtstudy.launch.ports import free_port
+    from dtstudy.common.ports import free_port
     from dtstudy.launch.process_group import PeerWatch
 
     port = free_port()

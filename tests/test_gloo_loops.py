@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from conftest import run_snakemake, tiny_study
 from dtstudy.gloo_loops import GLOO_LOOP_THREAD
-from dtstudy.launch.ports import free_port
+from dtstudy.common.ports import free_port
 
 
 def _threads_priority() -> list[tuple[str, int, int]]:

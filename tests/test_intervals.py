@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from dtstudy.analysis import intervals
+from dtstudy.common import intervals
 
 WORKFLOW = str(REPO / "workflow")
 
@@ -37,7 +37,7 @@ def test_two_values_give_their_range_and_one_value_no_interval():
 #: speedup's) at two levels; the ratio's ends take many values, so that another seed moves them
 INTERVALS_OF = """
 def intervals_of(groups, other, seed=None):
-    from dtstudy.analysis import intervals
+    from dtstudy.common import intervals
 
     kwargs = {} if seed is None else {"seed": seed}
     found = [intervals.median_interval(groups, **kwargs)]

@@ -18,7 +18,7 @@ from dtstudy.errors import ConfigError
 from dtstudy.strategies.base import CommMeter, DistContext, Strategy
 from dtstudy.strategies.registry import get_strategy
 from dtstudy.strategies.specs import SPECS
-from dtstudy.strategies.timing import HostClock, StepTimer
+from dtstudy.common.timing import HostClock, StepTimer
 from dtstudy.training.compute import Compute
 from dtstudy.training.loop import make_criterion, make_optimizer_factory, timed_step
 from dtstudy.training.measurements import WorkerLog

@@ -119,7 +119,7 @@ def test_a_periodic_exchange_weighs_in_every_window_as_in_a_long_run():
     throughput is 8 x 32 images / 0.16 s. The at-scale study's windows of 5 steps would hold
     the average or not (5 of 8 of them do), and their median would say 5 x 32 / 0.13 s, 23%
     low; the windows span whole periods instead, each 1600 images/s."""
-    from dtstudy.analysis.intervals import median_interval
+    from dtstudy.common.intervals import median_interval
     from dtstudy.training.measurements import run_windows
 
     step_s = [0.09 if (step + 1) % 8 == 0 else 0.01 for step in range(5 + 8 * 6)]

@@ -200,7 +200,7 @@ def test_a_rank_whose_node_cannot_reach_master_addr_fails_naming_host_and_addres
     host name resolving to the wrong interface): the second node's rank fails within
     launcher.comm_timeout_s (10 s here), naming its host and the address, where torch's store
     would wait out the rendezvous (10 min here); srun --kill-on-bad-exit ends the job."""
-    from dtstudy.launch.ports import free_port
+    from dtstudy.common.ports import free_port
 
     unroutable = "10.78.0.11"  # on the first node only; the second routes only the bridge's subnet
     node1 = ["ip", "netns", "exec", NODES[0], "ip", "addr"]

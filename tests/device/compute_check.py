@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import exchange_check  # noqa: E402
-from dtstudy.atomic_files import write_json  # noqa: E402
+from dtstudy.common.atomic_files import write_json  # noqa: E402
 from dtstudy.config.study_config import deep_merge, read_yaml, run_config, validate_schema  # noqa: E402
 from dtstudy.runspec import RunSpec  # noqa: E402
 
@@ -277,13 +277,13 @@ def epoch_sums(config: dict, data: Path, out: Path, device: torch.device) -> lis
 
 
 def straggler_delay(device: torch.device, delay_s: float = 0.03, repeats: int = 5) -> dict:
-    """A straggler's delay on the device's timeline (dtstudy.strategies.timing's clock.sleep,
+    """A straggler's delay on the device's timeline (dtstudy.common.timing's clock.sleep,
     as the training loop spends it): device work queued, then the delay, timed with the
     study's own clock against the same work alone. A host-only sleep would overlap the queued
     work and add (almost) nothing. The fastest of `repeats` of each, interleaved: another
     process on a shared machine only ever adds time. On the CPU (the dry run) the work is
     small, so that a busy machine's noise on it stays well under the delay."""
-    from dtstudy.strategies.timing import clock_for
+    from dtstudy.common.timing import clock_for
 
     clock = clock_for(device)
     size = 64 if device.type == "cpu" else 8192

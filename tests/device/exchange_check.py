@@ -193,7 +193,7 @@ def forkserver():
 def run_strategy(context, label: str, spec, device_type: str, logs: Path, limit_s: float) -> dict:
     """A strategy's N = 2 run, its ranks' reports merged; ranks still running after `limit_s`
     are stopped and the run reported as timed out."""
-    from dtstudy.launch.ports import free_port
+    from dtstudy.common.ports import free_port
 
     layout = spec.layout()
     logs.mkdir(parents=True, exist_ok=True)

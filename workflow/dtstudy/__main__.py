@@ -160,7 +160,7 @@ def cmd_aggregate(args) -> None:
         wait_for_server_s=cfg["tracking"]["wait_for_server_s"],
     )
     if args.study_run:  # where the study run is, for the steps after this one (the projection)
-        from dtstudy.atomic_files import write_json
+        from dtstudy.common.atomic_files import write_json
 
         write_json(args.study_run, {"run_id": done["parent_run_id"], "tracking_uri": done["tracking_uri"],
                                     "experiment": cfg["tracking"]["experiment"]})

@@ -14,7 +14,7 @@ from dtstudy.analysis.pages import write_page
 from dtstudy.analysis.plots import make_plots
 from dtstudy.analysis.runs import load_run_metrics, load_runs
 from dtstudy.analysis.tables import accuracy_table, noise_summary, scaling_table, write_table
-from dtstudy.atomic_files import write_text
+from dtstudy.common.atomic_files import write_text
 from dtstudy.tracking import mlflow_store
 from dtstudy.tracking.live_run import PENDING_FILE, deliver_pending
 

@@ -20,7 +20,7 @@ and the figures with their intervals that say so.
   still "little").
 
 Every comparison is read three ways (`read`): "above"/"below" when the two intervals are apart
-(dtstudy.analysis.intervals.overlaps); "level" (for Goyal "kept") only when the difference's
+(dtstudy.common.intervals.overlaps); "level" (for Goyal "kept") only when the difference's
 plausible range lies within a stated margin (`SCALES`: TOP1_MARGIN of top-1, RELATIVE_MARGIN of a
 time, a count of steps or a staleness), an equivalence reading like TOST; otherwise "undecided":
 the intervals are too wide (or too few seeds) to tell, which is not "within the noise" and not a
@@ -58,8 +58,8 @@ from pathlib import Path
 import pandas as pd
 from scipy import stats
 
-from dtstudy.analysis import intervals
-from dtstudy.analysis.intervals import Interval
+from dtstudy.common import intervals
+from dtstudy.common.intervals import Interval
 from dtstudy.analysis.runs import read_json, runs_of_kind
 from dtstudy.analysis.tables import GAP_POINTS, with_run_extras
 from dtstudy.config.run_kinds import ACCURACY

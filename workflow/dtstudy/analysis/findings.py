@@ -6,10 +6,10 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from dtstudy.analysis import intervals
+from dtstudy.common import intervals
 from dtstudy.analysis.claims import (ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, UNDECIDED_READING, Verdict,
                                      beyond_zero, difference_range, read)
-from dtstudy.analysis.intervals import Interval
+from dtstudy.common.intervals import Interval
 from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
 from dtstudy.config.run_kinds import ACCURACY, SCALING
 from dtstudy.strategies.specs import REFERENCE_STRATEGY

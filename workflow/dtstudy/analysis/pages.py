@@ -9,7 +9,7 @@ import html
 import re
 from pathlib import Path
 
-from dtstudy.atomic_files import write_text
+from dtstudy.common.atomic_files import write_text
 
 _STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:120em}table{border-collapse:collapse;font-size:90%}"
           "th,td{border:1px solid #ccc;padding:.2em .5em;text-align:left;white-space:nowrap}th{background:#eee}"

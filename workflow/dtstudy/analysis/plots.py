@@ -14,10 +14,10 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from dtstudy.analysis.figures import DRAWN
-from dtstudy.analysis import intervals
+from dtstudy.common import intervals
 from dtstudy.analysis.runs import runs_of_kind
 from dtstudy.analysis.tables import BASELINE_STRATEGY, accuracy_table, scaling_table, sorted_by_strategy
-from dtstudy.atomic_files import atomic_write
+from dtstudy.common.atomic_files import atomic_write
 from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import FAMILIES, REFERENCE_STRATEGY
 

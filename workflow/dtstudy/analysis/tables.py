@@ -4,7 +4,7 @@ Each table takes its runs of one kind (dtstudy.config.run_kinds) and says which 
 `from_runs` column: the scaling table the scaling runs (the accuracy runs in a study without
 them), the accuracy table the accuracy runs.
 
-Every cell comes with its uncertainty (dtstudy.analysis.intervals): throughput, speedup and
+Every cell comes with its uncertainty (dtstudy.common.intervals): throughput, speedup and
 efficiency with a bootstrap 95% CI over the timed windows of every seed; accuracy with a
 t 95% CI over seeds (3 or more), or the range of 2 seeds, and the paired difference to
 allreduce at the same N and seed. The machine's own noise (the N=1 rows without extra
@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dtstudy.analysis import intervals
-from dtstudy.analysis.intervals import Interval
+from dtstudy.common import intervals
+from dtstudy.common.intervals import Interval
 from dtstudy.analysis.runs import FAMILY_OF, efficiency, runs_of_kind, speedup, throughput_kind
-from dtstudy.atomic_files import write_text
+from dtstudy.common.atomic_files import write_text
 from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import REFERENCE_STRATEGY
 
@@ -156,7 +156,7 @@ def with_run_extras(df: pd.DataFrame, run_metrics: Mapping[str, Mapping] | None)
 def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = None,
                    run_metrics: Mapping[str, Mapping] | None = None) -> pd.DataFrame:
     """Final test top-1/top-5 per (strategy, N): the mean over seeds with its interval
-    (dtstudy.analysis.intervals: t 95% CI from 3 seeds, the range of 2), and the paired difference
+    (dtstudy.common.intervals: t 95% CI from 3 seeds, the range of 2), and the paired difference
     to allreduce at the same N and seed. The reference (no_exchange) has no accuracy to
     report: its rank 0 trained alone on 1/N of the data. From the accuracy runs only.
     Time and steps to the target: the mean over the seeds that reached it, with the same kind

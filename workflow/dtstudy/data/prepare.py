@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtstudy.atomic_files import atomic_write, write_json
+from dtstudy.common.atomic_files import atomic_write, write_json
 from dtstudy.data.checks import check_dataset, check_val_split
 from dtstudy.data.errors import DataConfigError
 from dtstudy.data.formats import (CIFAR10_DIR, CIFAR10_FILES, DEFAULT_FASHION_MNIST_ROOT, find_fashion_mnist_files,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtstudy.atomic_files import atomic_write, write_json
+from dtstudy.common.atomic_files import atomic_write, write_json
 
 SHARDS_DIR = "shards"
 SHARDS_INDEX = "shards.json"

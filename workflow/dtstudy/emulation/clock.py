@@ -1,6 +1,6 @@
 """The cluster's clock of an emulated run: each logical worker's emulated seconds.
 
-`EmulatedClock` is a dtstudy.strategies.timing Clock: the training loop's StepTimer and the
+`EmulatedClock` is a dtstudy.common.timing Clock: the training loop's StepTimer and the
 strategy's CommMeter read it as they read a GPU's events, so a step's seconds, its
 compute/exchange split and time-to-accuracy are the emulated cluster's. Time moves only by:
 

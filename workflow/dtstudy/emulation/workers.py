@@ -1,6 +1,6 @@
 """N logical workers as threads of this process (and a strategy's extra processes, its
 parameter-server shards, as threads too): each bound to its global rank, on its own emulated
-clock (installed as its thread's dtstudy.strategies.timing clock), joined to the emulated
+clock (installed as its thread's dtstudy.common.timing clock), joined to the emulated
 process group, running one body function; the first error of any is raised."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dtstudy.emulation.process_group import BACKEND, bind_thread, EmulatedWorld, installed
 from dtstudy.emulation.scheduler import BatonScheduler, EmulationAborted
-from dtstudy.strategies.timing import install_clock
+from dtstudy.common.timing import install_clock
 
 
 class LogicalWorkerFailed(RuntimeError):

@@ -30,11 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-from dtstudy.atomic_files import write_json
+from dtstudy.common.atomic_files import write_json
 from dtstudy.config.study_config import results_sha256
 from dtstudy.launch.job import launcher_environment, PooledTrainingJob, TrainingJob
 from dtstudy.launch.pool.client import pool_address
-from dtstudy.launch.ports import free_port
+from dtstudy.common.ports import free_port
 from dtstudy.tracking.live_run import recorded_run, RUN_ID_FILE
 from dtstudy.runspec import lost_rank_path, resume_files, RunSpec
 

@@ -39,9 +39,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtstudy.atomic_files import write_json, write_text
+from dtstudy.common.atomic_files import write_json, write_text
 from dtstudy.gloo_loops import lower_gloo_event_loops
-from dtstudy.launch.ports import free_port
+from dtstudy.common.ports import free_port
 from dtstudy.runspec import TaskLayout
 from dtstudy.strategies.base import DistContext
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from dtstudy.atomic_files import write_json
+from dtstudy.common.atomic_files import write_json
 from dtstudy.config import run_kinds
 from dtstudy.config.study_config import deep_merge, per_worker_batch
 from dtstudy.errors import ConfigError

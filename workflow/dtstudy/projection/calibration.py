@@ -12,7 +12,7 @@ import yaml
 from scipy import stats
 
 from dtstudy.projection import hardware, layer_profiles
-from dtstudy.analysis import intervals
+from dtstudy.common import intervals
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.perfmodel.machine import LayerProfile, Link, Workload

@@ -8,7 +8,7 @@ import socket
 import time
 from pathlib import Path
 
-from dtstudy.launch.ports import free_port
+from dtstudy.common.ports import free_port
 from dtstudy.strategies.specs import SPECS, GossipSpec
 
 DEFAULT_SIZES = [2**k for k in range(10, 22, 2)] + [2**21 + 2**20]  # 1 KiB .. 3 MiB

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dtstudy.projection import calibration, hardware, layer_profiles
-from dtstudy.analysis import intervals
+from dtstudy.common import intervals
 from dtstudy.analysis.pages import write_page
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Link, Machine, Stragglers, Workload

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from dtstudy.strategies.specs import SPECS, StrategySpec
-from dtstudy.strategies.timing import Clock, clock_for, HostClock, Mark, PendingExchange
+from dtstudy.common.timing import Clock, clock_for, HostClock, Mark, PendingExchange
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 #: what the workers agree on at a step boundary (boundary_agreement; dtstudy.training.checkpoint)
@@ -68,7 +68,7 @@ class DistContext:
 class CommMeter:
     """Communication/wait seconds and bytes sent by this worker since the last `take`.
 
-    Seconds are spans between two marks of the device's clock (dtstudy.strategies.timing):
+    Seconds are spans between two marks of the device's clock (dtstudy.common.timing):
     a span that starts with a mark taken when the exchange is called starts when the device
     has done the work queued before it, not when the host got there. `seconds` holds any
     measured otherwise (added as they are)."""

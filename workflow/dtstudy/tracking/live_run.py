@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from dtstudy.atomic_files import write_json
+from dtstudy.common.atomic_files import write_json
 from dtstudy.runspec import EVAL_FILE, METRICS_FILE, RunSpec
 from dtstudy.tracking.logged_params import applicable_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtstudy.atomic_files import atomic_write, write_json
+from dtstudy.common.atomic_files import atomic_write, write_json
 from dtstudy.runspec import RunSpec
 
 

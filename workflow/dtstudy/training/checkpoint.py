@@ -58,7 +58,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtstudy.atomic_files import atomic_write
+from dtstudy.common.atomic_files import atomic_write
 from dtstudy.config import study_config
 from dtstudy.training.measurements import WorkerLog
 from dtstudy.runspec import RESUME_DIR, resume_files

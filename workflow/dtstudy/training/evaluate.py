@@ -10,7 +10,7 @@ import torch
 
 from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
 from dtstudy.training.models import build_model, inference_layout
-from dtstudy.atomic_files import write_json
+from dtstudy.common.atomic_files import write_json
 from dtstudy.tracking.mlflow_store import log_test_metrics
 from dtstudy.tracking.live_run import server_away
 from dtstudy.tracking.provenance import environment

@@ -34,7 +34,7 @@ from dtstudy.tracking.live_run import LiveRun, start_live_run
 from dtstudy.runspec import RunSpec
 from dtstudy.training.lr_schedule import LRSchedule, make_schedule
 from dtstudy.strategies.base import DistContext, Strategy
-from dtstudy.strategies.timing import clock_for, StepTimer
+from dtstudy.common.timing import clock_for, StepTimer
 from dtstudy.training.compute import Compute
 from dtstudy.strategies.registry import get_strategy
 from dtstudy.training.stragglers import Straggler

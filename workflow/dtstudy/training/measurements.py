@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtstudy.config.study_config import global_batch_size, per_worker_batch
-from dtstudy.analysis.intervals import median_interval
+from dtstudy.common.intervals import median_interval
 from dtstudy.strategies.specs import get_spec
 from dtstudy.training.stragglers import slow_ranks
 
@@ -36,7 +36,7 @@ class WorkerLog:
     rank: int
     loss: list[float] = field(default_factory=list)
     data_s: list[float] = field(default_factory=list)
-    # seconds on the device's clock (dtstudy.strategies.timing): CUDA events on a GPU
+    # seconds on the device's clock (dtstudy.common.timing): CUDA events on a GPU
     step_s: list[float] = field(default_factory=list)  # forward + backward + update, exchange included
     comm_s: list[float] = field(default_factory=list)  # the exchange/wait part of step_s
     bytes_sent: list[float] = field(default_factory=list)

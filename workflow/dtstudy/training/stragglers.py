@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from dtstudy.strategies import timing
+from dtstudy.common import timing
 
 DISTRIBUTIONS = ("fixed", "uniform", "exponential")
 

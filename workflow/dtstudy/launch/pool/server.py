@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from dtstudy.atomic_files import write_json
+from dtstudy.common.atomic_files import write_json
 from dtstudy.launch import cores
 from dtstudy.launch.pool.client import PoolError, apply_environment
 from dtstudy.tracking.provenance import PINNED_ENV
@@ -116,7 +116,7 @@ def _evaluate(conn: socket.socket, message: dict) -> dict:
 def _train(conn: socket.socket, message: dict) -> dict:
     """Fork the run's ranks, wait for all of them; stop them all at the first failure or
     when the client disconnects."""
-    from dtstudy.launch.ports import free_port
+    from dtstudy.common.ports import free_port
 
     spec = RunSpec(**message["spec"])
     log_dir = Path(message["log_dir"])

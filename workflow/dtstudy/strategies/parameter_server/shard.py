@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dtstudy.strategies import timing
+from dtstudy.common import timing
 from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, NO_BOUNDARY, REQUEST_SIZE, SETUP_FIELDS, STATS_HEADER_SIZE, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_STATS, TAG_VERSION, VALUE_DTYPE
 
 
