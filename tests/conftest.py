@@ -13,6 +13,25 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The test tiers. `python3 -m pytest` is the quick tier (maths, config, docs, structure, short
+# training runs); the tests marked with one of LONG_MARKERS join it under `--full`, which .ci/run
+# uses. An explicit `-m` expression chooses for itself.
+LONG_MARKERS = ("slow", "e2e", "slurm")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run every tier: also the tests marked slow, e2e or slurm (what CI runs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return
+    long_items = [item for item in items if any(item.get_closest_marker(m) for m in LONG_MARKERS)]
+    if long_items:
+        config.hook.pytest_deselected(items=long_items)
+        items[:] = [item for item in items if item not in long_items]
 TINY_SUBSET = 2000  # 1800 training + 200 validation images
 
 
@@ -68,7 +87,8 @@ def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strateg
 
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
-    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
+    from dtstudy.common.run_folder import MODEL
+    from dtstudy.runspec import RunSpec
 
     study = validated(tiny_study(
         strategies=[strategy],
@@ -82,7 +102,7 @@ def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strateg
     spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
                    data_dir=str(data_dir), out_dir=str(out))
     metrics = run_training_job(spec, out / "submitit")
-    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
+    return metrics, torch.load(out / MODEL, weights_only=True)["state_dict"], out
 
 
 def assert_same_parameters(a: dict, b: dict, atol: float) -> None:
