@@ -72,7 +72,8 @@ def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_da
 
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
-    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
+    from dtstudy.common.run_folder import MODEL
+    from dtstudy.runspec import RunSpec
 
     batch = 8
     study = validated(tiny_study(strategies=["local_sgd"], workers=[2], model="resnet18",
@@ -81,7 +82,7 @@ def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_da
     spec = RunSpec(strategy="local_sgd", workers=2, seed=0, config=run_config(study, "local_sgd"),
                    data_dir=str(tiny_data), out_dir=str(tmp_path / "run"))
     metrics = run_training_job(spec, tmp_path / "run" / "submitit")
-    state = torch.load(tmp_path / "run" / CHECKPOINT_FILE, weights_only=True)["state_dict"]
+    state = torch.load(tmp_path / "run" / MODEL, weights_only=True)["state_dict"]
     assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0  # averaged after 3, apart at 4
     model = build_model("resnet18", 1, 10, 28, {"small_input": True})
     model.load_state_dict(state)

@@ -38,7 +38,8 @@ def emulated_run(tmp_path, data_dir, workers, batch_size, steps=6, seed=0, strat
 
     from dtstudy.config.study_config import run_config
     from dtstudy.emulation.runner import run_emulated
-    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
+    from dtstudy.common.run_folder import MODEL
+    from dtstudy.runspec import RunSpec
 
     study = validated(tiny_study(
         strategies=[strategy], workers=[workers], strategy_params={strategy: strategy_params or {}},
@@ -49,7 +50,7 @@ def emulated_run(tmp_path, data_dir, workers, batch_size, steps=6, seed=0, strat
     spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
                    data_dir=str(data_dir), out_dir=str(out))
     metrics = run_emulated(spec) if run_class is None else run_class(spec).run()
-    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
+    return metrics, torch.load(out / MODEL, weights_only=True)["state_dict"], out
 
 
 # ----- (a) the same numbers as a real run ----------------------------------------------------

@@ -22,8 +22,7 @@ import pytest
 import yaml
 
 from conftest import assert_same_parameters, read_json, tiny_study
-from dtstudy.tracking.live_run import RUN_ID_FILE
-from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE
+from dtstudy.common.run_folder import METRICS, MLFLOW_RUN, MODEL
 from test_pool import training_runs, wait_for_output
 
 FAIL_WITHIN_S = 60  # a lost process must end its run within this; the job's limit is timeout_min
@@ -109,7 +108,7 @@ def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, 
     seen = wait_for_output(launcher, r"img/s")
     job_id, pids = wait_for_tasks(seen, 3 if strategy.startswith("ps_") else 2)
     deadline = time.monotonic() + 60
-    while not (out / RUN_ID_FILE).exists() and time.monotonic() < deadline:  # its MLflow run exists
+    while not (out / MLFLOW_RUN).exists() and time.monotonic() < deadline:  # its MLflow run exists
         time.sleep(0.1)
     killed_at = time.monotonic()
     os.kill(pids[victim], signal.SIGKILL)
@@ -121,7 +120,7 @@ def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, 
     # the rank, how it was lost and where its log is (submitit's file of its task)
     assert f"rank {victim} was lost (its process {pids[victim]} on" in stderr, stderr
     assert str(tmp_path / "run-job" / f"{job_id}_{victim}_log.err") in stderr, stderr
-    assert not (out / METRICS_FILE).exists()
+    assert not (out / METRICS).exists()
     for pid in pids.values():  # no task outlives the run
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -217,7 +216,7 @@ def test_a_frozen_process_is_named_and_its_run_ends(tmp_path, tiny_data):
     print(f"ps_sync: rank 1 frozen, the run failed {took:.1f} s later")
     assert launcher.returncode != 0 and 5 < took < 10 + 20, (took, stderr)
     assert "rank 1 was lost (no heartbeat for" in stderr, stderr
-    assert not (out / METRICS_FILE).exists()
+    assert not (out / METRICS).exists()
     [run] = training_runs(uri)
     assert run.info.status == "FAILED" and "rank 1 was lost" in run.data.tags["dtstudy.failure"]
 
@@ -250,7 +249,7 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_
     os.kill(pids[1], signal.SIGKILL)
     launcher.wait(timeout=FAIL_WITHIN_S + 30)
     seen += launcher.stdout.read()
-    assert launcher.returncode != 0 and not (out / METRICS_FILE).exists(), seen
+    assert launcher.returncode != 0 and not (out / METRICS).exists(), seen
     saved = [int(step) for step in re.findall(r"checkpoint at step (\d+)", seen)]
     assert (out / "resume" / "rank0.pt").exists()
 
@@ -264,13 +263,13 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_
     step = int(resumed.group(1))
     assert step >= saved[-1] >= 10 and step % 5 == 0 and step < 120, (step, saved)
     print(f"{processes}: killed after the checkpoint at step {saved[-1]}, resumed from step {step}")
-    metrics, expected = read_json(out / METRICS_FILE), read_json(reference_out / METRICS_FILE)
+    metrics, expected = read_json(out / METRICS), read_json(reference_out / METRICS)
     assert metrics["steps"] == expected["steps"] == 120
     assert metrics["train_loss"] == expected["train_loss"]
     assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in expected["val"]]
     assert metrics["stragglers"] == expected["stragglers"]
-    assert_same_parameters(torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"],
-                           torch.load(reference_out / CHECKPOINT_FILE, weights_only=True)["state_dict"], atol=1e-7)
+    assert_same_parameters(torch.load(out / MODEL, weights_only=True)["state_dict"],
+                           torch.load(reference_out / MODEL, weights_only=True)["state_dict"], atol=1e-7)
     assert not (out / "resume").exists()  # done: nothing left to resume
     assert {run.info.status for run in training_runs(uri)} == {"FINISHED"}
 

@@ -69,5 +69,5 @@ def test_the_communication_benchmark_measures_with_the_runs_loop_priority(tmp_pa
     result = run_snakemake(tmp_path, tiny_study(launcher={"gloo_loop_nice": priority}), "--dry-run", "--printshellcmds",
                            "--cores", "2", timeout=300)
     assert result.returncode == 0, result.stderr
-    commbench = [line for line in result.stdout.splitlines() if "--commbench-out" in line]
+    commbench = [line for line in result.stdout.splitlines() if "project commbench" in line]
     assert len(commbench) == 1 and f"--gloo-loop-nice {priority}" in commbench[0], commbench

@@ -61,8 +61,8 @@ def runs(tmp_path_factory, tiny_data):
                 in_workers(folder / "group", workers, _train, spec)
             finally:
                 registry.STRATEGIES[strategy] = saved
-            done[key] = (torch.load(spec.checkpoint_path, weights_only=True)["state_dict"],
-                         read_json(spec.metrics_path))
+            done[key] = (torch.load(spec.folder.model, weights_only=True)["state_dict"],
+                         read_json(spec.folder.metrics))
         return done[key]
 
     return run

@@ -185,10 +185,10 @@ def test_only_a_job_that_lost_a_process_or_its_node_and_has_a_checkpoint_is_resu
 
     spec = replace(spec_for(2, {"cluster": "slurm", "max_resubmits": 2}), out_dir=str(tmp_path / "run"))
     assert "rank0.pt, rank1.pt missing" in resubmission_refused(spec, 0, 2)
-    spec.resume_dir.mkdir(parents=True)
-    (spec.resume_dir / "rank0.pt").touch()
+    spec.folder.resume.mkdir(parents=True)
+    (spec.folder.resume / "rank0.pt").touch()
     assert "rank1.pt missing" in resubmission_refused(spec, 0, 2)
-    (spec.resume_dir / "rank1.prev.pt").touch()  # a rank caught writing its next one still has this
+    (spec.folder.resume / "rank1.prev.pt").touch()  # a rank caught writing its next one still has this
     assert resubmission_refused(spec, 0, 2) is None and resubmission_refused(spec, 1, 2) is None
     assert "launcher.max_resubmits is 2 and it was resubmitted 2 times" in resubmission_refused(spec, 2, 2)
     assert "launcher.max_resubmits is 0" in resubmission_refused(spec, 0, 0)

@@ -18,8 +18,7 @@ import yaml
 from mlflow import MlflowClient
 
 from conftest import REPO, read_json, tiny_study
-from dtstudy.tracking.live_run import RUN_ID_FILE
-from dtstudy.runspec import METRICS_FILE
+from dtstudy.common.run_folder import METRICS, MLFLOW_RUN
 
 FAIL_FAST_S = 30  # a lost rank must end its run well inside this (the job's time limit is 60 min)
 
@@ -72,7 +71,7 @@ def test_a_killed_worker_fails_its_run_in_seconds_and_names_the_rank(tmp_path, t
     job_id = re.search(r"submitted job (\d+)", seen).group(1)
     ranks = read_json(tmp_path / "job" / f"{job_id}_ranks.json")
     deadline = time.monotonic() + 60
-    while not (out / RUN_ID_FILE).exists() and time.monotonic() < deadline:  # its MLflow run exists
+    while not (out / MLFLOW_RUN).exists() and time.monotonic() < deadline:  # its MLflow run exists
         time.sleep(0.1)
     assert len(ranks) == (3 if strategy == "ps_sync" else 2)  # workers + the shard
     killed_at = time.monotonic()
@@ -84,7 +83,7 @@ def test_a_killed_worker_fails_its_run_in_seconds_and_names_the_rank(tmp_path, t
     assert took < FAIL_FAST_S, f"the run took {took:.1f} s to fail"
     assert "rank 1 was killed by signal 9" in stderr, stderr
     assert str(tmp_path / "job") in stderr  # where the rank's log is
-    assert not (out / METRICS_FILE).exists()
+    assert not (out / METRICS).exists()
     for pid in ranks.values():  # no rank outlives the run
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().split()[2] == "Z"
@@ -109,7 +108,7 @@ def test_mlflow_shows_a_run_while_it_trains_and_a_rerun_supersedes_it(tmp_path, 
     assert launcher.wait(timeout=120) == 0, launcher.stderr.read()
     finished = client.get_run(run.info.run_id)
     assert finished.info.status == "FINISHED"
-    assert read_json(out / METRICS_FILE)["mlflow"]["run_id"] == run.info.run_id
+    assert read_json(out / METRICS)["mlflow"]["run_id"] == run.info.run_id
     assert len(client.get_metric_history(run.info.run_id, "val_top1")) == 6
 
     rerun, _, _ = start_launcher(tmp_path, tiny_data, "allreduce", epochs=1, dataset={"subset": 2000})

@@ -543,7 +543,8 @@ def run_main(argv):
 
 
 def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
-    return ["project", "--measured", m, "--hardware", h, "--strategies", strategies, "--workers", workers, "--out", out]
+    return ["project", "measured", "--measured", m, "--hardware", h, "--strategies", strategies, "--workers", workers,
+            "--out", out]
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -1092,8 +1093,8 @@ def test_command_has_no_band(tmp_path):
     """A measurement file gives one number per N: no interval to project, the cells stay empty."""
     paths = write_inputs(tmp_path)
     out = tmp_path / "projection.csv"
-    assert run_main(["project", "--measured", paths[0], "--hardware", paths[1], "--strategies", "allreduce",
-                     "--workers", "1,8,64", "--out", str(out)]) == 0
+    assert run_main(["project", "measured", "--measured", paths[0], "--hardware", paths[1],
+                     "--strategies", "allreduce", "--workers", "1,8,64", "--out", str(out)]) == 0
     with open(out) as handle:
         written = list(csv.DictReader(handle))
     assert {r["throughput_low"] for r in written} == {""} and {r["measured_throughput_low"] for r in written} == {""}
@@ -1122,7 +1123,7 @@ def test_project_rule_adds_its_table_and_plot_to_the_mlflow_study_run(tmp_path):
     config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
               "projection": {"workers": [1, 2], "hardware": "this_machine"}}
     out = tmp_path / "results/tables/projection.csv"
-    assert run_main(["project", "--study", "--config-json", json.dumps(config), "--metrics", *metrics,
+    assert run_main(["project", "study", "--config-json", json.dumps(config), "--metrics", *metrics,
                      "--commbench", str(tmp_path / "bench.json"), "--out", str(out),
                      "--out-md", str(out.with_suffix(".md")), "--plot", str(tmp_path / "results/plots/projection.png"),
                      "--study-run", str(tmp_path / "study_run.json")]) == 0

@@ -20,7 +20,8 @@ import torch
 from conftest import assert_same_parameters, tiny_study, validated
 from dtstudy.config.study_config import deep_merge
 from dtstudy.training import checkpoint
-from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE, RunSpec
+from dtstudy.common.run_folder import METRICS, MODEL
+from dtstudy.runspec import RunSpec
 
 JOB_DEADLINE_S = 180  # a hung job must fail the test, not stall the suite
 PROGRESS = re.compile(r"^epoch (\d+)/\d+ step (\d+)/(\d+) ", re.M)
@@ -54,7 +55,7 @@ def submit(spec: RunSpec):
     from dtstudy.launch.job import TrainingJob
 
     os.environ["MASTER_PORT"] = str(free_port())
-    return make_executor(spec, Path(spec.out_dir) / "submitit").submit(TrainingJob(spec))
+    return make_executor(spec, spec.folder.job_logs).submit(TrainingJob(spec))
 
 
 def task_pids(job) -> list[int]:
@@ -102,8 +103,8 @@ def finish(job, spec: RunSpec):
     wait_until(job.done, "the job to end", job)
     metrics = job.results()[0]
     out = Path(spec.out_dir)
-    assert (out / METRICS_FILE).exists()
-    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], log_of(job)
+    assert (out / METRICS).exists()
+    return metrics, torch.load(out / MODEL, weights_only=True)["state_dict"], log_of(job)
 
 
 def global_steps(log: str) -> list[int]:
@@ -154,7 +155,7 @@ def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines
     assert metrics["wall_time_s"] > float(stopped.group(2))
     assert [v["wall_s"] for v in metrics["val"]] == sorted(v["wall_s"] for v in metrics["val"])
     # the state is gone once metrics.json is written
-    assert not checkpoint.resume_dir(spec.out_dir).exists()
+    assert not spec.folder.resume.exists()
 
 
 def stop_and_resume(log: str, steps: int) -> int:
@@ -201,7 +202,7 @@ def test_preempted_ps_sync_run_resumes_exactly(tmp_path, tiny_data):
     assert without_timings(shards) == without_timings(reference["strategy_metrics"])
     assert shards["updates"] == 2 * steps and shards["staleness"] == {"0": 2 * 2 * steps}  # 2 shards, 2 workers
     assert_same_parameters(params, reference_params, atol=1e-7)
-    assert not checkpoint.resume_dir(spec.out_dir).exists()
+    assert not spec.folder.resume.exists()
 
 
 @pytest.mark.parametrize("strategy", ["ps_async", "ssp", "ps_backup"])
@@ -229,7 +230,7 @@ def test_preempted_asynchronous_ps_run_continues_from_the_saved_step(tmp_path, t
     assert sum(shard["clock_ahead"].values()) == 2 * steps  # every push answered once
     if strategy == "ssp":  # the clocks went on: the bound held over both attempts
         assert shard["clock_ahead_max"] <= 2
-    assert not checkpoint.resume_dir(spec.out_dir).exists()
+    assert not spec.folder.resume.exists()
 
 
 def task_ranks(job) -> dict[int, int]:
@@ -264,9 +265,9 @@ def test_a_crashed_ps_run_started_again_resumes_from_its_last_periodic_checkpoin
     deadline = time.monotonic() + JOB_DEADLINE_S
     while not job.done() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert job.done() and not Path(spec.metrics_path).exists()
+    assert job.done() and not spec.folder.metrics.exists()
     saved = [int(step) for step in re.findall(r"checkpoint at step (\d+)", log_of(job))]
-    assert checkpoint.rank_file(spec.out_dir, 2).exists()  # the shard's own file
+    assert spec.folder.rank_file(2).exists()  # the shard's own file
 
     again = submit(spec)  # a fresh submission of the same run (as snakemake --rerun-incomplete)
     metrics, params, log = finish(again, spec)
@@ -281,7 +282,7 @@ def test_a_crashed_ps_run_started_again_resumes_from_its_last_periodic_checkpoin
     assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in reference["val"]]
     assert without_timings(metrics["strategy_metrics"]) == without_timings(reference["strategy_metrics"])
     assert_same_parameters(params, reference_params, atol=1e-7)
-    assert not checkpoint.resume_dir(spec.out_dir).exists()
+    assert not spec.folder.resume.exists()
 
 
 def test_a_preempted_run_that_cannot_resume_fails_saying_why(tmp_path, tiny_data):
@@ -305,7 +306,7 @@ def test_a_preempted_run_that_cannot_resume_fails_saying_why(tmp_path, tiny_data
     message = str(failure.value)
     assert "preempted at step 17 (signal SIGUSR2)" in message and "'no_exchange' cannot resume" in message
     assert "its state lives on a remote server" in message and "launcher.timeout_min" in message
-    assert not checkpoint.resume_dir(run.spec.out_dir).exists()
+    assert not run.spec.folder.resume.exists()
     # every shipped strategy resumes (the parameter servers too): none of them fails this way
     assert [name for name, cls in STRATEGIES.items() if not cls.resumable] == []
 
@@ -313,9 +314,9 @@ def test_a_preempted_run_that_cannot_resume_fails_saying_why(tmp_path, tiny_data
 def test_unusable_resume_state_is_reported_and_not_used(tmp_path, tiny_data):
     """A run finding rank files it cannot trust trains from step 0, says why, removes them."""
     spec = make_spec(tmp_path, tiny_data, steps=10, epochs=1)
-    folder = checkpoint.resume_dir(spec.out_dir)
+    folder = spec.folder.resume
     folder.mkdir(parents=True)
-    checkpoint.save_rank(spec.out_dir, 0, {**checkpoint.run_identity(spec), "seed": 7}, 5, {})
+    checkpoint.save_rank(spec.folder, 0, {**checkpoint.run_identity(spec), "seed": 7}, 5, {})
     (folder / "rank1.pt").write_bytes(b"not a torch file")
     metrics, _, log = finish(submit(spec), spec)
     assert re.search(r"resume state in \S+ not used \(rank 0: rank0.pt was written by another run: seed 7 "
@@ -335,38 +336,38 @@ def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny
     spec = make_spec(tmp_path, tiny_data, workers=1)
     identity = checkpoint.run_identity(spec)
     said, say = _say()
-    assert checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say) is None and said == []  # nothing there
+    assert checkpoint.load_agreed(spec.folder, identity, 0, 1, None, say) is None and said == []  # nothing there
 
-    checkpoint.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.arange(3)})
-    state = checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say)
+    checkpoint.save_rank(spec.folder, 0, identity, 20, {"x": torch.arange(3)})
+    state = checkpoint.load_agreed(spec.folder, identity, 0, 1, None, say)
     assert torch.equal(state["x"], torch.arange(3)) and said == []
 
     other = make_spec(tmp_path, tiny_data, workers=1, base_lr=0.2)  # same run name, other config
-    assert checkpoint.load_agreed(other.out_dir, checkpoint.run_identity(other), 0, 1, None, say) is None
+    assert checkpoint.load_agreed(other.folder, checkpoint.run_identity(other), 0, 1, None, say) is None
     assert "written by another run: config_sha256" in said[-1] and "starts from step 0" in said[-1]
-    assert not checkpoint.resume_dir(spec.out_dir).exists()  # removed, never picked up later
+    assert not spec.folder.resume.exists()  # removed, never picked up later
 
     # a longer time limit, more requeues, another MLflow server (the operational keys) keep the checkpoint
     launched_otherwise = dataclasses.replace(spec, config=deep_merge(spec.config, {
         "launcher": {"timeout_min": 600, "max_requeues": 9}, "tracking": {"uri": "http://login2:5000"}}))
-    checkpoint.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.arange(3)})
-    state = checkpoint.load_agreed(spec.out_dir, checkpoint.run_identity(launched_otherwise), 0, 1, None, say)
+    checkpoint.save_rank(spec.folder, 0, identity, 20, {"x": torch.arange(3)})
+    state = checkpoint.load_agreed(spec.folder, checkpoint.run_identity(launched_otherwise), 0, 1, None, say)
     assert state is not None and torch.equal(state["x"], torch.arange(3))
-    checkpoint.clear(spec.out_dir)
+    checkpoint.clear(spec.folder)
 
     two = checkpoint.run_identity(make_spec(tmp_path, tiny_data, workers=2))
-    checkpoint.save_rank(spec.out_dir, 0, two, 20, {})
-    state, step, why = checkpoint.read_rank(spec.out_dir, 0, two)
+    checkpoint.save_rank(spec.folder, 0, two, 20, {})
+    state, step, why = checkpoint.read_rank(spec.folder, 0, two)
     assert state is None and why == "incomplete set, rank1.pt missing"
 
-    checkpoint.save_rank(spec.out_dir, 1, two, 20, {})
-    checkpoint.rank_file(spec.out_dir, 0).write_bytes(checkpoint.rank_file(spec.out_dir, 0).read_bytes()[:100])  # cut short
-    state, step, why = checkpoint.read_rank(spec.out_dir, 0, two)
+    checkpoint.save_rank(spec.folder, 1, two, 20, {})
+    spec.folder.rank_file(0).write_bytes(spec.folder.rank_file(0).read_bytes()[:100])  # cut short
+    state, step, why = checkpoint.read_rank(spec.folder, 0, two)
     assert state is None and why.startswith("rank0.pt is damaged")
-    assert checkpoint.read_rank(spec.out_dir, 1, two)[1] == 20
+    assert checkpoint.read_rank(spec.folder, 1, two)[1] == 20
 
-    checkpoint.clear(spec.out_dir)
-    assert not checkpoint.resume_dir(spec.out_dir).exists()
+    checkpoint.clear(spec.folder)
+    assert not spec.folder.resume.exists()
 
 
 def test_a_parameter_server_file_of_the_older_state_layout_is_not_resumed_from(tmp_path, tiny_data):
@@ -378,18 +379,18 @@ def test_a_parameter_server_file_of_the_older_state_layout_is_not_resumed_from(t
     identity = checkpoint.run_identity(ps)
     assert identity["state_layout"] == "flat-range"
     older = {key: value for key, value in identity.items() if key != "state_layout"}
-    checkpoint.save_rank(ps.out_dir, 0, older, 20, {"x": torch.arange(3)})
-    assert checkpoint.load_agreed(ps.out_dir, identity, 0, 1, None, say) is None
+    checkpoint.save_rank(ps.folder, 0, older, 20, {"x": torch.arange(3)})
+    assert checkpoint.load_agreed(ps.folder, identity, 0, 1, None, say) is None
     assert "written by another run: state_layout None (this run: 'flat-range')" in said[-1]
-    checkpoint.save_rank(ps.out_dir, 0, identity, 20, {"x": torch.arange(3)})  # control: this layout resumes
-    assert torch.equal(checkpoint.load_agreed(ps.out_dir, identity, 0, 1, None, say)["x"], torch.arange(3))
+    checkpoint.save_rank(ps.folder, 0, identity, 20, {"x": torch.arange(3)})  # control: this layout resumes
+    assert torch.equal(checkpoint.load_agreed(ps.folder, identity, 0, 1, None, say)["x"], torch.arange(3))
 
     allreduce = make_spec(tmp_path / "ar", tiny_data, workers=1)
     identity = checkpoint.run_identity(allreduce)
     assert identity["state_layout"] is None
-    checkpoint.save_rank(allreduce.out_dir, 0, {key: value for key, value in identity.items() if key != "state_layout"},
+    checkpoint.save_rank(allreduce.folder, 0, {key: value for key, value in identity.items() if key != "state_layout"},
                          20, {"x": torch.arange(3)})
-    assert torch.equal(checkpoint.load_agreed(allreduce.out_dir, identity, 0, 1, None, say)["x"], torch.arange(3))
+    assert torch.equal(checkpoint.load_agreed(allreduce.folder, identity, 0, 1, None, say)["x"], torch.arange(3))
 
 
 def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, tiny_data):
@@ -399,9 +400,9 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, ti
 
     spec = make_spec(tmp_path, tiny_data, workers=1)
     identity = checkpoint.run_identity(spec)
-    checkpoint.save_rank(spec.out_dir, 0, identity, 10, {"x": torch.full((64,), 1.5)})
-    checkpoint.save_rank(spec.out_dir, 0, identity, 20, {"x": torch.full((64,), 2.5)})
-    path = checkpoint.rank_file(spec.out_dir, 0)
+    checkpoint.save_rank(spec.folder, 0, identity, 10, {"x": torch.full((64,), 1.5)})
+    checkpoint.save_rank(spec.folder, 0, identity, 20, {"x": torch.full((64,), 2.5)})
+    path = spec.folder.rank_file(0)
     raw = path.read_bytes()
     value, damaged = torch.tensor([2.5]).numpy().tobytes(), torch.tensor([7.0]).numpy().tobytes()
     at = raw.index(value * 64)
@@ -413,18 +414,18 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, ti
     assert loaded[0] == 7.0 and torch.all(loaded[1:] == 2.5)
 
     said, say = _say()
-    state = checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say)
+    state = checkpoint.load_agreed(spec.folder, identity, 0, 1, None, say)
     assert torch.equal(state["x"], torch.full((64,), 1.5))  # step 10's, the previous checkpoint
     assert len(said) == 1 and re.search(r"rank 0: rank0.pt is damaged \(sha256 \w+\.\.\. of its contents, "
                                          r"\w+\.\.\. when saved\); resuming from the previous checkpoint, "
                                          r"at step 10", said[0]), said
     # both damaged: nothing usable, training starts from step 0 and the folder is removed
-    checkpoint.save_rank(spec.out_dir, 0, identity, 30, {"x": torch.zeros(2)})
-    for file in (path, checkpoint.previous_rank_file(spec.out_dir, 0)):
+    checkpoint.save_rank(spec.folder, 0, identity, 30, {"x": torch.zeros(2)})
+    for file in (path, spec.folder.previous_rank_file(0)):
         file.write_bytes(file.read_bytes()[:-10])
-    assert checkpoint.load_agreed(spec.out_dir, identity, 0, 1, None, say) is None
+    assert checkpoint.load_agreed(spec.folder, identity, 0, 1, None, say) is None
     assert "rank0.pt is damaged" in said[-1] and "training starts from step 0" in said[-1]
-    assert not checkpoint.resume_dir(spec.out_dir).exists()
+    assert not spec.folder.resume.exists()
 
 
 WAITER = r"""

@@ -293,7 +293,8 @@ def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
     from conftest import validated
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
-    from dtstudy.runspec import CHECKPOINT_FILE, RunSpec
+    from dtstudy.common.run_folder import MODEL
+    from dtstudy.runspec import RunSpec
 
     study = validated(tiny_study(
         workers=[2], stragglers=stragglers or {}, launcher=launcher,
@@ -302,7 +303,7 @@ def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
     out = tmp_path / launcher["cluster"]
     spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(data_dir), str(out))
     metrics = run_training_job(spec, out / "submitit", poll_s=0.5)
-    return metrics, torch.load(out / CHECKPOINT_FILE, weights_only=True)["state_dict"], out
+    return metrics, torch.load(out / MODEL, weights_only=True)["state_dict"], out
 
 
 def release_requeued_jobs(name: str, stop) -> None:

@@ -109,11 +109,11 @@ def test_a_toy_strategy_trains_like_allreduce_at_n2(toy_registered, monkeypatch,
             monkeypatch.setitem(registry.STRATEGIES, TOY, implementation)
         (tmp_path / f"group-{name}").mkdir()
         in_workers(tmp_path / f"group-{name}", 2, _train, runs[name])
-    final = {name: torch.load(spec.checkpoint_path, weights_only=True)["state_dict"] for name, spec in runs.items()}
+    final = {name: torch.load(spec.folder.model, weights_only=True)["state_dict"] for name, spec in runs.items()}
     assert_same_parameters(final["toy"], final["allreduce"], atol=1e-5)
     with pytest.raises(AssertionError):
         assert_same_parameters(final["buggy"], final["allreduce"], atol=1e-5)
-    assert runs["toy"].metrics_path.exists()
+    assert runs["toy"].folder.metrics.exists()
 
 
 def test_a_toy_strategy_is_projected_from_its_spec(toy_registered):

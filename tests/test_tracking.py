@@ -144,7 +144,8 @@ def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggrega
     import json
 
     from conftest import MlflowServer
-    from dtstudy.tracking.live_run import PENDING_FILE, RUN_ID_FILE, LiveRun, deliver_pending
+    from dtstudy.common.run_folder import MLFLOW_PENDING, MLFLOW_RUN
+    from dtstudy.tracking.live_run import LiveRun, deliver_pending
 
     server = MlflowServer(tmp_path)  # not started: away from the run's first step
     said = []
@@ -154,21 +155,21 @@ def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggrega
         live.log_metric("train_loss", float(step), step)
     record = live.finish(_final_metrics(7))
     live.close("FINISHED")
-    assert record == {"pending": PENDING_FILE, "tracking_uri": server.uri}
+    assert record == {"pending": MLFLOW_PENDING, "tracking_uri": server.uri}
     assert any("still unreachable after 2 s" in line and "tracking.wait_for_server_s" in line for line in said), said
-    kept = json.loads((tmp_path / PENDING_FILE).read_text())
+    kept = json.loads((tmp_path / MLFLOW_PENDING).read_text())
     assert len(kept["points"]) == 7 and kept["final"]["final_val_top1"] == 0.5 and kept["status"] == ["FINISHED", None]
     (tmp_path / "eval.json").write_text(json.dumps({"top1": 0.61, "top5": 0.97, "mlflow_run_id": None}))
 
     with pytest.raises(Exception):
         deliver_pending(tmp_path)  # the control: still away
-    assert (tmp_path / PENDING_FILE).exists()
+    assert (tmp_path / MLFLOW_PENDING).exists()
 
     server.start()
     try:
         delivered = deliver_pending(tmp_path)
-        assert not (tmp_path / PENDING_FILE).exists()
-        assert json.loads((tmp_path / RUN_ID_FILE).read_text()) == delivered
+        assert not (tmp_path / MLFLOW_PENDING).exists()
+        assert json.loads((tmp_path / MLFLOW_RUN).read_text()) == delivered
         assert _logged(server.uri, delivered["run_id"]) == [(step, float(step)) for step in range(7)]
         run = MlflowClient(server.uri).get_run(delivered["run_id"])
         assert run.info.status == "FINISHED" and run.info.run_name == "ps_sync-n2-seed0"

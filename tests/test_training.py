@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_same_parameters, read_json, tiny_study, train_run, validated
-from dtstudy.runspec import METRICS_FILE
+from dtstudy.common.run_folder import METRICS
 
 
 def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny_data):
@@ -89,7 +89,7 @@ def test_label_smoothing_loss_by_hand():
 
 def test_metrics_record_what_the_study_needs(tmp_path, tiny_data):
     metrics, _, out = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=None)
-    assert read_json(out / METRICS_FILE) == metrics
+    assert read_json(out / METRICS) == metrics
     assert metrics["steps"] == 1800 // 64 and len(metrics["train_loss"]) == metrics["steps"]
     assert metrics["images"] == metrics["steps"] * 64
     assert metrics["throughput"] > 0 and len(metrics["throughput_per_worker"]) == 2
@@ -199,7 +199,7 @@ def _lenet():
 def test_failed_job_leaves_no_metrics_and_says_why(tmp_path, tiny_data):
     out = tmp_path / "run"
     out.mkdir()
-    (out / METRICS_FILE).write_text("{}")  # stale result of an earlier run
+    (out / METRICS).write_text("{}")  # stale result of an earlier run
     missing_data = tmp_path / "empty-data"
     missing_data.mkdir()
     result = subprocess.run(
@@ -209,7 +209,7 @@ def test_failed_job_leaves_no_metrics_and_says_why(tmp_path, tiny_data):
     )
     assert result.returncode != 0
     assert "empty-data" in result.stderr  # the job's error reaches the caller
-    assert not (out / METRICS_FILE).exists()
+    assert not (out / METRICS).exists()
 
 
 def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
@@ -258,7 +258,7 @@ def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
         time.sleep(0.2)
     else:
         pytest.fail(f"rank processes {alive} still run after the launcher was stopped")
-    assert not (out / METRICS_FILE).exists()
+    assert not (out / METRICS).exists()
 
 
 def test_time_to_accuracy_on_a_finer_grid(tmp_path, tiny_data):

@@ -9,7 +9,7 @@ One folder per concern; the layering reads one way (a folder imports only those 
   strategies/            one folder per family: each strategy's spec (knobs, checks, performance
                          model; torch-free) beside its class; the specs by name, the registry,
                          the interfaces (spec, base) and the device's clock (timing)
-  runspec                one run (strategy x N x seed): its files, processes and tasks over nodes
+  runspec                one run (strategy x N x seed): its folder (common/run_folder), processes and tasks over nodes
   data/                  data-set checks, formats, one-off preparation, fast loading
   tracking/              MLflow records, a run's files, provenance
   analysis/              tables with confidence intervals, findings, plots, the study's MLflow run

@@ -84,6 +84,7 @@ def cmd_init_tracking(args) -> None:
 
 def cmd_train(args) -> None:
     from dtstudy.launch.launcher import run_training_job, TrainingJobFailed
+    from dtstudy.launch_backends.registry import launch_backend
     from dtstudy.projection import budget
     from dtstudy.runspec import RunSpec
 
@@ -101,11 +102,11 @@ def cmd_train(args) -> None:
         out_dir=args.out,
         tracking_uri=None if args.no_tracking else study_config.tracking_uri(cfg["tracking"]["uri"]),
     )
-    job_dir = args.job_dir or str(Path(args.out) / "submitit")
+    job_dir = args.job_dir or str(spec.folder.job_logs)
     # on SLURM with launcher.hardware: the job asks its predicted time, not timeout_min
     time_limit_min = budget.job_time_limit_min(cfg, args.strategy, args.workers, args.data)
     try:
-        if cfg["launcher"]["cluster"] == "emulate":  # N logical workers in this process: no job to submit
+        if launch_backend(cfg).emulated:  # N logical workers in this process: no job to submit
             from dtstudy.emulation.runner import run_emulated
 
             metrics = run_emulated(spec)
@@ -166,55 +167,71 @@ def cmd_aggregate(args) -> None:
                                     "experiment": cfg["tracking"]["experiment"]})
 
 
-def cmd_project(args) -> None:
-    """Projection of throughput and efficiency (dtstudy.projection.project): a measurement file and
-    a hardware profile, or (--study) the project rule's study runs and comm benchmark."""
+def cmd_project_commbench(args) -> None:
+    """This machine's communication benchmark (dtstudy.projection.commbench), what `project
+    study` calibrates the model's exchange on."""
+    from dtstudy.projection import commbench
+
+    commbench.write(args.out, gloo_loop_nice=args.gloo_loop_nice)
+    print(f"communication benchmark written to {args.out}")
+
+
+def cmd_project_study(args) -> None:
+    """The project rule: the model calibrated on the study's runs and the communication
+    benchmark, every strategy of the study projected (dtstudy.projection.project.run_study)."""
     from dtstudy.projection import project
 
-    if args.study:
-        project.run_study(args.metrics, args.commbench, _config(args), args.out, args.out_md, args.plot)
-        print(f"projection written to {args.out}, {args.out_md}, {args.plot}")
-        if args.study_run:  # beside the study's tables and plots in MLflow
-            from dtstudy.tracking import mlflow_store
+    project.run_study(args.metrics, args.commbench, _config(args), args.out, args.out_md, args.plot)
+    print(f"projection written to {args.out}, {args.out_md}, {args.plot}")
+    if args.study_run:  # beside the study's tables and plots in MLflow
+        from dtstudy.tracking import mlflow_store
 
-            study_run = json.loads(Path(args.study_run).read_text())
-            mlflow_store.attach_artifacts(study_run["tracking_uri"], study_run["run_id"],
+        study_run = json.loads(Path(args.study_run).read_text())
+        mlflow_store.attach_artifacts(study_run["tracking_uri"], study_run["run_id"],
                                       dict.fromkeys([args.out, args.out_md, args.plot], "projection"))
-            print(f"projection logged to the MLflow study run {study_run['run_id']} (artifacts: projection/)")
-        return
-    if args.commbench_out:
-        from dtstudy.projection import commbench
+        print(f"projection logged to the MLflow study run {study_run['run_id']} (artifacts: projection/)")
 
-        commbench.write(args.commbench_out, gloo_loop_nice=args.gloo_loop_nice)
-        print(f"communication benchmark written to {args.commbench_out}")
-        return
-    for flag in ("measured", "hardware", "strategies", "workers"):
-        if getattr(args, flag) is None:
-            raise ConfigError(f"project: --{flag} is required (or --study / --commbench-out)")
+
+def cmd_project_measured(args) -> None:
+    """A measurement file's throughput projected on a hardware profile, no study
+    (dtstudy.projection.project.run_command)."""
+    from dtstudy.projection import project
+
     rows = project.run_command(args.measured, args.hardware, args.strategies, args.workers, args.out)
     print(f"{len(rows)} projections written to {args.out}")
 
 
 def _add_project_parser(commands) -> None:
+    """`project <mode>`: one sub-command per thing it does, each with its own required arguments."""
     p = commands.add_parser("project", help="project throughput and efficiency to many GPUs (alpha-beta model)")
-    p.add_argument("--measured", help="measurement file: model, per_worker_batch, throughput {N: images/s}")
-    p.add_argument("--hardware", help="hardware profile: a path or a name in config/hardware/")
-    p.add_argument("--strategies", help="comma-separated strategy names")
-    p.add_argument("--workers", help="comma-separated worker counts N")
-    p.add_argument("--out", default="projection.csv", help="CSV to write (a .md beside it)")
-    p.add_argument("--study", action="store_true", help="the project rule: --metrics, --commbench, --config-json")
-    p.add_argument("--metrics", nargs="*", default=[], help="with --study: the runs' metrics.json files")
-    p.add_argument("--commbench", help="with --study: this machine's communication benchmark (JSON)")
-    p.add_argument("--out-md", help="with --study: the Markdown table")
-    p.add_argument("--plot", help="with --study: the plot (PNG)")
-    p.add_argument("--study-run", help="with --study: the aggregate step's record of the MLflow study run "
-                                       "(JSON), whose artifacts the projection joins")
-    p.add_argument("--commbench-out", help="run this machine's communication benchmark into this JSON file")
-    p.add_argument("--gloo-loop-nice", type=lambda value: value if value == "idle" else int(value), default=0,
-                   help="with --commbench-out: gloo's event loops at this priority, idle or a nice value "
-                        "(launcher.gloo_loop_nice)")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_project)
+    # no dest: a missing mode is named by its choices
+    modes = p.add_subparsers(required=True)
+
+    m = modes.add_parser("commbench", help="measure this machine's collectives (the commbench rule)")
+    m.add_argument("--out", required=True, help="JSON file to write")
+    m.add_argument("--gloo-loop-nice", type=lambda value: value if value == "idle" else int(value), default=0,
+                   help="gloo's event loops at this priority, idle or a nice value (launcher.gloo_loop_nice)")
+    m.set_defaults(func=cmd_project_commbench)
+
+    m = modes.add_parser("study", help="project the study's strategies, calibrated on its runs (the project rule)")
+    m.add_argument("--metrics", nargs="+", required=True, help="the runs' metrics.json files")
+    m.add_argument("--commbench", required=True, help="this machine's communication benchmark (JSON)")
+    m.add_argument("--out", required=True, help="the CSV table")
+    m.add_argument("--out-md", required=True, help="the Markdown table")
+    m.add_argument("--plot", required=True, help="the plot (PNG)")
+    m.add_argument("--study-run", help="the aggregate step's record of the MLflow study run (JSON), whose "
+                                       "artifacts the projection joins")
+    _add_config_args(m)
+    m.set_defaults(func=cmd_project_study)
+
+    m = modes.add_parser("measured", help="project a measurement file's throughput on a hardware profile")
+    m.add_argument("--measured", required=True,
+                   help="measurement file: model, per_worker_batch, throughput {N: images/s}")
+    m.add_argument("--hardware", required=True, help="hardware profile: a path or a name in config/hardware/")
+    m.add_argument("--strategies", required=True, help="comma-separated strategy names")
+    m.add_argument("--workers", required=True, help="comma-separated worker counts N")
+    m.add_argument("--out", default="projection.csv", help="CSV to write (a .md beside it)")
+    m.set_defaults(func=cmd_project_measured)
 
 
 def build_parser() -> argparse.ArgumentParser:

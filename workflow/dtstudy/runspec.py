@@ -1,5 +1,5 @@
 """One training run (strategy x N x seed, of a kind: dtstudy.config.run_kinds): what it
-depends on, where its files go and how its tasks spread over nodes (TaskLayout). Torch-free."""
+depends on, its folder (dtstudy.common.run_folder) and how its tasks spread over nodes (TaskLayout). Torch-free."""
 
 from __future__ import annotations
 
@@ -7,21 +7,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtstudy.common.run_folder import RunFolder
 from dtstudy.config import run_kinds
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.specs import get_spec
-
-METRICS_FILE = "metrics.json"  # the train rule's output, written last
-CHECKPOINT_FILE = "model.pt"
-EVAL_FILE = "eval.json"
-RESUME_DIR = "resume"  # an interrupted run's saved state (dtstudy.training.checkpoint)
-
-
-def resume_files(out_dir: str | Path, rank: int) -> tuple[Path, Path]:
-    """A rank's last checkpoint and the one before it (kept until every rank has written the
-    next), in the run's resume folder (dtstudy.training.checkpoint writes and reads them)."""
-    folder = Path(out_dir) / RESUME_DIR
-    return folder / f"rank{rank}.pt", folder / f"rank{rank}.prev.pt"
 
 
 @dataclass(frozen=True)
@@ -109,16 +98,9 @@ class RunSpec:
         return f"{self.strategy}-n{self.workers}-seed{self.seed}{suffix}"
 
     @property
-    def metrics_path(self) -> Path:
-        return Path(self.out_dir) / METRICS_FILE
-
-    @property
-    def checkpoint_path(self) -> Path:
-        return Path(self.out_dir) / CHECKPOINT_FILE
-
-    @property
-    def resume_dir(self) -> Path:
-        return Path(self.out_dir) / RESUME_DIR
+    def folder(self) -> RunFolder:
+        """The run's files (dtstudy.common.run_folder)."""
+        return RunFolder(self.out_dir)
 
     def strategy_params(self) -> dict:
         """The strategy's knobs, defaults filled in (those that depend on the run's nodes too)."""

@@ -1,8 +1,8 @@
 rule aggregate:
     input:
-        # both kinds of run; eval.json of the tested ones (accuracy runs)
-        metrics=all_runs("metrics.json"),
-        evals=all_runs("eval.json", tested_only=True),
+        # both kinds of run; the evaluation of the tested ones (accuracy runs)
+        metrics=all_runs(METRICS),
+        evals=all_runs(EVALUATION, tested_only=True),
     output:
         scaling=report("results/tables/scaling.csv", caption="../report/scaling.rst", category="Tables"),
         scaling_md="results/tables/scaling.md",

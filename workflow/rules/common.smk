@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
 import dtstudy.config.run_kinds as run_kinds
 import dtstudy.config.study_config as study_config
 from dtstudy.checks import check_config
+from dtstudy.common.run_folder import EVALUATION, METRICS, MODEL
 from dtstudy.data.prepare import prepared_files
 from dtstudy.launch.launcher import evaluation_job_resources
 from dtstudy.runspec import RunSpec
@@ -26,7 +27,8 @@ DATA_DIR = f"results/data/{DATASET}"
 TRACKING_MARKER = "results/mlflow.ready.json"
 RUNS_DIR = "results/runs"
 # one folder per run of each kind (dtstudy.config.run_kinds): accuracy runs in
-# results/runs/{strategy}/..., scaling runs in results/runs/scaling/{strategy}/...
+# results/runs/{strategy}/..., scaling runs in results/runs/scaling/{strategy}/...; the files in
+# it are named by dtstudy.common.run_folder (METRICS, MODEL, EVALUATION)
 RUN_DIRS = {
     kind: os.path.join(RUNS_DIR, run_kind.folder, "{strategy}/n{workers}/seed{seed}")
     for kind, run_kind in run_kinds.KINDS.items()

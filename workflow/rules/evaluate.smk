@@ -4,7 +4,7 @@ rule evaluate:
         metrics=rules.train.output.metrics,
         checkpoint=rules.train.output.checkpoint,
     output:
-        result=f"{RUN_DIR}/eval.json",
+        result=f"{RUN_DIR}/{EVALUATION}",
     log:
         "results/logs/evaluate/{strategy}/n{workers}/seed{seed}.log",
     resources:

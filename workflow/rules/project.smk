@@ -14,14 +14,14 @@ rule commbench:
     conda:
         "../../envs/study.yaml"
     shell:
-        "python -m dtstudy project --commbench-out {output.result}"
+        "python -m dtstudy project commbench --out {output.result}"
         " --gloo-loop-nice {params.gloo_loop_nice} > {log} 2>&1"
 
 
 rule project:
     input:
         # calibrated on the runs the scaling table times
-        metrics=throughput_runs("metrics.json"),
+        metrics=throughput_runs(METRICS),
         commbench=rules.commbench.output.result,
         study_run=rules.aggregate.output.study_run,
     output:
@@ -36,6 +36,6 @@ rule project:
     conda:
         "../../envs/study.yaml"
     shell:
-        "python -m dtstudy project --study --config-json {params.config:q} --metrics {input.metrics}"
+        "python -m dtstudy project study --config-json {params.config:q} --metrics {input.metrics}"
         " --commbench {input.commbench} --out {output.table} --out-md {output.table_md}"
         " --plot {output.plot} --study-run {input.study_run} > {log} 2>&1"

@@ -17,8 +17,8 @@ rule train:
         data=rules.prepare_data.output.meta,
         tracking=ancient(TRACKING_MARKER),
     output:
-        metrics=f"{RUN_DIR}/metrics.json",
-        checkpoint=f"{RUN_DIR}/model.pt",
+        metrics=f"{RUN_DIR}/{METRICS}",
+        checkpoint=f"{RUN_DIR}/{MODEL}",
     log:
         "results/logs/train/{strategy}/n{workers}/seed{seed}.log",
     params:
@@ -39,8 +39,8 @@ rule train:
 
 use rule train as train_scaling with:
     output:
-        metrics=f"{SCALING_RUN_DIR}/metrics.json",
-        checkpoint=f"{SCALING_RUN_DIR}/model.pt",
+        metrics=f"{SCALING_RUN_DIR}/{METRICS}",
+        checkpoint=f"{SCALING_RUN_DIR}/{MODEL}",
     log:
         "results/logs/train/scaling/{strategy}/n{workers}/seed{seed}.log",
     params:

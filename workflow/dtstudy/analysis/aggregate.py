@@ -16,7 +16,8 @@ from dtstudy.analysis.runs import load_run_metrics, load_runs
 from dtstudy.analysis.tables import accuracy_table, noise_summary, scaling_table, write_table
 from dtstudy.common.atomic_files import write_text
 from dtstudy.tracking import mlflow_store
-from dtstudy.tracking.live_run import PENDING_FILE, deliver_pending
+from dtstudy.common.run_folder import EVALUATION, MLFLOW_PENDING
+from dtstudy.tracking.live_run import deliver_pending
 
 
 def log(message: str) -> None:
@@ -24,8 +25,8 @@ def log(message: str) -> None:
 
 
 def deliver_kept_results(run_dirs: Iterable[Path], wait_for_server_s: float = 300.0, retry_s: float = 5.0) -> None:
-    """Runs that ended while the MLflow server was away kept their results (PENDING_FILE, or
-    test metrics in eval.json): deliver them now, before the study run adopts its runs,
+    """Runs that ended while the MLflow server was away kept their results (RunFolder.mlflow_pending,
+    or test metrics in RunFolder.evaluation): deliver them now, before the study run adopts its runs,
     trying again every `retry_s` for `wait_for_server_s` (tracking.wait_for_server_s) while
     the server is still away."""
     deadline = time.monotonic() + wait_for_server_s
@@ -37,7 +38,7 @@ def deliver_kept_results(run_dirs: Iterable[Path], wait_for_server_s: float = 30
             except Exception as error:
                 if time.monotonic() >= deadline:
                     raise RuntimeError(
-                        f"{run_dir}: the results this run kept while MLflow was away ({PENDING_FILE}, eval.json) "
+                        f"{run_dir}: the results this run kept while MLflow was away ({MLFLOW_PENDING}, {EVALUATION}) "
                         f"could not be delivered in {wait_for_server_s:.0f} s (tracking.wait_for_server_s; "
                         f"{type(error).__name__}: {str(error).splitlines()[0][:300]}); start the tracking server "
                         "and run the study again") from error

@@ -60,6 +60,7 @@ from scipy import stats
 
 from dtstudy.common import intervals
 from dtstudy.common.intervals import Interval
+from dtstudy.common.run_folder import RunFolder
 from dtstudy.analysis.runs import read_json, runs_of_kind
 from dtstudy.analysis.tables import GAP_POINTS, with_run_extras
 from dtstudy.config.run_kinds import ACCURACY
@@ -139,7 +140,7 @@ def study_facts(runs: pd.DataFrame, run_metrics: Mapping[str, Mapping]) -> Study
     metrics.json ({run_dir: ...}) and the accuracy runs' eval.json (their test split's size)."""
     rules = tuple(sorted({(m.get("lr_schedule") or {}).get("rule", "linear") for m in run_metrics.values()}))
     accuracy_runs = with_run_extras(runs_of_kind(runs, ACCURACY), run_metrics)
-    sizes = [read_json(Path(run_dir) / "eval.json").get("test_images") for run_dir in accuracy_runs["run_dir"]]
+    sizes = [read_json(RunFolder(run_dir).evaluation).get("test_images") for run_dir in accuracy_runs["run_dir"]]
     grid = {}
     for (strategy, workers), cell in accuracy_runs.groupby(["strategy", "workers"]):
         spacings = [grid_spacing(run_metrics.get(run_dir, {})) for run_dir in cell["run_dir"]]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dtstudy.common.run_folder import RunFolder
 from dtstudy.config import run_kinds
 from dtstudy.strategies.specs import SPECS
 from dtstudy.tracking.live_run import recorded_run
@@ -36,14 +37,6 @@ def speedup(throughput: float, base_throughput: float | None) -> float:
 def efficiency(speedup_value: float, workers: int) -> float:
     """E(N) = S(N) / N."""
     return speedup_value / workers
-
-
-def sample_std(values: Iterable[float]) -> float:
-    """Standard deviation with ddof=1; 0.0 for a single value (no spread to estimate)."""
-    values = [float(v) for v in values]
-    if len(values) < 2:
-        return 0.0
-    return float(np.std(values, ddof=1))
 
 
 def mean_of_reached(times: Iterable[float | None]) -> float:
@@ -100,13 +93,14 @@ def _extra_processes(metrics: Mapping) -> float:
 
 
 def _run_row(run_dir: Path) -> dict:
-    metrics_path, eval_path = run_dir / "metrics.json", run_dir / "eval.json"
+    folder = RunFolder(run_dir)
+    metrics_path, eval_path = folder.metrics, folder.evaluation
     metrics = read_json(metrics_path)
     kind = run_kind(metrics, metrics_path)
     # an untested kind (scaling runs) has no eval.json: no accuracy to report
     evaluation = read_json(eval_path) if run_kinds.KINDS[kind].tested else {"top1": math.nan, "top5": math.nan}
     step_time = _field(metrics, "step_time", metrics_path, convert=dict)
-    # a run whose MLflow record was delivered late (tracking.live_run.deliver_pending) has it in RUN_ID_FILE
+    # a run whose MLflow record was delivered late (tracking.live_run.deliver_pending) has it in RunFolder.mlflow_run
     run_id = ((metrics.get("mlflow") or {}).get("run_id") or evaluation.get("mlflow_run_id")
               or (recorded_run(run_dir) or {}).get("run_id"))
     time_to_accuracy = metrics.get("time_to_accuracy_s")
@@ -160,4 +154,4 @@ def runs_of_kind(df: pd.DataFrame, kind: str) -> pd.DataFrame:
 
 def load_run_metrics(run_dirs: Iterable[str | Path]) -> dict[str, dict]:
     """{run folder: its metrics.json}, keyed like load_runs' run_dir column."""
-    return {str(Path(d)): read_json(Path(d) / "metrics.json") for d in run_dirs}
+    return {str(Path(d)): read_json(RunFolder(d).metrics) for d in run_dirs}

@@ -35,8 +35,8 @@ from dtstudy.config.study_config import results_sha256
 from dtstudy.launch.job import launcher_environment, PooledTrainingJob, TrainingJob
 from dtstudy.launch.pool.client import pool_address
 from dtstudy.common.ports import free_port
-from dtstudy.tracking.live_run import recorded_run, RUN_ID_FILE
-from dtstudy.runspec import lost_rank_path, resume_files, RunSpec
+from dtstudy.tracking.live_run import recorded_run
+from dtstudy.runspec import lost_rank_path, RunSpec
 
 NODE_FAIL = "NODE_FAIL"  # SLURM's state of a job whose node failed
 #: in a run's job folder while its launcher waits on its SLURM job: the job and the config it trains
@@ -160,12 +160,12 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
     submitted_at = time.time()
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = spec.metrics_path
+    metrics_path = spec.folder.metrics
     metrics_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
     if spec.config["launcher"]["cluster"] == "emulate":  # not a job: `python -m dtstudy train` runs it in-process
         raise ValueError(f"{spec.run_name}: launcher.cluster 'emulate' runs in the calling process "
                          "(dtstudy.emulation.runner.run_emulated), not as a submitit job")
-    # spec.resume_dir stays: a run that died resumes from its last checkpoint (dtstudy.training.checkpoint;
+    # spec.folder.resume stays: a run that died resumes from its last checkpoint (dtstudy.training.checkpoint;
     # a finished run leaves none, and state of another config is not used)
     pooled = uses_pool(spec)
     launcher = spec.config["launcher"]
@@ -201,7 +201,7 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
                 print(f"{spec.run_name}: job {job.job_id}, submitted by an earlier launcher of this run, is still "
                       f"{job.state}: waiting for it rather than submitting another; logs in {job_dir}", flush=True)
             else:
-                (Path(spec.out_dir) / RUN_ID_FILE).unlink(missing_ok=True)  # an earlier MLflow run is not marked
+                spec.folder.mlflow_run.unlink(missing_ok=True)  # an earlier MLflow run is not marked
                 job = make_executor(spec, job_dir, pooled, time_limit_min).submit(callable_)
                 print(f"{spec.run_name}: submitted job {job.job_id} with {what}; logs in {job_dir}", flush=True)
                 if launcher["cluster"] == "slurm":
@@ -219,7 +219,7 @@ def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, t
                 raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} failed; {lost}; "
                                         f"rank 0's stderr: {job.paths.stderr}{why_not}")
             print(f"{spec.run_name}: job {job.job_id} failed: {lost}; resubmitting it to resume from the "
-                  f"checkpoint in {spec.resume_dir} (resubmission {attempt + 1} of at most {max_resubmits}, "
+                  f"checkpoint in {spec.folder.resume} (resubmission {attempt + 1} of at most {max_resubmits}, "
                   f"launcher.max_resubmits)", flush=True)
         try:
             results = job.results()
@@ -318,7 +318,8 @@ def resubmission_refused(spec: RunSpec, attempt: int, max_resubmits: int) -> str
             f" and it was resubmitted {attempt} times" if attempt else "")
     missing = missing_checkpoints(spec)
     if missing:
-        return f"; not resubmitted: no checkpoint to resume from in {spec.resume_dir} ({missing}; train.checkpoint_every_min)"
+        return (f"; not resubmitted: no checkpoint to resume from in {spec.folder.resume} "
+                f"({missing}; train.checkpoint_every_min)")
     return None
 
 
@@ -326,8 +327,9 @@ def missing_checkpoints(spec: RunSpec) -> str:
     """Which workers have no checkpoint file in the run's resume folder ("" when every one has).
     Only that the files are there: the resumed job checks them (run, config, sha256) and starts
     from step 0 if none is usable, saying why."""
-    missing = [resume_files(spec.out_dir, rank)[0].name for rank in range(spec.workers)
-               if not any(path.exists() for path in resume_files(spec.out_dir, rank))]
+    folder = spec.folder
+    missing = [folder.rank_file(rank).name for rank in range(spec.workers)
+               if not (folder.rank_file(rank).exists() or folder.previous_rank_file(rank).exists())]
     return f"{', '.join(missing)} missing" if missing else ""
 
 

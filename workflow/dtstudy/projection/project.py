@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dtstudy.projection import calibration, hardware, layer_profiles
 from dtstudy.common import intervals
+from dtstudy.common.run_folder import RunFolder
 from dtstudy.analysis.pages import write_page
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Link, Machine, Stragglers, Workload
@@ -38,12 +39,6 @@ def parse_list(text: str, what: str, allowed: list[str] | None = None, kind=str)
             raise ConfigError(f"--{what}: {value} is not allowed; worker counts are whole numbers >= 1")
         out.append(value)
     return out
-
-
-def check_strategies(strategies: list[str], where: str) -> None:
-    for name in strategies:
-        if name not in SPECS:
-            raise ConfigError(f"{where}: unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}")
 
 
 def fit_intra(workload: Workload, machine: Machine, strategy: str, params: dict, throughput: float) -> Link:
@@ -362,8 +357,11 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     every strategy of the study to projection.workers on each profile of projection.hardware."""
     settings = config["projection"]
     runs = calibration.read_runs(metrics)
-    # the model's weight matrices, read (once) from a run's model.pt where the runs' bytes do not say
-    matrices = functools.cache(lambda: calibration.matrices_from_checkpoint(Path(metrics[0]).with_name("model.pt")))
+
+    def model() -> Path:  # a run's final model: its weights where the runs' bytes do not say
+        return RunFolder(Path(metrics[0]).parent).model
+
+    matrices = functools.cache(lambda: calibration.matrices_from_checkpoint(model()))
 
     parameters = calibration.parameters_from_runs(runs)
     counted = "from the bytes a run sent per step"
@@ -375,8 +373,7 @@ def run_study(metrics: list[str], commbench_path: str, config: dict, table: str,
     provenance["model_parameters"] = f"{parameters} ({counted})"
     if any(SPECS[name].needs_fully_connected for name in config["strategies"]):
         if not workload.fully_connected:  # no layer profile fits: the 2-d weights of a run's model.pt
-            workload = dataclasses.replace(workload, linear=calibration.linear_from_checkpoint(
-                Path(metrics[0]).with_name("model.pt")))
+            workload = dataclasses.replace(workload, linear=calibration.linear_from_checkpoint(model()))
         source = "the layer profile" if workload.linear is None else "the 2-d weights of a run's model.pt"
         provenance["fully_connected"] = (f"the fully connected layers, (inputs, outputs): "
                                          f"{[list(layer) for layer in workload.fully_connected]} ({source})")

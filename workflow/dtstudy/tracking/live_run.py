@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 
 from dtstudy.common.atomic_files import write_json
-from dtstudy.runspec import EVAL_FILE, METRICS_FILE, RunSpec
+from dtstudy.common.run_folder import MLFLOW_PENDING, RunFolder
+from dtstudy.runspec import RunSpec
 from dtstudy.tracking.logged_params import applicable_config
 
-RUN_ID_FILE = "mlflow_run.json"  # the run's MLflow id, as soon as it exists (for failure marking)
-PENDING_FILE = "mlflow_pending.json"  # what the run could not deliver to MLflow before it ended
 RETRY_S = 10.0  # between deliveries while the server is unreachable
 # MLflow's own client retries a refused connection for minutes inside one call; here the
 # thread retries, so one call gives up soon and the queue keeps what it could not send
@@ -71,13 +70,13 @@ class LiveRun:
         """Log the run's final figures and metrics.json; wait until MLflow has them (at most
         `wait_for_server_s` while it is unreachable). Returns {run_id, experiment_id,
         tracking_uri}, or {pending, tracking_uri} when the run's MLflow record is left in
-        PENDING_FILE (with the run's id when it was created); None when tracking is off. The run stays RUNNING until `close`."""
+        RunFolder.mlflow_pending (with the run's id when it was created); None when tracking is off. The run stays RUNNING until `close`."""
         if not self.enabled:
             return None
         self._queue.put(("finish", metrics))
         if self._wait_delivered("logging the final metrics"):
             return self.record
-        return {**(self.record or {}), "pending": PENDING_FILE, "tracking_uri": self.uri}
+        return {**(self.record or {}), "pending": MLFLOW_PENDING, "tracking_uri": self.uri}
 
     def close(self, status: str, reason: str | None = None) -> None:
         """End the run with MLflow status FINISHED, FAILED or KILLED (idempotent)."""
@@ -90,7 +89,7 @@ class LiveRun:
 
     def _wait_delivered(self, what: str) -> bool:
         """True once the queue and everything undelivered reached MLflow; False after
-        `wait_for_server_s` without the server: then it is all in PENDING_FILE. An error
+        `wait_for_server_s` without the server: then it is all in RunFolder.mlflow_pending. An error
         that is not the server's absence (MLflow refused a request) fails the run, as it says."""
         deadline = time.monotonic() + self.wait_for_server_s
         while True:
@@ -115,7 +114,7 @@ class LiveRun:
         return self.record is not None and not self._points and self._final is None and self._status is None
 
     def _spill(self, what: str) -> None:
-        """Everything undelivered to PENDING_FILE (again, with what came since, after a first
+        """Everything undelivered to RunFolder.mlflow_pending (again, with what came since, after a first
         spill); the thread stops delivering."""
         with self._lock:
             if self._delivered():
@@ -125,7 +124,7 @@ class LiveRun:
                        "tags": self.tags, "params": self.params, "record": self.record,
                        "points": self._points, "final": self._final, "final_done": sorted(self._final_done),
                        "status": self._status}
-        where = Path(self.out_dir or ".") / PENDING_FILE
+        where = RunFolder(self.out_dir or ".").mlflow_pending
         if where.exists():  # a close after finish spilled: add to what is there
             pending = {**json.loads(where.read_text()), **{k: v for k, v in pending.items() if v}}
         write_json(where, pending)
@@ -171,7 +170,7 @@ class LiveRun:
                     self.record = mlflow_store.start_training_run(self.uri, self.experiment, self.run_name,
                                                                   self.tags, self.params)
                     if self.out_dir is not None:
-                        write_json(Path(self.out_dir) / RUN_ID_FILE, self.record)
+                        write_json(RunFolder(self.out_dir).mlflow_run, self.record)
                 mlflow_store.log_metric_points(self.uri, self.record["run_id"], self._points)  # empties it
                 if self._final is not None:
                     mlflow_store.log_training_results(self.uri, self.record, self._final, self._final_done)
@@ -223,7 +222,7 @@ def start_live_run(spec: RunSpec) -> LiveRun:
 
 def recorded_run(out_dir: str | Path) -> dict | None:
     """The MLflow run a run folder's (possibly failed) attempt created, if it got that far."""
-    path = Path(out_dir) / RUN_ID_FILE
+    path = RunFolder(out_dir).mlflow_run
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -231,15 +230,15 @@ def recorded_run(out_dir: str | Path) -> dict | None:
 
 
 def deliver_pending(run_dir: str | Path) -> dict | None:
-    """Send to MLflow what a run kept while its server was away: PENDING_FILE (the run itself
+    """Send to MLflow what a run kept while its server was away: RunFolder.mlflow_pending (the run itself
     when it was never created, its metric points, final results and end status) and test
     metrics its evaluation could not add (eval.json's `mlflow_logged` false); then record the
-    run's id (RUN_ID_FILE) and remove the file. Returns the run's record (None: nothing was
+    run's id (RunFolder.mlflow_run) and remove the file. Returns the run's record (None: nothing was
     kept). Raises while the server is still away."""
     from dtstudy.tracking import mlflow_store
 
-    run_dir = Path(run_dir)
-    path, evaluation_path = run_dir / PENDING_FILE, run_dir / EVAL_FILE
+    folder = RunFolder(run_dir)
+    path, evaluation_path = folder.mlflow_pending, folder.evaluation
     pending = json.loads(path.read_text()) if path.exists() else None
     evaluation = json.loads(evaluation_path.read_text()) if evaluation_path.exists() else {}
     test_kept = evaluation.get("mlflow_logged") is False or (pending is not None and not evaluation.get("mlflow_run_id")
@@ -247,7 +246,7 @@ def deliver_pending(run_dir: str | Path) -> dict | None:
     if pending is None and not test_kept:
         return None
     if pending is None:  # only the test metrics: the run's record is in metrics.json
-        record = json.loads((run_dir / METRICS_FILE).read_text())["mlflow"]
+        record = json.loads(folder.metrics.read_text())["mlflow"]
     else:
         record = pending.get("record")
         if record is None:
@@ -268,6 +267,6 @@ def deliver_pending(run_dir: str | Path) -> dict | None:
         write_json(evaluation_path, {**evaluation, "mlflow_run_id": record["run_id"], "mlflow_logged": True})
     if pending is not None:
         mlflow_store.end_run(record["tracking_uri"], record["run_id"], *(pending.get("status") or ("FINISHED", None)))
-        write_json(run_dir / RUN_ID_FILE, record)
+        write_json(folder.mlflow_run, record)
         path.unlink()
     return record

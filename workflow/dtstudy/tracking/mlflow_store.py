@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.utils.time import get_current_time_millis
 
+from dtstudy.common.run_folder import RunFolder
 from dtstudy.config.study_config import tracking_uri as resolve_uri
 from dtstudy.errors import ConfigError
 
@@ -297,7 +298,7 @@ def log_training_results(uri: str, record: Mapping, metrics: Mapping, done: set 
 
     def log_artifact():
         with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "metrics.json"
+            path = RunFolder(folder).metrics  # the run folder's name, for the artifact too
             path.write_text(json.dumps({**metrics, "mlflow": dict(record)}, indent=1))
             client.log_artifact(run_id, str(path))
 

@@ -1,4 +1,4 @@
-"""The files a finished training run leaves in its folder: the final checkpoint and metrics.json."""
+"""The files a finished training run leaves in its folder (dtstudy.common.run_folder): the final model and its metrics."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def write_checkpoint(spec: RunSpec, eval_model: nn.Module, meta: dict) -> None:
         "state_dict": {k: v.detach().cpu() for k, v in eval_model.state_dict().items()},
         "run_name": spec.run_name,
     }
-    atomic_write(spec.checkpoint_path, lambda stream: torch.save(checkpoint, stream))
+    atomic_write(spec.folder.model, lambda stream: torch.save(checkpoint, stream))
 
 
 def write_metrics(spec: RunSpec, metrics: dict) -> None:
-    """metrics.json, the train rule's output: written last, whole or not at all."""
-    write_json(spec.metrics_path, metrics)
+    """The run's metrics, the train rule's output: written last, whole or not at all."""
+    write_json(spec.folder.metrics, metrics)

@@ -10,8 +10,8 @@ task only notes the signal (`Preemption`), and the training loop acts at a step 
    steps later, so that no worker waits for the others in it; or the strategy's own
    agreement (`Strategy.boundary_agreement`: the parameter servers agree through their
    first shard, their workers not being in step);
-2. if set, every process that holds state writes it to `<out_dir>/resume/rank<r>.pt`
-   (atomically; the workers, and the strategy's extra processes such as parameter-server
+2. if set, every process that holds state writes it to its rank file (`RunFolder.rank_file`,
+   atomically; the workers, and the strategy's extra processes such as parameter-server
    shards, `Strategy.save_extra_processes`), the workers meet in a barrier, then rank 0 calls
    submitit's handler: that pickles `TrainingJob.checkpoint()` (the job itself; the state is
    on disk, not in the pickle), requeues the job and exits. The other ranks block until rank
@@ -29,15 +29,15 @@ without stopping: rank 0's clock says when, and the workers agree on it the same
 all-reduce's value: 0 go on, 1 checkpoint, 2 stop). A run that died for any reason (a lost
 process, a killed job, a crashed node) then resumes from its last checkpoint when it is started
 again: Snakemake's --rerun-incomplete, a SLURM requeue, or the same `dtstudy train` by hand.
-Each rank keeps its last two files (`rank<r>.pt`, `rank<r>.prev.pt`), each written atomically,
+Each rank keeps its last two files (`RunFolder.rank_file`, `previous_rank_file`), each written atomically,
 and a run resumes from the newest step that every rank has: a crash while the ranks write a
 checkpoint leaves the previous one usable. Each file starts with the sha256 of what follows
 it: a file damaged on disk (truncated, or bytes changed that torch would still load) is
 detected, the previous checkpoint is used instead, and the log says which file and why.
 
 The training loop removes the folder after metrics.json is written, so a finished run's
-rerun starts from step 0; so does a run whose folder was removed (`clear`: delete
-`<out_dir>/resume/` to start a failed run afresh) or whose config changed (its identity).
+rerun starts from step 0; so does a run whose resume folder was removed (`clear`: delete
+`RunFolder.resume` to start a failed run afresh) or whose config changed (its identity).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ import torch
 import torch.distributed as dist
 
 from dtstudy.common.atomic_files import atomic_write
+from dtstudy.common.run_folder import RunFolder
 from dtstudy.config import study_config
 from dtstudy.training.measurements import WorkerLog
-from dtstudy.runspec import RESUME_DIR, resume_files
 from dtstudy.strategies.base import CHECKPOINT, STOP  # what the workers agree on at a step boundary
 from dtstudy.strategies.specs import get_spec
 
@@ -71,22 +71,9 @@ _CODES = {CHECKPOINT: 1, STOP: 2}  # the agreed flag is their maximum: a stop wi
 _ACTIONS = {code: action for action, code in _CODES.items()}
 
 
-def resume_dir(out_dir: str | Path) -> Path:
-    return Path(out_dir) / RESUME_DIR
-
-
-def rank_file(out_dir: str | Path, rank: int) -> Path:
-    return resume_files(out_dir, rank)[0]
-
-
-def previous_rank_file(out_dir: str | Path, rank: int) -> Path:
-    """The rank's checkpoint before its last one: kept until every rank has written the next."""
-    return resume_files(out_dir, rank)[1]
-
-
-def clear(out_dir: str | Path) -> None:
+def clear(folder: RunFolder) -> None:
     """Remove the run's resume state (call before a fresh submission of the run)."""
-    shutil.rmtree(resume_dir(out_dir), ignore_errors=True)
+    shutil.rmtree(folder.resume, ignore_errors=True)
 
 
 def run_identity(spec) -> dict:
@@ -106,12 +93,12 @@ class PreemptedWithoutResume(RuntimeError):
     """A preempted run whose strategy cannot resume: it fails rather than starting again from step 0."""
 
 
-def save_rank(out_dir: str | Path, rank: int, identity: dict, step: int, state: dict) -> Path:
+def save_rank(folder: RunFolder, rank: int, identity: dict, step: int, state: dict) -> Path:
     """Write this rank's state (atomically), keeping its previous file as `previous_rank_file`."""
     payload = {"format": FORMAT, "identity": identity, "rank": rank, "step": step, "state": state}
-    path = rank_file(out_dir, rank)
+    path = folder.rank_file(rank)
     if path.exists():
-        os.replace(path, previous_rank_file(out_dir, rank))
+        os.replace(path, folder.previous_rank_file(rank))
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
@@ -119,15 +106,15 @@ def save_rank(out_dir: str | Path, rank: int, identity: dict, step: int, state: 
     return atomic_write(path, lambda stream: stream.write(header + data))
 
 
-def read_rank(out_dir: str | Path, rank: int, identity: dict, ranks: int | None = None) -> tuple[dict | None, int, str]:
+def read_rank(folder: RunFolder, rank: int, identity: dict, ranks: int | None = None) -> tuple[dict | None, int, str]:
     """(state, step, "") from this rank's file when it belongs to this run, else
     (None, -1, why not). Also checks that every other rank's file is there (`ranks`: the
     processes that save one, Strategy.resume_ranks; None: the N workers)."""
-    path = rank_file(out_dir, rank)
+    path = folder.rank_file(rank)
     if not path.exists():
         return None, -1, f"{path.name} is missing"
     ranks = identity["workers"] if ranks is None else ranks
-    missing = [rank_file(out_dir, r).name for r in range(ranks) if not rank_file(out_dir, r).exists()]
+    missing = [folder.rank_file(r).name for r in range(ranks) if not folder.rank_file(r).exists()]
     if missing:
         return None, -1, f"incomplete set, {', '.join(missing)} missing"
     return _read_file(path, rank, identity)
@@ -156,7 +143,7 @@ def _read_file(path: Path, rank: int, identity: dict) -> tuple[dict | None, int,
     return payload["state"], int(payload["step"]), ""
 
 
-def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, group, say: Callable[[str], None]):
+def load_agreed(folder: RunFolder, identity: dict, rank: int, workers: int, group, say: Callable[[str], None]):
     """This process's saved state at the newest step every process has a valid file of, else None.
 
     `workers`: the processes that save a rank file (ranks 0..workers-1: the N workers, and a
@@ -165,10 +152,9 @@ def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, gr
     is not used, `say` (rank 0's progress output) tells why, and the folder is removed so
     that it cannot be picked up later.
     """
-    folder = resume_dir(out_dir)
-    state, step, reason = read_rank(out_dir, rank, identity, workers) if folder.exists() else (None, -1, "")
+    state, step, reason = read_rank(folder, rank, identity, workers) if folder.resume.exists() else (None, -1, "")
     states = {step: state} if step >= 0 else {}
-    previous = previous_rank_file(out_dir, rank)
+    previous = folder.previous_rank_file(rank)
     if previous.exists():  # a checkpoint that some rank may not have replaced yet
         older, older_step, _ = _read_file(previous, rank, identity)
         if older_step >= 0:
@@ -181,27 +167,28 @@ def load_agreed(out_dir: str | Path, identity: dict, rank: int, workers: int, gr
     reasons = [f"rank {r}: {why}" for r, (_, why, _) in enumerate(verdicts) if why]
     if common:
         if reasons:  # a newest file was unusable: the previous checkpoint is used, and the log says so
-            say(f"resume state in {folder}: {'; '.join(reasons)}; resuming from the previous checkpoint, "
+            say(f"resume state in {folder.resume}: {'; '.join(reasons)}; resuming from the previous checkpoint, "
                 f"at step {max(common)}")
         return states[max(common)]
     steps = {s for s, _, _ in verdicts}
     if not reasons and any(s >= 0 for s in steps):
         reasons = ["the ranks saved different steps: " + ", ".join(f"rank {r} step {s}" for r, (s, _, _) in enumerate(verdicts))]
     if reasons:
-        say(f"resume state in {folder} not used ({'; '.join(reasons)}): training starts from step 0")
+        say(f"resume state in {folder.resume} not used ({'; '.join(reasons)}): training starts from step 0")
         if workers > 1:
             dist.barrier(group=group)  # every rank has read its file before rank 0 removes them
         if rank == 0:
-            clear(out_dir)
+            clear(folder)
     return None
 
 
 @dataclass(frozen=True)
 class ResumeFiles:
-    """A run's resume files, for a process other than a worker (a parameter-server shard): it
-    saves its own rank file at the workers' boundaries and takes part in `load_agreed`."""
+    """A run's resume files as one of its processes uses them, built once per process: a worker,
+    or a strategy's extra process (a parameter-server shard: it saves its own rank file at the
+    workers' boundaries and takes part in `load_agreed`)."""
 
-    out_dir: str
+    folder: RunFolder
     identity: dict
     #: called once the process has saved its state for a stop and waits for rank 0 to go: from
     #: then on its peers' ends are expected (its Preemption is stopping), not a lost process.
@@ -209,11 +196,19 @@ class ResumeFiles:
     #: the process may sit in one long wait.)
     stopping: Callable[[], None] = lambda: None
 
-    def save(self, rank: int, step: int, state: dict) -> Path:
-        return save_rank(self.out_dir, rank, self.identity, step, state)
+    @classmethod
+    def of(cls, spec, stopping: Callable[[], None] = lambda: None) -> "ResumeFiles":
+        """The files of run `spec` (a RunSpec), matched against its identity."""
+        return cls(spec.folder, run_identity(spec), stopping)
 
-    def load_agreed(self, rank: int, processes: int, group) -> dict | None:
-        return load_agreed(self.out_dir, self.identity, rank, processes, group, say=lambda _message: None)
+    def save(self, rank: int, step: int, state: dict) -> Path:
+        return save_rank(self.folder, rank, self.identity, step, state)
+
+    def load_agreed(self, rank: int, processes: int, group, say: Callable[[str], None] = lambda _message: None):
+        return load_agreed(self.folder, self.identity, rank, processes, group, say)
+
+    def clear(self) -> None:
+        clear(self.folder)
 
 
 # ----- a worker's place in training, as saved and restored ----------------------------

@@ -14,7 +14,7 @@ from dtstudy.common.atomic_files import write_json
 from dtstudy.tracking.mlflow_store import log_test_metrics
 from dtstudy.tracking.live_run import server_away
 from dtstudy.tracking.provenance import environment
-from dtstudy.runspec import CHECKPOINT_FILE, METRICS_FILE
+from dtstudy.common.run_folder import RunFolder
 
 
 @torch.no_grad()
@@ -80,9 +80,9 @@ def log_test_metrics_or_keep(uri: str, result: dict) -> bool:
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | Path, out: str | Path) -> dict:
-    run_dir, out = Path(run_dir), Path(out)
-    metrics = json.loads((run_dir / METRICS_FILE).read_text())
-    model = load_checkpoint(run_dir / CHECKPOINT_FILE)
+    folder, out = RunFolder(run_dir), Path(out)
+    metrics = json.loads(folder.metrics.read_text())
+    model = load_checkpoint(folder.model)
     config = metrics.get("config") or {}
     device = evaluation_device((config.get("launcher") or {}).get("device", "cpu"))
     test_set = load_split(data_dir, "test", config.get("loader"), device)
@@ -93,7 +93,7 @@ def evaluate_run(run_dir: str | Path, data_dir: str | Path, out: str | Path) -> 
         "top1": accuracy[1],
         "top5": accuracy[5],
         "test_images": len(test_set),
-        "checkpoint": str(run_dir / CHECKPOINT_FILE),
+        "checkpoint": str(folder.model),
         "seconds": time.perf_counter() - start,
         # where the test pass ran (a GPU, or a CPU job), its software and commit, as metrics.json's
         "environment": environment(device, backend=None, processes=1),

@@ -162,6 +162,7 @@ class WorkerRun:
     progress: Progress
     preemption: Preemption
     tracker: LiveRun
+    resume: checkpoint.ResumeFiles  # where this worker saves its state and finds an interrupted attempt's
     grid_images: int = 0  # the grid evaluates the first this many validation images (a fixed subset)
     grid_every: int | None = None  # steps between grid evaluations; None = epoch ends only
     compute: Compute | None = None  # precision and layout of the steps
@@ -172,7 +173,8 @@ class WorkerRun:
         return len(self.batch_sampler)
 
 
-def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Preemption, tracker: LiveRun) -> WorkerRun:
+def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Preemption, tracker: LiveRun,
+           resume: checkpoint.ResumeFiles) -> WorkerRun:
     cfg, train = spec.config, spec.config["train"]
     seed_everything(spec.seed)
     choose_kernels(train["deterministic"], ctx.device)
@@ -204,7 +206,8 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
     return WorkerRun(spec, ctx, strategy, model, module, make_criterion(train), train_set, val_set, meta,
                      sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank, spec.seed),
-                     progress, preemption, tracker, grid_images, grid_every, compute, StepTimer(clock_for(ctx.device)))
+                     progress, preemption, tracker, resume, grid_images, grid_every, compute,
+                     StepTimer(clock_for(ctx.device)))
 
 
 def resume_or_start(run: WorkerRun) -> LoopState:
@@ -214,8 +217,7 @@ def resume_or_start(run: WorkerRun) -> LoopState:
     if not strategy.resumable:
         return fresh
     processes, group = strategy.resume_ranks()  # the workers, and extra processes that save state
-    saved = checkpoint.load_agreed(spec.out_dir, checkpoint.run_identity(spec), ctx.rank, processes, group,
-                                   run.progress.say)
+    saved = run.resume.load_agreed(ctx.rank, processes, group, run.progress.say)
     if saved is None:
         return fresh
     if saved["position"]["step"] > 0 and strategy.replays_first_step and spec.workers > 1:
@@ -227,7 +229,7 @@ def resume_or_start(run: WorkerRun) -> LoopState:
     if run.compute.grad_scaler is not None:  # fp16: the loss scale goes on where it was
         run.compute.grad_scaler.load_state_dict(saved["grad_scaler"])
     run.progress.say(f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
-                     f"with the state in {checkpoint.resume_dir(spec.out_dir)}")
+                     f"with the state in {run.resume.folder.resume}")
     return state
 
 
@@ -352,7 +354,7 @@ def save_state(run: WorkerRun, state: LoopState, elapsed_s: float) -> Path:
     saved = checkpoint.resumable_state(state, run.model, run.strategy, run.straggler, ctx.device, elapsed_s)
     if run.compute.grad_scaler is not None:
         saved["grad_scaler"] = run.compute.grad_scaler.state_dict()  # numbers only
-    path = checkpoint.save_rank(spec.out_dir, ctx.rank, checkpoint.run_identity(spec), state.step, saved)
+    path = run.resume.save(ctx.rank, state.step, saved)
     run.strategy.save_extra_processes(state.step, run.preemption.stopping)
     if spec.workers > 1:
         dist.barrier(group=ctx.worker_group)
@@ -394,22 +396,22 @@ def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None 
     if preemption is None:  # nothing installed: never preempted
         preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device,
                                 spec.config["train"]["preempt_check_every"], lockstep=strategy.resumable)
+    resume = checkpoint.ResumeFiles.of(spec, stopping=lambda: setattr(preemption, "stopping", True))
     if not ctx.is_worker:  # an extra process: it saves and resumes its own state in the run's files
-        strategy.serve(checkpoint.ResumeFiles(spec.out_dir, checkpoint.run_identity(spec),
-                                              stopping=lambda: setattr(preemption, "stopping", True)))
+        strategy.serve(resume)
         return None
     preemption.agree_through(strategy.boundary_agreement())
     tracker = start_live_run(spec) if ctx.rank == 0 else LiveRun.disabled()
     try:
-        return _train(spec, ctx, strategy, preemption, tracker, timings)
+        return _train(spec, ctx, strategy, preemption, tracker, resume, timings)
     except BaseException as error:
         if not preemption.stopping:
             tracker.close("FAILED", f"{type(error).__name__}: {error}")
         raise
 
 
-def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
-    run = set_up(spec, ctx, strategy, preemption, tracker)
+def _train(spec, ctx, strategy, preemption, tracker, resume, timings) -> dict | None:
+    run = set_up(spec, ctx, strategy, preemption, tracker, resume)
     train = spec.config["train"]
     run.progress.say(
         f"{spec.run_name}: {len(run.train_set)} training images, batch {run.batch_sampler.batch_size}/worker, "
@@ -450,5 +452,5 @@ def _train(spec, ctx, strategy, preemption, tracker, timings) -> dict | None:
     timings["mlflow_logged"] = time.time()
     write_metrics(spec, metrics)
     tracker.close("FINISHED")  # only once metrics.json, the rule's output, is on disk
-    checkpoint.clear(spec.out_dir)  # the run is complete: nothing to resume any more
+    resume.clear()  # the run is complete: nothing to resume any more
     return metrics

@@ -136,7 +136,7 @@ def request_training(address: str, spec: RunSpec, job_id: str, rank0_log: str, l
     _request(address, {"kind": "train", "spec": spec.__dict__, "job_id": job_id, "rank0_log": rank0_log,
                         "log_dir": log_dir, "timings": {**timings, "task_start": time.time()},
                         "environ": environ or {}})
-    return json.loads(spec.metrics_path.read_text())  # rank 0 wrote it; a failure raised above
+    return json.loads(spec.folder.metrics.read_text())  # rank 0 wrote it; a failure raised above
 
 
 def request_evaluation(address: str, run_dir: str, data_dir: str, out: str) -> dict:
