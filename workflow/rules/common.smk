@@ -41,9 +41,7 @@ TRAIN_ON_THIS_MACHINE = config["launcher"]["cluster"] == "local"
 # pool; its N logical workers take turns on torch's intra-op threads (Snakemake sets
 # OMP_NUM_THREADS to the job's threads), so it reserves EMULATED_RUN_THREADS cores. One, so that
 # --cores all runs that many runs side by side: LeNet-5's per-worker batches of 8 lose on a
-# second thread. Measured on 2 cores (two rounds, allreduce at N=16 and 64, 1 epoch of 18000
-# images, each twice): the 4 runs took 31 and 30 s as two 1-thread processes side by side, 72
-# and 58 s as one 2-thread process.
+# second thread (the measurement: docs/records/measurements.json, emulated_run_threads).
 EMULATED = config["launcher"]["cluster"] == "emulate"
 EMULATED_RUN_THREADS = 1
 # The projection calibrates the performance model on the study's measured throughput and this
