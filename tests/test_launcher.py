@@ -145,19 +145,22 @@ def test_an_evaluation_on_a_gpu_cluster_asks_for_one_gpu_where_the_runs_train():
     """The `evaluate` rule's SLURM resources: one GPU as the site takes it, the runs' partition,
     account, qos and constraint, a training task's CPUs and one GPU's share of a node's memory;
     none on a CPU-only or local study."""
-    from dtstudy.launch.launcher import evaluation_job_resources
+    from dtstudy.launch_backends.registry import launch_backend
+
+    def evaluation_job_resources(config: dict) -> dict:  # as the rules ask (common.smk)
+        return launch_backend(config).evaluation_resources(config["launcher"])
 
     gpu_cluster = validated(tiny_study(launcher={
         "cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres", "cpus_per_task": 6, "mem_gb": 250,
-        "partition": "gpu", "account": "proj", "qos": "high", "constraint": "h100"}))["launcher"]
+        "partition": "gpu", "account": "proj", "qos": "high", "constraint": "h100"}))
     assert evaluation_job_resources(gpu_cluster) == {
         "gres": "gpu:1", "cpus_per_task": 6, "mem_mb": 64000, "slurm_partition": "gpu", "slurm_account": "proj",
         "qos": "high", "constraint": "h100"}
-    defaults = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 4}))["launcher"]
-    assert evaluation_job_resources(defaults) == {"gpu": 1, "cpus_per_task": defaults["cpus_per_task"]}
+    defaults = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 4}))
+    assert evaluation_job_resources(defaults) == {"gpu": 1, "cpus_per_task": defaults["launcher"]["cpus_per_task"]}
     cpu_cluster = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 0, "partition": "cpu"}))
-    assert evaluation_job_resources(cpu_cluster["launcher"]) == {}
-    assert evaluation_job_resources(validated(tiny_study())["launcher"]) == {}
+    assert evaluation_job_resources(cpu_cluster) == {}
+    assert evaluation_job_resources(validated(tiny_study())) == {}
 
 
 class EndedJob:
@@ -197,7 +200,7 @@ def test_only_a_job_that_lost_a_process_or_its_node_and_has_a_checkpoint_is_resu
 
 
 class _FakeSlurmJob:
-    """submitit.SlurmJob as launcher.running_job asks it: its state, done() and cancel()."""
+    """submitit.SlurmJob as the slurm backend's running_job asks it: its state, done() and cancel()."""
 
     states: dict[str, str] = {}
     cancelled: list[str] = []
@@ -231,7 +234,10 @@ def test_a_launcher_waits_only_for_a_running_job_of_its_own_config(tmp_path, mon
     import submitit
 
     from dtstudy.config.study_config import results_sha256
-    from dtstudy.launch.launcher import ACTIVE_JOB_FILE, running_job
+    from dtstudy.launch_backends.slurm import ACTIVE_JOB_FILE, SLURM
+
+    def running_job(spec, job_dir):  # as the launcher asks
+        return SLURM.running_job(job_dir, spec.run_name, results_sha256(spec.config))
 
     spec = spec_for(2, {"cluster": "slurm", "timeout_min": 30})
     assert running_job(spec, tmp_path) is None  # no record: nothing to wait for

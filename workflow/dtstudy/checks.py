@@ -17,6 +17,7 @@ from dtstudy.data.checks import check_dataset, check_loader
 from dtstudy.data.errors import DataConfigError
 from dtstudy.emulation.settings import check_emulate
 from dtstudy.errors import ConfigError
+from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.projection import budget, hardware
 from dtstudy.runspec import RunSpec
 from dtstudy.strategies.specs import SPECS
@@ -56,7 +57,7 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
             f"up to {EARLY_SIGNAL_S} s early, so it must be due more than {EARLY_SIGNAL_S} s after the start: "
             "lower signal_delay_s or raise launcher.timeout_min"
         )
-    if launcher["cluster"] != "local":  # the job layout must fit the nodes
+    if launch_backend(config).spans_nodes:  # the job layout must fit the nodes
         for name in config["strategies"]:
             for workers in config["workers"]:
                 RunSpec(name, workers, 0, run_config(config, name), "", "").layout()

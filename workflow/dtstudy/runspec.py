@@ -10,6 +10,7 @@ from pathlib import Path
 from dtstudy.common.run_folder import RunFolder
 from dtstudy.config import run_kinds
 from dtstudy.errors import ConfigError
+from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.strategies.specs import get_spec
 
 
@@ -110,10 +111,8 @@ class RunSpec:
 
     def nodes(self) -> int:
         """The nodes the run's job spans (`layout`'s): one locally, else the fewest nodes of
-        launcher.gpus_per_node (or workers_per_node) workers that hold all N."""
-        launcher = self.config["launcher"]
-        per_node = launcher["gpus_per_node"] or launcher["workers_per_node"]
-        return 1 if launcher["cluster"] == "local" or not per_node else math.ceil(self.workers / per_node)
+        launcher.gpus_per_node (or workers_per_node) workers that hold all N (its launch backend's)."""
+        return launch_backend(self.config).nodes(self.config["launcher"], self.workers)
 
     def processes(self) -> int:
         """The run's processes: N workers plus the strategy's extra ones (parameter-server shards)."""
@@ -122,11 +121,8 @@ class RunSpec:
     def layout(self) -> TaskLayout:
         """How the N workers and the strategy's extra processes spread over the job's nodes
         (the launcher submits this layout; every task maps itself to its rank with it)."""
-        launcher = self.config["launcher"]
         extras = self.processes() - self.workers
-        if launcher["cluster"] == "local":
-            return TaskLayout(self.workers, extras)
-        per_node = launcher["gpus_per_node"] or launcher["workers_per_node"]
+        per_node = launch_backend(self.config).workers_per_node(self.config["launcher"])
         try:
             return TaskLayout.over_nodes(self.workers, extras, per_node)
         except ValueError:

@@ -11,7 +11,7 @@ import dtstudy.config.study_config as study_config
 from dtstudy.checks import check_config
 from dtstudy.common.run_folder import EVALUATION, METRICS, MODEL
 from dtstudy.data.prepare import prepared_files
-from dtstudy.launch.launcher import evaluation_job_resources
+from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.runspec import RunSpec
 
 # The schema (strict types, defaults filled in; not snakemake.utils.validate, which takes 64.0
@@ -21,6 +21,8 @@ from dtstudy.runspec import RunSpec
 # Snakemake's --config reads a list's or mapping's items as text (workers=[1,2]): typed first.
 study_config.validate_schema(study_config.retype_command_line(config, workflow.config_settings.config))
 TRAIN_IMAGES = check_config(config, check_data=workflow.is_main_process)  # None in a job's parse
+# What launcher.cluster's kind means for the rules: where runs train, what their jobs ask for.
+BACKEND = launch_backend(config)
 
 DATASET = config["dataset"]["name"]
 DATA_DIR = f"results/data/{DATASET}"
@@ -36,23 +38,23 @@ RUN_DIRS = {
 RUN_DIR = RUN_DIRS[run_kinds.ACCURACY]
 SCALING_RUN_DIR = RUN_DIRS[run_kinds.SCALING]
 # Local runs reserve the cores their processes use; cluster runs get their own nodes.
-TRAIN_ON_THIS_MACHINE = config["launcher"]["cluster"] == "local"
+TRAIN_ON_THIS_MACHINE = BACKEND.processes_on_this_machine
 # An emulated run (dtstudy.emulation) is one process of this machine, no submitit job, no warm
 # pool; its N logical workers take turns on torch's intra-op threads (Snakemake sets
 # OMP_NUM_THREADS to the job's threads), so it reserves EMULATED_RUN_THREADS cores. One, so that
 # --cores all runs that many runs side by side: LeNet-5's per-worker batches of 8 lose on a
 # second thread (the measurement: docs/records/measurements.json, emulated_run_threads).
-EMULATED = config["launcher"]["cluster"] == "emulate"
+EMULATED = BACKEND.emulated
 EMULATED_RUN_THREADS = 1
 # The projection calibrates the performance model on the study's measured throughput and this
 # machine's gloo benchmark; an emulated study's throughput is that model's own output on a
 # hardware profile, so projecting it would fit the model to itself: no project target.
 PROJECTS_THE_STUDY = not EMULATED
 # Local evaluations run in the study's warm pool (dtstudy.launch.pool), like the training runs.
-EVALUATE_FLAGS = "--via-pool" if TRAIN_ON_THIS_MACHINE and config["launcher"]["local_processes"] == "pool" else ""
+EVALUATE_FLAGS = "--via-pool" if BACKEND.uses_pool(config["launcher"]) else ""
 # On a GPU cluster an evaluation is a SLURM job with one of the runs' GPUs (their partition,
 # account...); elsewhere it takes the profile's default resources.
-EVALUATE_RESOURCES = evaluation_job_resources(config["launcher"])
+EVALUATE_RESOURCES = BACKEND.evaluation_resources(config["launcher"])
 
 
 wildcard_constraints:
@@ -137,7 +139,7 @@ def print_cost_summary():
     """A SLURM study's predicted cost per run, per strategy and in total on the profiles its config
     names (`python -m dtstudy budget`'s table), when it starts; check_config has already held it
     to launcher.gpu_hour_budget."""
-    if config["launcher"]["cluster"] != "slurm" or TRAIN_IMAGES is None:
+    if not BACKEND.predicts_costs or TRAIN_IMAGES is None:
         return
     from dtstudy.projection import budget
 

@@ -18,6 +18,7 @@ import yaml
 
 from dtstudy.config import run_kinds, schema
 from dtstudy.errors import ConfigError
+from dtstudy.launch_backends.registry import launch_backend
 
 __all__ = ["ConfigError", "OPERATIONAL_KEYS", "deep_merge", "operational_part", "read_yaml", "results_part",
            "results_sha256", "retype_command_line", "run_config", "validate_schema"]
@@ -133,7 +134,7 @@ def run_config(config: dict, strategy: str, kind: str = run_kinds.ACCURACY) -> d
     keys = ("dataset", "loader", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
     selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
-    if config["launcher"]["cluster"] == "emulate":  # its clock's hardware (absent otherwise: no rerun of real runs)
+    if launch_backend(config).emulated:  # its clock's hardware (absent otherwise: no rerun of real runs)
         selected["emulate"] = copy.deepcopy(config["emulate"])
     return deep_merge(selected, run_kinds.run_config_changes(config, kind))
 

@@ -28,6 +28,7 @@ from dtstudy.emulation.process_group import BACKEND
 from dtstudy.emulation.settings import emulated_cluster, EmulatedCluster
 from dtstudy.emulation.workers import LogicalWorkers
 from dtstudy.launch.process_group import pick_device
+from dtstudy.launch_backends.emulate import EMULATE
 from dtstudy.perfmodel.machine import Machine
 from dtstudy.runspec import RunSpec
 from dtstudy.strategies.base import DistContext
@@ -101,7 +102,7 @@ class EmulatedRun:
         """metrics.json's `emulation`: the cluster, its clock's inputs, the emulated and host times."""
         cluster, scheduler = self.cluster, self.workers.scheduler
         return {
-            "cluster": "emulate",
+            "cluster": EMULATE.kind,
             "hardware": cluster.profile,
             "images_per_s": cluster.images_per_s,
             "images_per_s_source": cluster.rate_source,

@@ -8,12 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtstudy.errors import ConfigError
+from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.perfmodel.machine import Machine
 from dtstudy.projection import hardware
 from dtstudy.strategies.specs import SPECS
-
-CLUSTER = "emulate"  # the value of launcher.cluster
-
 
 @dataclass(frozen=True)
 class EmulatedCluster:
@@ -29,10 +27,6 @@ class EmulatedCluster:
 
     def placement(self, strategy: str) -> str:
         return self.placements.get(strategy, hardware.default("placement"))
-
-
-def is_emulated(config: dict) -> bool:
-    return config["launcher"]["cluster"] == CLUSTER
 
 
 def emulated_cluster(config: dict) -> EmulatedCluster:
@@ -63,7 +57,7 @@ def emulated_cluster(config: dict) -> EmulatedCluster:
 def check_emulate(config: dict) -> None:
     """launcher.cluster emulate: every strategy of the study can be emulated and the cluster
     can be timed. Raises ConfigError naming the key."""
-    if not is_emulated(config):
+    if not launch_backend(config).emulated:
         return
     for i, name in enumerate(config["strategies"]):
         why = SPECS[name].not_emulated_because

@@ -9,24 +9,12 @@ that builds and pickles them stays light; torch is imported where a task trains.
 
 from __future__ import annotations
 
-import os
 import time
 
 import submitit
 
 from dtstudy.launch.pool.client import apply_environment, request_training
 from dtstudy.runspec import RunSpec
-
-# submitit's local executor sets CUDA_VISIBLE_DEVICES in its tasks from its gpus_per_node
-# ("" when 0: no GPU); a local run's tasks must see the GPUs the launcher sees
-VISIBLE_GPUS_ENV = "CUDA_VISIBLE_DEVICES"
-
-
-def launcher_environment(cluster: str) -> dict[str, str | None]:
-    """What a local job's tasks take from the launcher (None: unset there); nothing on SLURM,
-    whose tasks see the GPUs the scheduler gave them."""
-    return {VISIBLE_GPUS_ENV: os.environ.get(VISIBLE_GPUS_ENV)} if cluster == "local" else {}
-
 
 class TrainingJob(submitit.helpers.Checkpointable):
     """The callable that submitit runs in each task (worker or extra process) of a run.
@@ -39,7 +27,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def __init__(self, spec: RunSpec, timings: dict | None = None, environ: dict[str, str | None] | None = None):
         self.spec = spec
         self.timings = timings or {}
-        self.environ = environ or {}  # launcher_environment
+        self.environ = environ or {}  # LaunchBackend.job_environment
 
     def __call__(self) -> dict | None:
         apply_environment(self.environ)  # before anything touches CUDA
@@ -61,7 +49,7 @@ class PooledTrainingJob(submitit.helpers.Checkpointable):
                  environ: dict[str, str | None] | None = None):
         self.spec, self.pool_address = spec, pool_address
         self.timings = timings or {}
-        self.environ = environ or {}  # launcher_environment; the pool hands it to the ranks
+        self.environ = environ or {}  # LaunchBackend.job_environment; the pool hands it to the ranks
 
     def __call__(self) -> dict | None:
         apply_environment(self.environ)  # also what a pool this task starts inherits

@@ -84,12 +84,14 @@ def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
 
 
 def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: int = 30,
-                       comm_timeout_s: float = 45, gloo_loop_nice: int | str = 0) -> DistContext | None:
+                       comm_timeout_s: float = 45, gloo_loop_nice: int | str = 0,
+                       port_from_master_task: bool = False) -> DistContext | None:
     """Join the job's process group: gloo on CPU (one torch thread per worker), NCCL on GPU.
 
     `layout` (RunSpec.layout) maps the job's tasks to ranks: workers first, then a
     strategy's extra processes. Returns None in an idle task (a spare slot of a multi-node
-    layout), which then has nothing to do.
+    layout), which then has nothing to do. `port_from_master_task` (the run's launch
+    backend's): the master task picks MASTER_PORT on its node (`rendezvous_port`).
     """
     import submitit
 
@@ -97,7 +99,7 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
     rank = layout.rank_of_task(job_env.global_rank)
     if rank is None:
         return None
-    if job_env.cluster == "slurm":
+    if port_from_master_task:
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_env, job_env.global_rank == 0, timeout_min * 60))
     # MASTER_ADDR (the first node), and locally MASTER_PORT as the launcher pinned it
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

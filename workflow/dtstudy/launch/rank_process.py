@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from dtstudy.launch.process_group import init_from_submitit, join_process_group, PeerWatch
+from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.training.checkpoint import Preemption
 from dtstudy.runspec import lost_rank_path, RunSpec
 from dtstudy.strategies.base import DistContext
@@ -19,7 +20,7 @@ def run_submitit_task(spec: RunSpec, timings: dict) -> dict | None:
 
     launcher = spec.config["launcher"]
     ctx = init_from_submitit(spec.layout(), launcher["device"], launcher["timeout_min"], launcher["comm_timeout_s"],
-                             launcher["gloo_loop_nice"])
+                             launcher["gloo_loop_nice"], launch_backend(spec.config).port_from_master_task)
     if ctx is None:  # an idle slot of the job's task layout
         return None
     # nothing but the peers stops the others when one is lost (submitit's local controller

@@ -37,6 +37,7 @@ from dtstudy.common.atomic_files import write_json
 from dtstudy.config import run_kinds
 from dtstudy.config.study_config import deep_merge, per_worker_batch
 from dtstudy.errors import ConfigError
+from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.perfmodel.machine import Machine, Stragglers, Workload
 from dtstudy.projection import calibration, hardware, layer_profiles
 from dtstudy.strategies.specs import SPECS, model_step
@@ -275,7 +276,7 @@ def cluster_costing(config: dict) -> Costing | None:
     """The profile of the nodes a SLURM study runs on (launcher.hardware), checked against the
     launcher's nodes; None when the study is not on SLURM or names none."""
     launcher = config["launcher"]
-    if launcher["cluster"] != "slurm" or launcher["hardware"] is None:
+    if not launch_backend(config).predicts_costs or launcher["hardware"] is None:
         return None
     where = load_costing(launcher["hardware"], config, "launcher.hardware")
     if where.machine.gpus_per_node != launcher["gpus_per_node"]:
@@ -289,7 +290,7 @@ def check_study(config: dict, images: Images) -> None:
     """Before any job: with launcher.hardware, every run fits its requeues and the study fits
     launcher.gpu_hour_budget; a budget without a profile to predict on is refused."""
     launcher = config["launcher"]
-    if launcher["cluster"] != "slurm":
+    if not launch_backend(config).predicts_costs:
         return
     where = cluster_costing(config)
     if where is None:

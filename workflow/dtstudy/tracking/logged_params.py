@@ -8,14 +8,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+from dtstudy.launch_backends.registry import BACKENDS, launch_backend
+
 IMAGE_FOLDER, SYNTHETIC = "imagefolder", "synthetic"
-SLURM_ONLY = ("max_requeues", "max_resubmits", "gpus_per_node", "workers_per_node", "gpu_request", "hardware",
-              "time_limit_margin", "gpu_hour_budget", "mem_gb", "partition", "account", "qos", "constraint",
-              "additional_parameters")
+#: the launcher keys one launch backend reads alone (LaunchBackend.own_keys)
+BACKEND_KEYS = tuple(key for backend in BACKENDS.values() for key in backend.own_keys)
 
 
 def _dataset_is(*names: str) -> Callable[[dict], bool]:
     return lambda config: config["dataset"]["name"] in names
+
+
+def _backend_reads(key: str) -> Callable[[dict], bool]:
+    return lambda config: key in launch_backend(config).own_keys
 
 
 def _has_stragglers(config: dict) -> bool:
@@ -37,8 +42,7 @@ APPLIES: dict[tuple[str, ...], Callable[[dict], bool]] = {
     ("model_options",): lambda config: str(config["model"]).startswith("resnet"),
     # the strategy's knobs, defaults filled in, are logged beside as strategy_params.*
     ("strategy_params",): lambda config: False,
-    ("launcher", "local_processes"): lambda config: config["launcher"]["cluster"] == "local",
-    **{("launcher", key): (lambda config: config["launcher"]["cluster"] == "slurm") for key in SLURM_ONLY},
+    **{("launcher", key): _backend_reads(key) for key in BACKEND_KEYS},
     **{("stragglers", key): _has_stragglers for key in ("delay_ms", "distribution", "seed")},
 }
 
