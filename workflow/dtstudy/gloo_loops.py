@@ -32,8 +32,8 @@ def lower_gloo_event_loops(priority: int | str, threads: set[int] | None = None)
 
     gloo's TCP event loop spins on epoll while a message waits for the thread that will
     take it (pytorch/gloo#246). When every core is busy, as with one worker per core, the
-    woken thread then waits for the spinner: on a 2-core machine half of LeNet-5's
-    all-reduces took 4 ms instead of 0.3 ms (benchmarks/exchange_latency.py). At nice 19
+    woken thread then waits for the spinner, up to a scheduler tick
+    (benchmarks/exchange_latency.py measures what that costs an all-reduce). At nice 19
     the spinner yields to it within its time slice; under SCHED_IDLE at once (the kernel
     preempts an idle-policy thread for any other that wakes), which gossip's point-to-point
     hand-shakes and PowerSGD's three all-reduces per step still needed (docs/running-locally.md,

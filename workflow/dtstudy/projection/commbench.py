@@ -33,8 +33,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gl
     lower_gloo_event_loops(gloo_loop_nice)  # as in a training run (launcher.gloo_loop_nice)
     results = {"allreduce": [], "p2p": []}
     # each collective timed right after a burst of compute, as a training step meets it after
-    # its backward: timed back to back, a small all-reduce here took 270-370 us (median),
-    # after a LeNet-5 backward 350-440 us
+    # its backward: timed back to back it runs warm, faster than a training step meets it
     burst = _burst_net()
     for size in sizes:
         buffer = torch.ones(size // 4, dtype=torch.float32)
@@ -179,9 +178,9 @@ def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
     error feedback, decompression; 1-bit: quantising with error feedback over the column
     groups (241 for LeNet-5), the message encoded, gathered (one message: a copy), decoded,
     dequantised and averaged back. The model adds it to the exchange's communication (1-bit:
-    half of it once and half per worker's message). Before 2026-12-05 the casts and 1-bit
-    were kernels of the same operations on 2^18 values (1-bit in 4 groups): 1-bit's was
-    about 2/3 of its exchange on LeNet-5, and the model overpredicted it at N=2 by 15-19%."""
+    half of it once and half per worker's message). The strategy's own code at the model's
+    size, not kernels of the same operations on another size and grouping: those missed much
+    of 1-bit's exchange on LeNet-5, and the model overpredicted its throughput."""
     import torch
 
     from dtstudy.strategies.registry import STRATEGIES
@@ -269,8 +268,8 @@ def _kernel_seconds_per_byte(repeats: int) -> dict:
         total.add_(momentum, alpha=-0.1)
 
     # gossip's averaging at about LeNet-5's size (61706 values in ten tensors): its per-byte
-    # cost is far from linear here (4x higher at 2^18 values: fresh allocations past
-    # malloc's mmap threshold), so it is timed at the size the study's model has
+    # cost is not linear in the size (past malloc's mmap threshold each call maps fresh
+    # pages), so it is timed at the size the study's model has
     mix_numel = 2**16
     parameters = [torch.randn(mix_numel // 10) for _ in range(9)] + [torch.randn(mix_numel - 9 * (mix_numel // 10))]
     peer = torch.randn(mix_numel)
