@@ -100,6 +100,29 @@ def test_bootstrap_interval_covers_the_true_median_about_95_percent_of_the_time(
     assert not about_95(coverage(0.85)) and not about_95(coverage(0.99))
 
 
+def test_the_bootstrap_at_its_default_level_is_the_95_percent_interval():
+    """The tables call the bootstrap at its default level (median_interval(groups), a ratio's
+    bootstrap without `level`), while the coverage test above passes its level: a default of
+    85% would pass that test. At the default, a median's and a ratio's intervals are exactly
+    those at 0.95; on these windows the intervals at 0.85, 0.9 and 0.99 differ from them, so
+    the equality tells the levels apart."""
+    rng = np.random.default_rng(5)
+    groups = [list(rng.normal(100, 10, 15)), list(rng.normal(104, 10, 15))]
+    other = [list(rng.normal(50, 5, 15)), list(rng.normal(52, 5, 15))]
+
+    def median(**level):
+        found = intervals.median_interval(groups, **level)
+        return found.low, found.high
+
+    def ratio(**level):
+        found = intervals.bootstrap({"a": groups, "b": other}, lambda m: m["a"] / m["b"], **level)
+        return found.low, found.high
+
+    for interval in (median, ratio):
+        assert interval() == interval(level=0.95)
+        assert all(interval(level=level) != interval() for level in (0.85, 0.9, 0.99))
+
+
 def test_bootstrap_width_shrinks_with_more_windows():
     rng = np.random.default_rng(3)
     few = [list(rng.normal(50, 5, 10))]
