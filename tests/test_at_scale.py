@@ -673,3 +673,22 @@ def test_the_docs_read_the_n256_budget_failure_as_cannot_tell_not_as_goyals_limi
     for text in (emulation, docs[AT_SCALE_ASYNC]):
         assert "not Jin et al.'s asynchronous gossip" in text
         assert "Jin's and Chen's verdicts rest on the emulated clock" in text and "emulate.images_per_s" in text
+
+
+def test_findings_and_statistics_md_say_what_every_verdict_and_rule_means():
+    """findings.md's claims section opens with how a verdict is read, and docs/statistics.md
+    says the same: every status a verdict can have, and the four rules that keep it from
+    saying more than its runs can (did not learn, resolution, Holm over several N, pairing),
+    each with its figure as the code has it."""
+    preamble = " ".join("\n".join(claims_markdown([], "emulated")).split())
+    statistics = " ".join(prose(REPO / "docs/statistics.md").split())
+    rules = ("did not learn", "neither reached the target", "narrower than what it was measured on",
+             "validation grid's step", "Holm's step-down procedure", "per-seed differences", "paired by seed")
+    for text in (preamble, statistics):
+        assert all(phrase in text for phrase in rules), [phrase for phrase in rules if phrase not in text]
+    assert all(f'"{status}"' in statistics for status in claims.STATUSES)
+    assert '"cannot tell at N=…"' in preamble and '"cannot tell"' in preamble
+    assert f"below {claims.LEARNED_SHARE:.0%} of allreduce's at N=1" in preamble
+    assert f"a family-wise error of {claims.FAMILY_ERROR:.2g}" in preamble
+    assert f"`LEARNED_SHARE` ({claims.LEARNED_SHARE:g})" in statistics
+    assert f"`FAMILY_ERROR` ({claims.FAMILY_ERROR:.2g}" in statistics

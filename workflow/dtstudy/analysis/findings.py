@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from dtstudy.common import intervals
-from dtstudy.analysis.claims import (ABOVE, BELOW, LEVEL, RELATIVE_MARGIN, SCALES, UNDECIDED_READING, Verdict,
-                                     beyond_zero, difference_range, read)
+from dtstudy.analysis.claims import (ABOVE, BELOW, FAMILY_ERROR, LEARNED_SHARE, LEVEL, RELATIVE_MARGIN, SCALES,
+                                     UNDECIDED_READING, Verdict, beyond_zero, difference_range, read)
 from dtstudy.common.intervals import Interval
 from dtstudy.analysis.tables import BASELINE_STRATEGY, GAP_POINTS, OVERSUBSCRIBED_NOTE, to_markdown
 from dtstudy.config.run_kinds import ACCURACY, SCALING
@@ -125,6 +125,16 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
              "excludes zero while the intervals overlap stays undecided, and its reading says so. "
              "A claim of little or no loss (Seide's) reads the margin first: a loss within it is little even where "
              "the seeds tell it from zero, more than it only when the whole interval lies beyond. "
+             "An N where a run-set the claim compares did not learn (its mean test top-1 below "
+             f"{LEARNED_SHARE:.0%} of allreduce's at N=1 in this study), or where neither reached the target, reads "
+             "\"cannot tell at N=…\": no evidence for or against; a claim with no other N reads \"cannot tell\". "
+             "No interval is narrower than what it was measured on (a top-1 the test split's 1/n, a time or steps "
+             "to the target the validation grid's step), so seeds that agree or a deterministic emulated time do not "
+             "make a difference apart. A claim's \"above\"/\"below\" over several N are held to a family-wise "
+             f"error of {FAMILY_ERROR:.2g} by Holm's step-down procedure: each N's intervals must be apart at the "
+             "stricter level its place among them asks. Runs of two strategies at the same N and "
+             "seed share their data order and straggler draws, so they are compared by their per-seed differences "
+             "(\"paired by seed\"). "
              "Times are the emulated cluster's training seconds.", ""]
     for verdict in verdicts:
         lines.append(f"- **{verdict.source}**: {verdict.claim}. **{verdict.status.capitalize()}**"
