@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_study, validated
+
 from dtstudy.config.study_config import results_sha256, run_config, validate_schema
 from dtstudy.errors import ConfigError
 from dtstudy.launch_backends.registry import BACKENDS, launch_backend
-from dtstudy.runspec import lost_rank_path, RunSpec
+from dtstudy.runspec import RunSpec, lost_rank_path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the one module that reads launcher.cluster's value to choose
@@ -306,7 +306,7 @@ def test_a_slurm_job_that_lost_a_rank_is_resubmitted_and_the_new_one_waited_on(t
     ({"cluster": "local", "local_processes": "tasks", "max_resubmits": 3}, None),  # never resubmitted locally
 ])
 def test_a_job_that_lost_a_rank_again_fails_the_run_saying_why(tmp_path, monkeypatch, keys, refused):
-    from dtstudy.launch.launcher import run_training_job, TrainingJobFailed
+    from dtstudy.launch.launcher import TrainingJobFailed, run_training_job
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     spec, job_dir = run_spec(tmp_path, **keys), tmp_path / "job"

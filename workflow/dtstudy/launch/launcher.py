@@ -42,8 +42,8 @@ from dtstudy.launch.job import PooledTrainingJob, TrainingJob
 from dtstudy.launch.pool.client import pool_address
 from dtstudy.launch_backends.base import cancel_and_wait
 from dtstudy.launch_backends.registry import launch_backend
+from dtstudy.runspec import RunSpec, lost_rank_path
 from dtstudy.tracking.live_run import recorded_run
-from dtstudy.runspec import lost_rank_path, RunSpec
 
 NODE_FAIL = "NODE_FAIL"  # SLURM's state of a job whose node failed
 
@@ -92,7 +92,8 @@ class _LogFollower:
             sys.stdout.flush()
 
 
-def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, time_limit_min: int | None = None) -> dict:
+def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05,
+                     time_limit_min: int | None = None) -> dict:
     """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
     the run's MLflow run marked FAILED). On SLURM a job that lost a process or its node is
     submitted again to resume from the run's checkpoint (resubmission_refused says when it is

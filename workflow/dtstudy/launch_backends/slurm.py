@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from dtstudy.common.atomic_files import write_json
-from dtstudy.launch_backends.base import cancel_and_wait, LaunchBackend
+from dtstudy.launch_backends.base import LaunchBackend, cancel_and_wait
 
 #: in a run's job folder while its launcher waits on its SLURM job: the job and the config it trains
 ACTIVE_JOB_FILE = "active_job.json"
