@@ -470,7 +470,7 @@ def test_registry_and_knob_defaults():
         with pytest.raises(ValueError, match="one per node"):  # null: the run's nodes decide
             STRATEGIES[name].extra_processes(knobs, workers=2)
     # ps_backup's k when neither knob is given: one
-    assert STRATEGIES["ps_backup"].spec().quorum(4, defaults["ps_backup"]) == 3
+    assert STRATEGIES["ps_backup"].spec.quorum(4, defaults["ps_backup"]) == 3
 
 
 @pytest.mark.parametrize("launcher, workers, knob, shards", [

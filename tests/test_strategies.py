@@ -62,13 +62,13 @@ def test_ps_backups_as_a_share_of_n(workers, backups):
     """backup_fraction 1/16: k = round(N/16), so the backups grow with N (Chen et al. 2016's ~5%)."""
     cls = get_strategy("ps_backup")
     params = cls.check_params({"backup_fraction": 1 / 16}, workers)
-    assert cls.spec().quorum(workers, params) == workers - backups
+    assert cls.spec.quorum(workers, params) == workers - backups
     assert cls.update_batch(params, workers, 8) == (workers - backups) * 8
 
 
 def test_ps_backup_share_is_at_most_n_minus_1_and_excludes_a_count():
     cls = get_strategy("ps_backup")
-    assert cls.spec().quorum(2, cls.check_params({"backup_fraction": 0.9}, 2)) == 1  # round(1.8) = 2, capped
+    assert cls.spec.quorum(2, cls.check_params({"backup_fraction": 0.9}, 2)) == 1  # round(1.8) = 2, capped
     with pytest.raises(ConfigError, match=r"strategy_params.ps_backup.backup_fraction': 0.1 .*not both"):
         cls.check_params({"backup": 2, "backup_fraction": 0.1}, 16)
     with pytest.raises(ConfigError, match="strategy_params.ps_backup.backup_fraction"):

@@ -1,6 +1,6 @@
-"""Adding a strategy is one class file plus one spec entry (docs/adding-a-strategy.md): a toy
-strategy added that way, and nowhere else, trains through the real training loop and is
-projected by the performance model."""
+"""Adding a strategy is one spec, one class that names it and a line in each of the two tables
+(docs/adding-a-strategy.md): a toy strategy added that way, and nowhere else, trains through the
+real training loop and is projected by the performance model."""
 
 from __future__ import annotations
 
@@ -24,13 +24,29 @@ from dtstudy.training.loop import train_worker
 TOY = "toy_mean"
 
 
+# ----- the spec: its name, family, knobs (none), performance model -----------------------
+
+class ToyMeanSpec(specs.StrategySpec):
+    name = TOY
+    family = "synchronous"
+
+    @classmethod
+    def step_model(cls, workload, machine, workers, params, stragglers):
+        """The whole gradient all-reduced after backward: nothing hidden."""
+        if workers == 1:
+            return steps.alone(cls.name, workload, stragglers)
+        exchange = allreduce_time(workload.model_bytes, workers, machine, messages=10)  # one message per tensor
+        return steps.finish(cls.name, workload, workers, workload.compute_s, exchange, exchange,
+                            straggler=synchronous_wait(stragglers, workers))
+
+
 # ----- the class file: the exchange ------------------------------------------------------
 
 class ToyMean(Strategy):
     """After backward, every gradient all-reduced (summed) and divided by N, one tensor at a
     time, then each worker's own optimizer: synchronous SGD without DDP's buckets."""
 
-    name = TOY
+    spec = ToyMeanSpec  # its name is the spec's
     resumable = True
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
@@ -51,25 +67,9 @@ class ToyMean(Strategy):
         return self.model
 
 
-# ----- the spec entry: family, knobs (none), performance model ---------------------------
-
-class ToyMeanSpec(specs.StrategySpec):
-    name = TOY
-    family = "synchronous"
-
-    @classmethod
-    def step_model(cls, workload, machine, workers, params, stragglers):
-        """The whole gradient all-reduced after backward: nothing hidden."""
-        if workers == 1:
-            return steps.alone(cls.name, workload, stragglers)
-        exchange = allreduce_time(workload.model_bytes, workers, machine, messages=10)  # one message per tensor
-        return steps.finish(cls.name, workload, workers, workload.compute_s, exchange, exchange,
-                            straggler=synchronous_wait(stragglers, workers))
-
-
 @pytest.fixture
 def toy_registered(monkeypatch):
-    """The registry line and the spec entry, as docs/adding-a-strategy.md says (undone after)."""
+    """The spec's line in SPECS and the class's in STRATEGIES, as docs/adding-a-strategy.md says (undone after)."""
     monkeypatch.setitem(registry.STRATEGIES, TOY, ToyMean)
     monkeypatch.setitem(specs.SPECS, TOY, ToyMeanSpec)
 

@@ -33,8 +33,8 @@ from typing import Any, Callable, ClassVar, Iterable
 import torch
 from torch import nn
 
-from dtstudy.strategies.specs import SPECS, StrategySpec
 from dtstudy.common.timing import Clock, clock_for, HostClock, Mark, PendingExchange
+from dtstudy.strategies.spec import StrategySpec
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 #: what the workers agree on at a step boundary (boundary_agreement; dtstudy.training.checkpoint)
@@ -124,7 +124,10 @@ class CommMeter:
 class Strategy(ABC):
     """One distributed training strategy (see the module docstring for the call order)."""
 
-    #: the name in the registry; its knobs and their checks are dtstudy.strategies.specs.SPECS[name]
+    #: its spec (its family's `spec` module, torch-free): its name, its knobs and their checks,
+    #: the processes it needs, its performance model
+    spec: ClassVar[type[StrategySpec]]
+    #: its name in the registry, its spec's (a subclass that gives no spec keeps its parent's)
     name: ClassVar[str]
     #: a preempted run can save its state at a step boundary and continue from it: the workers
     #: agree on the boundary (`boundary_agreement`) and every process that holds state saves
@@ -143,6 +146,11 @@ class Strategy(ABC):
     #: batches of the training set (the same ones on every worker) that recompute them
     batch_norm_batches: ClassVar[int] = 16
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__:  # the name is typed once, in the spec
+            cls.name = cls.spec.name
+
     def __init__(self, ctx: DistContext, params: dict[str, Any]):
         self.ctx = ctx
         self.params = params
@@ -154,15 +162,11 @@ class Strategy(ABC):
         #: (StrategySpec.no_fp16_because) and the config check refuses fp16 for it
         self.grad_scaler = None
 
-    # ----- its knobs: dtstudy.strategies.specs (torch-free, checked before any job starts) ----
-    @classmethod
-    def spec(cls) -> type[StrategySpec]:
-        return SPECS[cls.name]
-
+    # ----- its knobs: its spec's (torch-free, checked before any job starts) ----------------
     @classmethod
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:
         """The knobs with defaults filled in, checked for N=workers (see StrategySpec)."""
-        return cls.spec().check_params(params, workers)
+        return cls.spec.check_params(params, workers)
 
     @classmethod
     def update_batch(cls, params: dict[str, Any], workers: int, per_worker_batch: int) -> int:
@@ -172,12 +176,12 @@ class Strategy(ABC):
 
     @classmethod
     def extra_processes(cls, params: dict[str, Any], workers: int) -> int:
-        return cls.spec().extra_processes(params, workers)
+        return cls.spec.extra_processes(params, workers)
 
     @classmethod
     def step_limit(cls, params: dict[str, Any]) -> int | None:
         """The steps its runs stop after, besides train.max_steps (None: no limit of its own)."""
-        return cls.spec().step_limit(params)
+        return cls.spec.step_limit(params)
 
     # ----- the training loop's calls ----------------------------------------------------
     @abstractmethod

@@ -1,6 +1,7 @@
-"""What every strategy's spec gives (StrategySpec): its knobs and their checks, the processes it
-needs besides the N workers, and its performance model. Torch-free, as every family's `spec`
-module that subclasses it (dtstudy.strategies.specs collects them)."""
+"""What every strategy's spec gives (StrategySpec): its name, its knobs and their checks, the
+processes it needs besides the N workers, and its performance model. Torch-free, as every
+family's `spec` module that subclasses it (dtstudy.strategies.specs collects them). The ground
+floor of dtstudy.strategies: it imports nothing of the package's strategies."""
 
 from __future__ import annotations
 
@@ -16,15 +17,22 @@ from dtstudy.perfmodel.machine import NO_STRAGGLERS, Machine, Step, Stragglers, 
 from dtstudy.perfmodel.waits import natural_wait
 
 
-class StrategySpec:
-    """A strategy's knobs (`strategy_params.<name>`) and the facts the launcher needs."""
+#: the knob schema of a strategy the config schema gives none
+NO_KNOBS = {"type": "object", "properties": {}, "additionalProperties": False}
 
+
+class StrategySpec:
+    """A strategy's knobs (`strategy_params.<name>`) and the facts the launcher needs. A subclass
+    that gives a `name` takes its knobs from the schema as it is defined (`take_knob_schema`)."""
+
+    #: the value users write in `strategies`: the one place a strategy's name is typed (its
+    #: class, dtstudy.strategies.base.Strategy, and the registry take it from here)
     name: ClassVar[str]
     #: the family the tables and plots group it in (FAMILIES)
     family: ClassVar[str]
-    #: the schema of its knobs, strategy_params.properties.<name> (set when SPECS is built);
+    #: the schema of its knobs, strategy_params.properties.<name> (`take_knob_schema`);
     #: a strategy the schema gives no knobs takes none
-    knob_schema: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}, "additionalProperties": False}
+    knob_schema: ClassVar[dict[str, Any]] = NO_KNOBS
     #: the knobs with their defaults, from `knob_schema`; others are rejected
     defaults: ClassVar[dict[str, Any]] = {}
     #: why train.precision fp16 is refused for it (None: allowed). fp16 scales the loss by a
@@ -38,6 +46,27 @@ class StrategySpec:
     #: changed); part of a resume file's identity, so that a file of an older layout is not
     #: resumed from (the run starts afresh, saying why) rather than failing on a size mismatch
     state_layout: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # on definition, not when some collector runs: a strategy's class imported alone
+        # (without dtstudy.strategies.specs) checks its knobs as the config check does
+        if "name" in cls.__dict__:
+            cls.take_knob_schema(schema.knob_schemas().get(cls.name))
+
+    @classmethod
+    def take_knob_schema(cls, knob_schema: dict[str, Any] | None) -> None:
+        """Its knobs from their schema, strategy_params.properties.<name> (None: it has none); a
+        knob without a default fails here, at import, rather than in some run."""
+        if knob_schema is None:  # none of its own, whatever the class it extends takes
+            knob_schema = NO_KNOBS
+        knobs = knob_schema.get("properties", {})
+        no_default = sorted(knob for knob, subschema in knobs.items() if "default" not in subschema)
+        if no_default or knob_schema.get("additionalProperties") is not False:
+            raise RuntimeError(f"{schema.SCHEMA_PATH}: strategy_params.{cls.name} needs additionalProperties: false "
+                               f"and a default for every knob (none: {no_default})")
+        cls.knob_schema = knob_schema
+        cls.defaults = {knob: subschema["default"] for knob, subschema in knobs.items()}
 
     @classmethod
     def check_params(cls, params: dict[str, Any], workers: int) -> dict[str, Any]:

@@ -27,11 +27,11 @@ from dtstudy.strategies.reference.spec import NoExchangeSpec
 from dtstudy.strategies.spec import StrategySpec
 
 __all__ = ["AllReduceBF16Spec", "AllReduceFP16Spec", "AllReduceOneBitSpec", "AllReducePowerSGDSpec", "AllReduceSpec",
-           "EASGDSpec", "FAMILIES", "GossipSpec", "HybridSpec", "LocalSGDSpec", "NoExchangeSpec", "ONEBIT_QUANTIZERS",
-           "PARAMETER_SERVERS", "ParameterServerSpec", "PeriodicAveragingSpec", "PsAsyncSpec", "PsBackupSpec",
-           "PsSyncSpec", "REFERENCE_STRATEGY", "SPECS", "SspSpec", "StrategySpec", "get_spec", "knob_defaults",
-           "model_step"]
+           "EASGDSpec", "FAMILIES", "GossipSpec", "HybridSpec", "LocalSGDSpec", "NoExchangeSpec", "PARAMETER_SERVERS",
+           "ParameterServerSpec", "PeriodicAveragingSpec", "PsAsyncSpec", "PsBackupSpec", "PsSyncSpec",
+           "REFERENCE_STRATEGY", "SPECS", "SspSpec", "StrategySpec", "get_spec", "knob_defaults", "model_step"]
 
+#: every strategy's spec, listed once: its `name` is the key
 SPECS: dict[str, type[StrategySpec]] = {spec.name: spec for spec in (
     AllReduceSpec, PsSyncSpec, PsBackupSpec, PsAsyncSpec, SspSpec, LocalSGDSpec, EASGDSpec, GossipSpec,
     AllReduceFP16Spec, AllReduceBF16Spec, AllReducePowerSGDSpec, AllReduceOneBitSpec, HybridSpec,
@@ -40,22 +40,15 @@ SPECS: dict[str, type[StrategySpec]] = {spec.name: spec for spec in (
 
 
 def _attach_knob_schemas() -> None:
-    """Give every spec its knobs from the schema; a spec without a schema (or the reverse),
-    or a knob without a default, fails at import rather than in some run."""
+    """Give every spec its knobs from the schema again (each took them when it was defined:
+    StrategySpec.take_knob_schema); knobs in the schema for a name without a spec fail at
+    import rather than in some run."""
     knob_schemas = schema.knob_schemas()
     if knob_schemas.keys() - SPECS.keys():
         raise RuntimeError(f"knobs under strategy_params in {schema.SCHEMA_PATH} for strategies without a spec: "
                            f"{sorted(knob_schemas.keys() - SPECS.keys())}")
     for name, spec in SPECS.items():
-        if name not in knob_schemas:  # a strategy without knobs
-            continue
-        knobs = knob_schemas[name].get("properties", {})
-        no_default = sorted(knob for knob, subschema in knobs.items() if "default" not in subschema)
-        if no_default or knob_schemas[name].get("additionalProperties") is not False:
-            raise RuntimeError(f"{schema.SCHEMA_PATH}: strategy_params.{name} needs additionalProperties: false "
-                               f"and a default for every knob (none: {no_default})")
-        spec.knob_schema = knob_schemas[name]
-        spec.defaults = {knob: subschema["default"] for knob, subschema in knobs.items()}
+        spec.take_knob_schema(knob_schemas.get(name))
 
 
 _attach_knob_schemas()
@@ -63,16 +56,13 @@ _attach_knob_schemas()
 #: the families, in the order of the plots' panels; "reference" (no_exchange) is the
 #: machine's ceiling, drawn on every panel rather than in one of its own
 FAMILIES = ("synchronous", "parameter server", "local / decentralized", "compressed", "reference")
-REFERENCE_STRATEGY = "no_exchange"
+REFERENCE_STRATEGY = NoExchangeSpec.name
 if any(spec.family not in FAMILIES for spec in SPECS.values()):
     raise RuntimeError(f"a strategy's family is not in FAMILIES: {[(n, s.family) for n, s in SPECS.items()]}")
 
 #: the parameter servers: workers push to and pull from shard processes (the model's PS
 #: formulas, its calibration of the protocol's round trip, the extra processes of a job)
 PARAMETER_SERVERS = frozenset(name for name, spec in SPECS.items() if issubclass(spec, ParameterServerSpec))
-
-#: the 1-bit quantizers the implementation provides (the schema's enum)
-ONEBIT_QUANTIZERS = tuple(AllReduceOneBitSpec.knob_schema["properties"]["quantizer"]["enum"])
 
 
 def get_spec(name: str) -> type[StrategySpec]:

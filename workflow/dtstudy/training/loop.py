@@ -185,9 +185,9 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     model = build_model(cfg["model"], meta["channels"], meta["classes"], meta["height"], cfg["model_options"])
     compute = Compute.from_config(train, ctx.device)
     module = strategy.setup(compute.place(model), make_optimizer_factory(train))
-    if compute.grad_scaler is not None and strategy.spec().no_fp16_because:  # the config check refuses it first
+    if compute.grad_scaler is not None and strategy.spec.no_fp16_because:  # the config check refuses it first
         raise ValueError(f"train.precision: 'fp16' is not allowed with strategy {strategy.name!r}: "
-                         f"{strategy.spec().no_fp16_because}; allowed: fp32, bf16")
+                         f"{strategy.spec.no_fp16_because}; allowed: fp32, bf16")
     strategy.grad_scaler = compute.grad_scaler
     batch_size = per_worker_batch(train, spec.workers)
     # for averaged models' BatchNorm statistics: training's augmentation, the same draws on every rank

@@ -6,6 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtstudy.perfmodel.collectives import ring_allreduce_bytes
+from dtstudy.strategies.allreduce.spec import AllReduceSpec
 from dtstudy.strategies.base import OptimizerFactory, Strategy
 
 
@@ -20,7 +21,7 @@ class AllReduce(Strategy):
     world size 1 would only add bucket copies, ~6% of a LeNet step on a CPU).
     """
 
-    name = "allreduce"
+    spec = AllReduceSpec
     resumable = True  # the same update on every worker; DDP holds no state between steps
     # DDP rebuilds its buckets after the first step: a resumed run replays that first
     replays_first_step = True

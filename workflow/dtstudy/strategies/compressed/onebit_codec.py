@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtstudy.strategies.specs import ONEBIT_QUANTIZERS
+from dtstudy.strategies.compressed.spec import ONEBIT_QUANTIZERS
 
 # ----- 1-bit SGD: pure functions on flat tensors split into quantisation groups -------------------
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)

@@ -54,7 +54,7 @@ class AllReducePowerSGDSpec(AllReduceSpec):
         share = workload.measured_share.get(cls.name)
         if share is None:
             if workload.matrices is None:
-                raise ValueError("allreduce_powersgd needs the share of the gradient bytes PowerSGD sends "
+                raise ValueError(f"{cls.name} needs the share of the gradient bytes PowerSGD sends "
                                  "(a run's measured bytes_per_step at N > 1, or the model's matrices)")
             share = cls.sent_share(workload.matrices, params["rank"])
         return steps.allreduce_step(cls.name, workload.model_bytes * share, cls.compression_passes,
@@ -92,3 +92,7 @@ class AllReduceOneBitSpec(AllReduceSpec):
     @classmethod
     def parameters_from_bytes(cls, bytes_per_step, workers, params):
         return None  # its bytes depend on the tensors and column groups its quantiser scales
+
+
+#: the 1-bit quantizers (the schema's enum of its `quantizer` knob; onebit_codec implements them)
+ONEBIT_QUANTIZERS = tuple(AllReduceOneBitSpec.knob_schema["properties"]["quantizer"]["enum"])

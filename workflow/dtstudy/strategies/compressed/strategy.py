@@ -13,8 +13,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from dtstudy.strategies.compressed.onebit_codec import Chunks, chunk_layout, decode, dequantize, encode, group_index, levels_per_group, quantization_groups, quantize, reduce_chunk
 from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
+from dtstudy.strategies.compressed.onebit_codec import Chunks, chunk_layout, decode, dequantize, encode, group_index, levels_per_group, quantization_groups, quantize, reduce_chunk
+from dtstudy.strategies.compressed.spec import (AllReduceBF16Spec, AllReduceFP16Spec, AllReduceOneBitSpec,
+                                                AllReducePowerSGDSpec)
 
 
 def memory_order(tensor: torch.Tensor) -> list[int] | None:
@@ -88,13 +90,13 @@ class HalfPrecisionAllReduce(CompressedAllReduce):
 
 
 class AllReduceFP16(HalfPrecisionAllReduce):
-    name = "allreduce_fp16"
+    spec = AllReduceFP16Spec
     compress_hook = staticmethod(default_hooks.fp16_compress_hook)
     wire_dtype = torch.float16
 
 
 class AllReduceBF16(HalfPrecisionAllReduce):
-    name = "allreduce_bf16"
+    spec = AllReduceBF16Spec
     compress_hook = staticmethod(default_hooks.bf16_compress_hook)
     wire_dtype = torch.bfloat16
 
@@ -109,7 +111,7 @@ class AllReducePowerSGD(CompressedAllReduce):
     (P, Q and the uncompressed tensors), from torch's own compression accounting.
     """
 
-    name = "allreduce_powersgd"
+    spec = AllReducePowerSGDSpec
     def comm_hook(self):
         self.powersgd = PowerSGDState(
             process_group=self.ctx.worker_group,
@@ -216,7 +218,7 @@ class AllReduceOneBit(CompressedAllReduce):
     quantisation of its averaged chunk plus server residual.
     """
 
-    name = "allreduce_onebit"
+    spec = AllReduceOneBitSpec
 
     def setup(self, model, make_optimizer):
         module = super().setup(model, make_optimizer)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtstudy.strategies.base import OptimizerFactory
+from dtstudy.strategies.gossip.spec import GossipSpec
 from dtstudy.strategies.local.strategy import flatten, LocalTraining, shaped_like
 
 
@@ -60,7 +61,8 @@ class Gossip(LocalTraining):
     is recorded at every evaluation. Bytes: the parameters once per neighbour per step.
     """
 
-    name = "gossip"
+    spec = GossipSpec
+
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)
         if self.params["topology"] == "random_pairs" and self.ctx.workers > 1:

@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
 from dtstudy.strategies.base import CommMeter, OptimizerFactory
+from dtstudy.strategies.hybrid.spec import HybridSpec
 
 
 class Exchange:
@@ -229,7 +230,7 @@ class Hybrid(AllReduce):
     part is allreduce's own set-up (DDP, its timing of the exchange behind backward) on the
     model whose fully connected layers were split first and are ignored by DDP."""
 
-    name = "hybrid"
+    spec = HybridSpec
     # the state is each worker's own (its shards, their optimizer state, the replicated
     # layers); DDP rebuilds its buckets after the first step, as allreduce's
 

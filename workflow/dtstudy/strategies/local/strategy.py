@@ -14,6 +14,7 @@ from torch import nn
 
 from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.strategies.base import OptimizerFactory, Strategy
+from dtstudy.strategies.local.spec import EASGDSpec, LocalSGDSpec
 
 
 @torch.no_grad()
@@ -126,7 +127,7 @@ class LocalSGD(LocalTraining):
     the steps that exchange, 0 on the others.
     """
 
-    name = "local_sgd"
+    spec = LocalSGDSpec
 
     def _warming_up(self) -> bool:
         return self.steps < self.params["warmup_steps"]
@@ -161,7 +162,7 @@ class EASGD(LocalTraining):
     Bytes: ring all-reduce of the parameters on the steps that exchange.
     """
 
-    name = "easgd"
+    spec = EASGDSpec
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> nn.Module:
         module = super().setup(model, make_optimizer)

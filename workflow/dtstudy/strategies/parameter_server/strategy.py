@@ -32,6 +32,7 @@ from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.strategies.base import CHECKPOINT, OptimizerFactory, STOP, Strategy
 from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, REPLY_HEADER_SIZE, request, SETUP_FIELDS, split_contiguous, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
 from dtstudy.strategies.parameter_server.shard import ShardServer, ShardStats, UpdatePolicy
+from dtstudy.strategies.parameter_server.spec import PsAsyncSpec, PsBackupSpec, PsSyncSpec, SspSpec
 
 # the training loop's names of the boundary actions (dtstudy.training.checkpoint) and their codes
 ACTION_CODES = {CHECKPOINT: BoundaryAction.CHECKPOINT, STOP: BoundaryAction.STOP}
@@ -333,27 +334,27 @@ class ParameterServer(Strategy):
 
 
 class PsSync(ParameterServer):
-    name = "ps_sync"
+    spec = PsSyncSpec
 
     def update_policy(self) -> UpdatePolicy:
         return UpdatePolicy.synchronous(self.ctx.workers)
 
 
 class PsBackup(ParameterServer):
-    name = "ps_backup"
+    spec = PsBackupSpec
     update_batch_rule = "(N-k)*b: an update averages the first N-k gradients of the version they read"
 
     @classmethod
     def update_batch(cls, params, workers, per_worker_batch):
-        return cls.spec().quorum(workers, params) * per_worker_batch
+        return cls.spec.quorum(workers, params) * per_worker_batch
 
     def update_policy(self) -> UpdatePolicy:
-        return UpdatePolicy.synchronous(self.spec().quorum(self.ctx.workers, self.params))
+        return UpdatePolicy.synchronous(self.spec.quorum(self.ctx.workers, self.params))
 
     def summary(self) -> dict[str, Any]:
         summary = super().summary()
         if summary:  # k as this run resolved it (a backup_fraction gives it per N)
-            summary["backups"] = self.spec().backups(self.ctx.workers, self.params)
+            summary["backups"] = self.spec.backups(self.ctx.workers, self.params)
         return summary
 
 
@@ -423,7 +424,7 @@ class AsyncParameterServer(ParameterServer):
 
 
 class PsAsync(AsyncParameterServer):
-    name = "ps_async"
+    spec = PsAsyncSpec
 
 
 class Ssp(AsyncParameterServer):
@@ -433,7 +434,7 @@ class Ssp(AsyncParameterServer):
     its next step waits until then. s = 0: every clock is a barrier (with momentum 0 and the
     linear rule, ps_sync's parameters); `staleness: null`: unbounded, ps_async."""
 
-    name = "ssp"
+    spec = SspSpec
 
     def clock_bound(self) -> float:
         staleness = self.params["staleness"]

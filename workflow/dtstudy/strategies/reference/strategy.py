@@ -13,10 +13,11 @@ from __future__ import annotations
 from torch import nn
 
 from dtstudy.strategies.base import OptimizerFactory, Strategy
+from dtstudy.strategies.reference.spec import NoExchangeSpec
 
 
 class NoExchange(Strategy):
-    name = "no_exchange"
+    spec = NoExchangeSpec
     resumable = True  # every worker's state is its own model and optimizer
     update_batch_rule = "b: each worker updates its own model with its own batch; nothing is exchanged"
 
