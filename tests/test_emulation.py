@@ -2,7 +2,8 @@
 the real loop and strategies over the emulated process group, on the cluster's clock.
 
 - an emulated run equals a real run (cluster local, gloo processes) of the same seed: losses
-  per step and final parameters, for every synchronous strategy at N = 2 and 4;
+  per step and final parameters, for every synchronous strategy at N = 2 and 4, each choice
+  of its enumerated and boolean knobs;
 - the same emulated run twice gives the same numbers;
 - N = 64 runs, and its memory per logical worker keeps N = 256 under 1 GB;
 - a step's emulated seconds are the performance model's (compute + exchange + stragglers);
@@ -63,17 +64,30 @@ def emulated_run(tmp_path, data_dir, workers, batch_size, steps=6, seed=0, strat
 # step an average with its ring neighbours (isend/irecv); 1-bit's reduce_scatter: a DDP comm
 # hook over all_to_all_single with uneven splits, with error feedback; hybrid: all_gather_single,
 # reduce_scatter_single and all-to-all of activations; ps_sync: its shard a thread (rank N)
-# running the real serve(), pushes and replies as messages
+# running the real serve(), pushes and replies as messages. A strategy has one run per choice
+# of a knob that changes which code runs (test_every_choice_of_a_synchronous_knob_is_held):
+# PowerSGD without warm start and error feedback (fresh factors each step from its own
+# generator), gossip's random_pairs (the pairing drawn from a seed rank 0 broadcasts), 1-bit's
+# allgather (every worker's compressed bucket to every other, each decoded and averaged) and
+# its per-tensor quantizer
 SYNCHRONOUS_KNOBS = {
-    "allreduce": {}, "allreduce_fp16": {}, "allreduce_bf16": {}, "allreduce_powersgd": {"start_powerSGD_iter": 2},
-    "local_sgd": {"warmup_steps": 2, "period": 2}, "easgd": {"period": 2}, "gossip": {},
-    "allreduce_onebit": {"exchange": "reduce_scatter"}, "hybrid": {}, "ps_sync": {},
+    "allreduce": [{}], "allreduce_fp16": [{}], "allreduce_bf16": [{}],
+    "allreduce_powersgd": [{"start_powerSGD_iter": 2},
+                           {"start_powerSGD_iter": 2, "warm_start": False, "use_error_feedback": False}],
+    "local_sgd": [{"warmup_steps": 2, "period": 2}], "easgd": [{"period": 2}],
+    "gossip": [{}, {"topology": "random_pairs"}],
+    "allreduce_onebit": [{"exchange": "reduce_scatter"}, {"exchange": "allgather"},
+                         {"exchange": "allgather", "quantizer": "tensor"}],
+    "hybrid": [{}], "ps_sync": [{}],
 }
 #: what the equality leaves out, and why: their updates depend on the order the pushes arrive in,
 #: which a real run takes from the host's scheduling (test_emulated_staleness_matches_the_real_runs
 #: holds them to real runs by their staleness); no_exchange trains nothing together
 NOT_STEP_BY_STEP = {"ps_backup", "ps_async", "ssp", "no_exchange"}
-SYNCHRONOUS = [(strategy, knobs, workers) for strategy, knobs in SYNCHRONOUS_KNOBS.items() for workers in (2, 4)]
+SYNCHRONOUS = [(strategy, knobs, workers) for strategy, variants in SYNCHRONOUS_KNOBS.items() for knobs in variants
+               for workers in (2, 4)]
+SYNCHRONOUS_IDS = [strategy + "".join(f"-{knob}={value}" for knob, value in knobs.items()) + f"-n{workers}"
+                   for strategy, knobs, workers in SYNCHRONOUS]
 #: the parameters' tolerance where 16-bit gradients of more than 2 workers are summed: gloo's ring
 #: sums them in another order than the emulated group's rank order, each partial sum rounded to
 #: the format, so after 8 steps they differ by a few of its rounding steps times the learning
@@ -87,13 +101,28 @@ def test_every_strategy_but_the_asynchronous_is_held_to_its_real_run_step_by_ste
     assert not set(SYNCHRONOUS_KNOBS) & NOT_STEP_BY_STEP
 
 
-@pytest.mark.parametrize("strategy, knobs, workers", SYNCHRONOUS, ids=[f"{s}-n{n}" for s, _, n in SYNCHRONOUS])
+def test_every_choice_of_a_synchronous_knob_is_held_to_its_real_run():
+    """A knob with choices (an enum or a boolean in the strategy's schema) changes which code
+    runs: each of its values, given or as the default, is in one of the equality's runs."""
+    missing = []
+    for strategy, variants in SYNCHRONOUS_KNOBS.items():
+        spec = SPECS[strategy]
+        for knob, schema in spec.knob_schema["properties"].items():
+            choices = schema.get("enum") or ([True, False] if schema.get("type") == "boolean" else [])
+            taken = {knobs.get(knob, spec.defaults[knob]) for knobs in variants}
+            missing += [f"{strategy}.{knob}={choice}" for choice in choices if choice not in taken]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("strategy, knobs, workers", SYNCHRONOUS, ids=SYNCHRONOUS_IDS)
 def test_emulated_run_equals_the_real_run_of_the_same_seed(tmp_path, tiny_data, strategy, knobs, workers):
     real, real_state, _ = train_run(tmp_path, tiny_data, workers=workers, batch_size=16, steps=8, strategy=strategy,
                                     strategy_params=knobs)
     emulated, emulated_state, out = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=16, steps=8,
                                                  strategy=strategy, strategy_params=knobs)
     assert emulated["steps"] == real["steps"] == 8
+    for metrics in (real, emulated):  # both ran the variant asked for
+        assert {knob: metrics["strategy_params"][knob] for knob in knobs} == knobs
     # float tolerance: gloo sums in its own order, the emulated group in rank order
     assert emulated["train_loss"] == pytest.approx(real["train_loss"], rel=1e-5, abs=1e-6)
     atol = SIXTEEN_BIT_ATOL[strategy] if strategy in SIXTEEN_BIT_ATOL and workers > 2 else 1e-5
