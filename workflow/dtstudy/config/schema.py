@@ -34,7 +34,7 @@ def _is_integer(checker, instance) -> bool:
 @functools.lru_cache(maxsize=2)
 def validator_class(fill_defaults: bool):
     """The strict validator class, filling defaults or not. jsonschema is imported here, on
-    the first validation (~0.15 s), not by every process that only reads the schema (a run's
+    the first validation (an import that takes a noticeable share of a light process's start), not by every process that only reads the schema (a run's
     submitit task, the evaluate client)."""
     import jsonschema
 
@@ -59,7 +59,7 @@ def validator_class(fill_defaults: bool):
 @functools.lru_cache(maxsize=4)
 def _parsed(name: str) -> dict:
     # parsed once: every run's knob check reads it (validation copies defaults, never writes it);
-    # libyaml's loader where PyYAML has it: 8 ms instead of 70 in every launcher and client
+    # libyaml's loader where PyYAML has it: several times faster in every launcher and client
     return yaml.load((SCHEMAS_DIR / name).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 

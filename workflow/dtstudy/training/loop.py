@@ -65,8 +65,8 @@ def choose_kernels(deterministic: bool, device: torch.device) -> None:
 def make_optimizer_factory(train: dict):
     def make_optimizer(parameters):
         # lr is set by the schedule every step (strategy.update). fused: one kernel for the
-        # whole update instead of ~5 ops per tensor (LeNet-5 on one core: 0.3 of the loop's
-        # time, ~0.12 ms a step; benchmarks/optimizer_step.py); the same formula.
+        # whole update instead of ~5 ops per tensor (on one core the per-tensor ops are a large
+        # share of LeNet-5's loop: benchmarks/optimizer_step.py measures it); the same formula.
         return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"],
                                nesterov=train["nesterov"], fused=True)
 

@@ -28,7 +28,7 @@ KILL_GRACE_S = 5  # SIGTERM, then SIGKILL, to the ranks of a failed run
 SETTLE_S = 1.0  # after a rank fails, how long its peers may take to fail too, before they are stopped
 RANKS_FILE = "ranks.json"  # <job id>_ranks.json in a pooled job's log folder: {rank: pid}
 # imported once by the server; MLflow's SQL store modules load lazily on a client's first
-# call (~0.8 s), so they are named here too
+# call (a delay each client would pay), so they are named here too
 WARM_MODULES = ("torch", "torch.distributed", "torchvision", "dtstudy.launch.rank_process", "dtstudy.training.evaluate",
                 "dtstudy.tracking.mlflow_store", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
                 "sqlalchemy", "alembic")
