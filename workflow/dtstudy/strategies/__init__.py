@@ -1,5 +1,5 @@
 """The distributed training strategies, one folder per family (allreduce, compressed, hybrid,
 parameter_server, local, gossip, reference), each with its torch-free `spec` (knobs, checks,
-performance model) beside its `strategy` (the implementation). `specs` collects the specs by
-name, `registry` the implementations; `spec` and `base` are their interfaces, `timing` the
-device's clock every step time is read on."""
+performance model) beside its `strategy` (the implementation). `spec` and `base` are their
+interfaces (the ground floor), `specs` collects the specs by name and `registry` the
+implementations (the top floor); a strategy's name is typed once, in its spec."""
