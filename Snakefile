@@ -34,7 +34,7 @@ onerror:
 
 # An emulated study has no projection (common.smk, PROJECTS_THE_STUDY).
 rule all:
+    default_target: True
     input:
         rules.aggregate.output,
         rules.project.output if PROJECTS_THE_STUDY else [],
-    default_target: True

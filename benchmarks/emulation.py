@@ -39,13 +39,19 @@ def study(workers: int, batch: int, subset: int | None, cluster: str, tracking_u
     from dtstudy.checks import check_config
     from dtstudy.config.study_config import validate_schema
 
-    config = validate_schema({
-        "dataset": {"name": "fashion_mnist", "subset": subset},
-        "model": "lenet5", "strategies": ["allreduce"], "workers": [workers], "seeds": [0],
-        "train": {"epochs": 1, "batch_size": batch, "log_every": 100000},
-        "launcher": {"cluster": cluster, "local_processes": "tasks"}, "emulate": {"images_per_s": RATE},
-        "tracking": {"uri": tracking_uri},
-    })
+    config = validate_schema(
+        {
+            "dataset": {"name": "fashion_mnist", "subset": subset},
+            "model": "lenet5",
+            "strategies": ["allreduce"],
+            "workers": [workers],
+            "seeds": [0],
+            "train": {"epochs": 1, "batch_size": batch, "log_every": 100000},
+            "launcher": {"cluster": cluster, "local_processes": "tasks"},
+            "emulate": {"images_per_s": RATE},
+            "tracking": {"uri": tracking_uri},
+        }
+    )
     check_config(config, check_data=False)
     return config
 
@@ -56,17 +62,28 @@ def one_run(config: dict, workers: int, data_dir: Path, out: Path) -> dict:
     from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
 
-    spec = RunSpec(strategy="allreduce", workers=workers, seed=0, config=run_config(config, "allreduce"),
-                   data_dir=str(data_dir), out_dir=str(out))
+    spec = RunSpec(
+        strategy="allreduce",
+        workers=workers,
+        seed=0,
+        config=run_config(config, "allreduce"),
+        data_dir=str(data_dir),
+        out_dir=str(out),
+    )
     start = time.perf_counter()
     emulated = config["launcher"]["cluster"] == "emulate"
     metrics = run_emulated(spec) if emulated else run_training_job(spec, out / "submitit")
     call_s = time.perf_counter() - start
     emulation = metrics.get("emulation")
     loop_s = emulation["host_loop_wall_time_s"] if emulation else metrics["wall_time_s"]
-    return {"loop_s": loop_s, "call_s": call_s, "steps": metrics["steps"], "images": metrics["images"],
-            "final_val_top1": metrics["final_val_top1"],
-            "emulated_wall_time_s": emulation["wall_time_s"] if emulation else None}
+    return {
+        "loop_s": loop_s,
+        "call_s": call_s,
+        "steps": metrics["steps"],
+        "images": metrics["images"],
+        "final_val_top1": metrics["final_val_top1"],
+        "emulated_wall_time_s": emulation["wall_time_s"] if emulation else None,
+    }
 
 
 def main() -> None:
@@ -95,23 +112,35 @@ def main() -> None:
         for i in range(args.repeats):
             real = one_run(real_config, 1, data_dir, tmp / f"real{i}")
             emulated = one_run(emulated_config, args.workers, data_dir, tmp / f"emulated{i}")
-            rounds.append({"real_n1": real, f"emulated_n{args.workers}": emulated,
-                           "ratio_loop": emulated["loop_s"] / real["loop_s"],
-                           "ratio_call": emulated["call_s"] / real["call_s"]})
-            print(f"round {i + 1}: real N=1 {real['loop_s']:.2f} s loop ({real['call_s']:.2f} s call, "
-                  f"{real['steps']} steps), emulated N={args.workers} {emulated['loop_s']:.2f} s loop "
-                  f"({emulated['call_s']:.2f} s call, {emulated['steps']} steps/worker): ratio "
-                  f"{rounds[-1]['ratio_loop']:.2f} (calls {rounds[-1]['ratio_call']:.2f})", flush=True)
+            rounds.append(
+                {
+                    "real_n1": real,
+                    f"emulated_n{args.workers}": emulated,
+                    "ratio_loop": emulated["loop_s"] / real["loop_s"],
+                    "ratio_call": emulated["call_s"] / real["call_s"],
+                }
+            )
+            print(
+                f"round {i + 1}: real N=1 {real['loop_s']:.2f} s loop ({real['call_s']:.2f} s call, "
+                f"{real['steps']} steps), emulated N={args.workers} {emulated['loop_s']:.2f} s loop "
+                f"({emulated['call_s']:.2f} s call, {emulated['steps']} steps/worker): ratio "
+                f"{rounds[-1]['ratio_loop']:.2f} (calls {rounds[-1]['ratio_call']:.2f})",
+                flush=True,
+            )
     summary = {
         "what": f"one epoch of LeNet-5, allreduce: emulated N={args.workers} vs real N=1, per-worker batch {args.batch}",
-        "images": rounds[0]["real_n1"]["images"], "subset": args.subset, "threads_emulated": args.threads,
+        "images": rounds[0]["real_n1"]["images"],
+        "subset": args.subset,
+        "threads_emulated": args.threads,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": torch.get_num_threads()},
         "median_ratio_loop": statistics.median(r["ratio_loop"] for r in rounds),
         "median_ratio_call": statistics.median(r["ratio_call"] for r in rounds),
         "rounds": rounds,
     }
-    print(f"median ratio emulated/real: loop {summary['median_ratio_loop']:.2f}, "
-          f"whole call {summary['median_ratio_call']:.2f} (target <= 1.5)")
+    print(
+        f"median ratio emulated/real: loop {summary['median_ratio_loop']:.2f}, "
+        f"whole call {summary['median_ratio_call']:.2f} (target <= 1.5)"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(summary, indent=2))

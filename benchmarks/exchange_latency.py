@@ -33,11 +33,13 @@ from dtstudy.training.models import build_model
 NICE = 19
 # (label, what comes before the exchange, the exchange: gloo over the default group or over
 # the one whose loop is at nice 19, or plain TCP)
-PATTERNS = (("gloo all-reduce after compute", "compute", "gloo"),
-            (f"  the same, gloo's loop at nice {NICE}", "compute", "gloo, quiet loop"),
-            ("gloo all-reduce after a barrier", "barrier", "gloo"),
-            (f"  the same, gloo's loop at nice {NICE}", "barrier", "gloo, quiet loop"),
-            ("TCP exchange after compute", "compute", "tcp"))
+PATTERNS = (
+    ("gloo all-reduce after compute", "compute", "gloo"),
+    (f"  the same, gloo's loop at nice {NICE}", "compute", "gloo, quiet loop"),
+    ("gloo all-reduce after a barrier", "barrier", "gloo"),
+    (f"  the same, gloo's loop at nice {NICE}", "barrier", "gloo, quiet loop"),
+    ("TCP exchange after compute", "compute", "tcp"),
+)
 
 
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
@@ -125,8 +127,10 @@ def main() -> None:
     print(f"{'exchange':36s} {'median':>9s} {'p10':>9s} {'p90':>9s} {'median / TCP':>13s}")
     for (label, _, _), values in zip(PATTERNS, times):
         median = quantile(values, 0.5)
-        print(f"{label:36s} {median * 1e3:7.3f}ms {quantile(values, 0.1) * 1e3:7.3f}ms "
-              f"{quantile(values, 0.9) * 1e3:7.3f}ms {median / tcp:12.1f}x")
+        print(
+            f"{label:36s} {median * 1e3:7.3f}ms {quantile(values, 0.1) * 1e3:7.3f}ms "
+            f"{quantile(values, 0.9) * 1e3:7.3f}ms {median / tcp:12.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,21 @@ def study_config(strategy: str, seeds: list[int]) -> dict:
 def run_study(workdir: Path, config: dict | None, snakemake_args: tuple[str, ...] = ()) -> float:
     """Snakemake wall time of the study in `workdir` (config None: the default study)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--cores", "all",
-               "--directory", str(workdir), "--quiet", *snakemake_args,
-               "--configfile", str(REPO / "config/config.yaml")]
+    command = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--cores",
+        "all",
+        "--directory",
+        str(workdir),
+        "--quiet",
+        *snakemake_args,
+        "--configfile",
+        str(REPO / "config/config.yaml"),
+    ]
     if config is not None:
         (workdir / "study.yaml").write_text(yaml.safe_dump(config))
         command += [str(workdir / "study.yaml")]
@@ -72,13 +84,15 @@ def run_parts(workdir: Path) -> list[dict]:
         eval_path = metrics_path.with_name("eval.json")
         timings = metrics["timings"]
         task_start = timings.get("task_start", timings["process_start"])
-        parts.append({
-            "launch": task_start - timings["submitted"],
-            "workers up": timings["training_start"] - task_start,
-            "training": metrics["wall_time_s"],
-            "outputs": metrics_path.stat().st_mtime - timings["training_end"],
-            "evaluation": eval_path.stat().st_mtime - metrics_path.stat().st_mtime,
-        })
+        parts.append(
+            {
+                "launch": task_start - timings["submitted"],
+                "workers up": timings["training_start"] - task_start,
+                "training": metrics["wall_time_s"],
+                "outputs": metrics_path.stat().st_mtime - timings["training_end"],
+                "evaluation": eval_path.stat().st_mtime - metrics_path.stat().st_mtime,
+            }
+        )
     return parts
 
 
@@ -106,8 +120,11 @@ def main() -> None:
                 walls[1].append(one)
                 walls[5].append(five)
                 parts += runs
-                print(f"  {strategy} repeat {repeat + 1}: 1 run {one:.1f} s, 5 runs {five:.1f} s, "
-                      f"training {training:.2f} s/run -> fixed cost {costs[-1]:.2f} s/run", flush=True)
+                print(
+                    f"  {strategy} repeat {repeat + 1}: 1 run {one:.1f} s, 5 runs {five:.1f} s, "
+                    f"training {training:.2f} s/run -> fixed cost {costs[-1]:.2f} s/run",
+                    flush=True,
+                )
             print(f"\n{strategy} N=2 (3000 images, 1 epoch), {args.repeats} repeats: median [min - max]")
             print(f"  study of 1 run       {spread(walls[1])}")
             print(f"  study of 5 runs      {spread(walls[5])}")

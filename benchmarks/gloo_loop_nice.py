@@ -46,8 +46,13 @@ def main() -> None:
     args = parser.parse_args()
     runs = parse_runs(args.runs)
     priorities = [p if p == "idle" else int(p) for p in args.priorities.split(",")]
-    train = {**yaml.safe_load(DEFAULT_CONFIG.read_text())["train"],
-             "max_steps": args.steps, "steady_state_skip": 20, "log_every": 10**6, "evals_per_epoch": 1}
+    train = {
+        **yaml.safe_load(DEFAULT_CONFIG.read_text())["train"],
+        "max_steps": args.steps,
+        "steady_state_skip": 20,
+        "log_every": 10**6,
+        "evals_per_epoch": 1,
+    }
     throughput: dict[tuple[str, int, int | str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -62,19 +67,27 @@ def main() -> None:
                     metrics = run_training_job(spec, out / "submitit")
                     throughput.setdefault((strategy, workers, nice), []).append(metrics["throughput"])
                     step = metrics["step_time"]
-                    print(f"repeat {repeat + 1}: {strategy} N={workers} loop {nice!s:>4s}: "
-                          f"{metrics['throughput']:6.0f} img/s, step compute {step['compute_s'] * 1e3:.2f} ms, "
-                          f"exchange {step['comm_s'] * 1e3:.2f} ms", flush=True)
-    print(f"\nLeNet-5, batch {train['batch_size']} per worker, {args.steps} steps, {args.repeats} repeats; "
-          f"images/s medians")
+                    print(
+                        f"repeat {repeat + 1}: {strategy} N={workers} loop {nice!s:>4s}: "
+                        f"{metrics['throughput']:6.0f} img/s, step compute {step['compute_s'] * 1e3:.2f} ms, "
+                        f"exchange {step['comm_s'] * 1e3:.2f} ms",
+                        flush=True,
+                    )
+    print(
+        f"\nLeNet-5, batch {train['batch_size']} per worker, {args.steps} steps, {args.repeats} repeats; "
+        f"images/s medians"
+    )
     for strategy, workers in runs:
         first, *others = (throughput[(strategy, workers, nice)] for nice in priorities)
         cells = [f"loop {priorities[0]}: {statistics.median(first):6.0f}"]
         for nice, values in zip(priorities[1:], others):
             ratios = [b / a for a, b in zip(first, values)]
-            cells.append(f"loop {nice}: {statistics.median(values):6.0f}, ratio {statistics.median(ratios):.2f} "
-                         f"({min(ratios):.2f}-{max(ratios):.2f})")
+            cells.append(
+                f"loop {nice}: {statistics.median(values):6.0f}, ratio {statistics.median(ratios):.2f} "
+                f"({min(ratios):.2f}-{max(ratios):.2f})"
+            )
         print(f"{strategy:18s} N={workers}: " + "; ".join(cells))
+
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,7 @@ def seconds_per_pass(model: torch.nn.Module, channels_last: bool, inputs: torch.
     start = time.perf_counter()
     with inference_layout(model) if channels_last else contextlib.nullcontext(model.eval()):
         for first in range(0, len(inputs), EVAL_BATCH):
-            model(inputs[first:first + EVAL_BATCH]).argmax(dim=1)
+            model(inputs[first : first + EVAL_BATCH]).argmax(dim=1)
     return time.perf_counter() - start
 
 
@@ -47,8 +47,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, channels_last in passes.items():
             times[name].append(seconds_per_pass(model, channels_last, inputs))
-    print(f"LeNet-5 forward pass on {args.images} images, batches of {EVAL_BATCH}, one thread, {args.rounds} rounds: "
-          "seconds, median [min - max]")
+    print(
+        f"LeNet-5 forward pass on {args.images} images, batches of {EVAL_BATCH}, one thread, {args.rounds} rounds: "
+        "seconds, median [min - max]"
+    )
     for name, values in times.items():
         print(f"{name:>14}: {statistics.median(values):.3f} [{min(values):.3f} - {max(values):.3f}]")
     ratio = [last / plain for last, plain in zip(times["channels last"], times["contiguous"])]

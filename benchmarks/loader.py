@@ -51,8 +51,9 @@ from dtstudy.data.prepare import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 IMAGE_SIZE = 224
 
 
-def make_tree(root: Path, classes: int, per_class: int, seed: int = 0,
-              size: tuple[int, int] = (500, 375)) -> list[tuple[str, int]]:
+def make_tree(
+    root: Path, classes: int, per_class: int, seed: int = 0, size: tuple[int, int] = (500, 375)
+) -> list[tuple[str, int]]:
     """An ImageNet-like tree: JPEGs (quality 90) of `size` (width, height; ImageNet's typical
     500x375 by default) of random content, smooth shapes plus noise, at 500x375 about
     ImageNet's median file size; returns (relative path, label) of every file."""
@@ -65,8 +66,9 @@ def make_tree(root: Path, classes: int, per_class: int, seed: int = 0,
         folder = root / f"n{label:08d}"
         folder.mkdir(parents=True)
         for i in range(per_class):
-            coarse = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize((width, height),
-                                                                                                Image.BICUBIC)
+            coarse = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(
+                (width, height), Image.BICUBIC
+            )
             pixels = np.asarray(coarse, dtype=np.int16) + rng.normal(0, 12, (height, width, 3)).astype(np.int16)
             path = folder / f"img{i:04d}.JPEG"
             Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=90)
@@ -76,14 +78,19 @@ def make_tree(root: Path, classes: int, per_class: int, seed: int = 0,
 
 def study_loader(root: Path, samples, workers: int, batch: int, decoder: str) -> DataLoader:
     """The study's training pipeline as a training run builds it (ImageFolderSplit's DataLoader)."""
-    meta = {"root": str(root), "classes": len({label for _, label in samples}), "image_size": IMAGE_SIZE,
-            "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+    meta = {
+        "root": str(root),
+        "classes": len({label for _, label in samples}),
+        "image_size": IMAGE_SIZE,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+    }
     loader = {"workers": workers, "decoder": decoder, "train_augment": "random_resized_crop_flip", "prefetch": 2}
     split = ImageFolderSplit(meta, samples, "train", loader, "cpu")
     order = torch.randperm(len(samples)).tolist()
     split.batches([])  # builds the feed
     feed = split._feed
-    feed.batch_sampler.source = [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+    feed.batch_sampler.source = [order[i : i + batch] for i in range(0, len(order) - batch + 1, batch)]
     return feed.loader
 
 
@@ -91,12 +98,14 @@ def reference_loader(root: Path, workers: int, batch: int) -> DataLoader:
     """torchvision's references/classification training pipeline (PIL, v1 transforms)."""
     from torchvision import datasets, transforms
 
-    transform = transforms.Compose([
-        transforms.RandomResizedCrop(IMAGE_SIZE),
-        transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+    transform = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(IMAGE_SIZE),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
     dataset = datasets.ImageFolder(str(root), transform=transform)
     return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
 
@@ -135,15 +144,23 @@ def provenance(command: str) -> dict:
     sys.path.insert(0, str(REPO / "workflow"))
     from dtstudy.tracking.provenance import cpu_model
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                             capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     if changed:  # the code measured is not the commit's
         commit += "+uncommitted"
-    return {"command": command, "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "machine": {"cpu": cpu_model(), "cores": os.cpu_count()}, "python": platform.python_version(),
-            "torch": torch.__version__, "first_reported": "docs/benchmarks.md (loader.py)"}
+    return {
+        "command": command,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "first_reported": "docs/benchmarks.md (loader.py)",
+    }
 
 
 def main() -> None:
@@ -151,19 +168,31 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers of both pipelines")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=12, help="timed batches per measurement")
-    parser.add_argument("--warmup", type=int, default=4,
-                        help="batches let go before the timed ones (workers' start, DALI's first runs)")
+    parser.add_argument(
+        "--warmup", type=int, default=4, help="batches let go before the timed ones (workers' start, DALI's first runs)"
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--classes", type=int, default=8)
     parser.add_argument("--per-class", type=int, default=130)
-    parser.add_argument("--decoders", nargs="+", default=["torchvision", "dali_cpu"],
-                        choices=["torchvision", "pil", "dali_cpu"],
-                        help="the study pipeline's loader.decoder values to time (CPU decoders); "
-                             "each is also compared with the first")
-    parser.add_argument("--image-size", default="500x375", type=image_size,
-                        help="WIDTHxHEIGHT of the generated JPEGs (ImageNet's typical 500x375 by default)")
-    parser.add_argument("--gpu-rate", type=float, default=2500.0,
-                        help="ResNet-50 training images/s of one GPU, for the cores-per-GPU line")
+    parser.add_argument(
+        "--decoders",
+        nargs="+",
+        default=["torchvision", "dali_cpu"],
+        choices=["torchvision", "pil", "dali_cpu"],
+        help="the study pipeline's loader.decoder values to time (CPU decoders); each is also compared with the first",
+    )
+    parser.add_argument(
+        "--image-size",
+        default="500x375",
+        type=image_size,
+        help="WIDTHxHEIGHT of the generated JPEGs (ImageNet's typical 500x375 by default)",
+    )
+    parser.add_argument(
+        "--gpu-rate",
+        type=float,
+        default=2500.0,
+        help="ResNet-50 training images/s of one GPU, for the cores-per-GPU line",
+    )
     parser.add_argument("--record", default=None, help="write the rounds and the summary to this JSON file")
     args = parser.parse_args()
     if args.warmup < 1:
@@ -178,26 +207,32 @@ def main() -> None:
         samples = make_tree(tmp / "tree", args.classes, args.per_class, size=args.image_size)
         sizes = [os.path.getsize(tmp / "tree" / path) for path, _ in samples]
         width, height = args.image_size
-        print(f"{len(samples)} JPEGs of {width}x{height}, median {statistics.median(sizes) / 1024:.0f} KiB; "
-              f"{args.workers} worker(s), batches of {args.batch_size}, {args.batches} timed batches, "
-              f"{args.repeats} rounds", flush=True)
+        print(
+            f"{len(samples)} JPEGs of {width}x{height}, median {statistics.median(sizes) / 1024:.0f} KiB; "
+            f"{args.workers} worker(s), batches of {args.batch_size}, {args.batches} timed batches, "
+            f"{args.repeats} rounds",
+            flush=True,
+        )
         pipelines = {
-            decoder: (lambda decoder=decoder: study_loader(tmp / "tree", samples, args.workers, args.batch_size,
-                                                           decoder))
+            decoder: (
+                lambda decoder=decoder: study_loader(tmp / "tree", samples, args.workers, args.batch_size, decoder)
+            )
             for decoder in args.decoders
         }
         pipelines["reference"] = lambda: reference_loader(tmp / "tree", args.workers, args.batch_size)
         names = list(pipelines)
         rounds = []
         for r in range(args.repeats):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             measured = {}
             for name in order:
                 torch.manual_seed(r)  # the same crops for every study decoder
                 measured[name] = rate(pipelines[name](), args.batches, args.warmup)
             rounds.append(measured)
-            print(f"round {r + 1}: " + ", ".join(f"{name} {measured[name]:.1f}" for name in names) + " images/s",
-                  flush=True)
+            print(
+                f"round {r + 1}: " + ", ".join(f"{name} {measured[name]:.1f}" for name in names) + " images/s",
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -211,23 +246,43 @@ def main() -> None:
         s = per_core[name]
         print(f"  {name:11s} {s['median']:.1f} [{s['min']:.1f} - {s['max']:.1f}]")
     for name, ratio in to_reference.items():
-        print(f"ratio {name} / reference: {ratio['median']:.3f} [{ratio['min']:.3f} - {ratio['max']:.3f}] "
-              "(target >= 1.0, aim >= 1.5)")
+        print(
+            f"ratio {name} / reference: {ratio['median']:.3f} [{ratio['min']:.3f} - {ratio['max']:.3f}] "
+            "(target >= 1.0, aim >= 1.5)"
+        )
     for name, ratio in to_first.items():
         print(f"ratio {name} / {first}: {ratio['median']:.3f} [{ratio['min']:.3f} - {ratio['max']:.3f}]")
-    print(f"loader cores per GPU to feed ResNet-50 at {args.gpu_rate:.0f} images/s: "
-          + ", ".join(f"{name} {cores[name]:.1f}" for name in names))
+    print(
+        f"loader cores per GPU to feed ResNet-50 at {args.gpu_rate:.0f} images/s: "
+        + ", ".join(f"{name} {cores[name]:.1f}" for name in names)
+    )
     if args.record:
         record = {
             "what": "images/s per loader core of the study's imagefolder training pipeline, per decoder, "
-                    "against torchvision's reference pipeline, same workers, interleaved rounds",
+            "against torchvision's reference pipeline, same workers, interleaved rounds",
             "provenance": provenance("python3 benchmarks/loader.py " + " ".join(sys.argv[1:])),
-            "config": {key: getattr(args, key) for key in ("workers", "repeats", "batches", "warmup", "batch_size",
-                                                             "classes", "per_class", "image_size", "decoders",
-                                                             "gpu_rate")},
+            "config": {
+                key: getattr(args, key)
+                for key in (
+                    "workers",
+                    "repeats",
+                    "batches",
+                    "warmup",
+                    "batch_size",
+                    "classes",
+                    "per_class",
+                    "image_size",
+                    "decoders",
+                    "gpu_rate",
+                )
+            },
             "rounds": rounds,
-            "summary": {"per_core_images_per_s": per_core, "ratio_to_reference": to_reference,
-                        "ratio_to_first_decoder": to_first, "cores_per_gpu": cores},
+            "summary": {
+                "per_core_images_per_s": per_core,
+                "ratio_to_reference": to_reference,
+                "ratio_to_first_decoder": to_first,
+                "cores_per_gpu": cores,
+            },
         }
         Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
         print(f"record: {args.record}")

@@ -28,8 +28,7 @@ def seconds_per_step(options: dict, steps: int) -> float:
     model = build_model("lenet5", 1, 10, 28)
     for parameter in model.parameters():
         parameter.grad = torch.randn_like(parameter)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, nesterov=True,
-                                **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, nesterov=True, **options)
     for _ in range(20):
         optimizer.step()
     start = time.perf_counter()
@@ -48,12 +47,16 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, options in IMPLEMENTATIONS.items():
             times[name].append(seconds_per_step(options, args.steps))
-    print(f"SGD step of LeNet-5 (momentum 0.9, Nesterov, weight decay), one thread, {args.rounds} rounds of "
-          f"{args.steps} steps: microseconds per step, median [min - max]; ratio to the loop, median of rounds")
+    print(
+        f"SGD step of LeNet-5 (momentum 0.9, Nesterov, weight decay), one thread, {args.rounds} rounds of "
+        f"{args.steps} steps: microseconds per step, median [min - max]; ratio to the loop, median of rounds"
+    )
     for name, values in times.items():
         ratio = statistics.median(v / loop for v, loop in zip(values, times["loop"]))
-        print(f"{name:>8}: {statistics.median(values) * 1e6:6.0f} [{min(values) * 1e6:.0f} - "
-              f"{max(values) * 1e6:.0f}]  ratio {ratio:.2f}")
+        print(
+            f"{name:>8}: {statistics.median(values) * 1e6:6.0f} [{min(values) * 1e6:.0f} - "
+            f"{max(values) * 1e6:.0f}]  ratio {ratio:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,27 +33,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
 from scipy.optimize import brentq  # noqa: E402
 
-from dtstudy.projection import calibration, layer_profiles  # noqa: E402
 from dtstudy.perfmodel import collectives, steps  # noqa: E402
-from dtstudy.strategies import specs
 from dtstudy.perfmodel.machine import Link, Machine, Workload
+from dtstudy.projection import calibration, layer_profiles  # noqa: E402
+from dtstudy.strategies import specs
 
 HOROVOD = "https://github.com/horovod/horovod/blob/master/docs/benchmarks.rst"
-TF_BENCH = ("https://www.tensorflow.org/performance/benchmarks (TF 1.x, as first published: "
-            "https://github.com/tensorflow/tensorflow tensorflow/docs_src/performance/benchmarks.md, Test Date April 2017)")
+TF_BENCH = (
+    "https://www.tensorflow.org/performance/benchmarks (TF 1.x, as first published: "
+    "https://github.com/tensorflow/tensorflow tensorflow/docs_src/performance/benchmarks.md, Test Date April 2017)"
+)
 AWS_P2 = "https://aws.amazon.com/ec2/instance-types/p2/ (p2.8xlarge: 8 GPUs, 10 Gigabit network)"
 
 # parameters (fp32): torchvision / Keras model summaries
-PARAMETERS = {"inception_v3": 23_851_784, "resnet50": 25_557_032, "resnet101": 44_549_160,
-              "resnet152": 60_192_808, "vgg16": 138_357_544}
+PARAMETERS = {
+    "inception_v3": 23_851_784,
+    "resnet50": 25_557_032,
+    "resnet101": 44_549_160,
+    "resnet152": 60_192_808,
+    "vgg16": 138_357_544,
+}
 
 # Horovod's 512-GPU run: 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE, batch 64 per GPU (the
 # docs' tf_cnn_benchmarks command). Single-GPU rates: TF benchmarks, one P100, synthetic data,
 # batch 64 (Inception V3 142, VGG16 132 images/s); ResNet-101 is in neither source: its time
 # per image interpolated by depth between ResNet-50 (238) and ResNet-152 (95.6): ~136 images/s.
 _T50, _T152 = 1 / 238, 1 / 95.6
-P100_SINGLE = {"inception_v3": 142.0, "vgg16": 132.0,
-               "resnet101": 1 / (_T50 + (_T152 - _T50) * (101 - 50) / (152 - 50))}
+P100_SINGLE = {
+    "inception_v3": 142.0,
+    "vgg16": 132.0,
+    "resnet101": 1 / (_T50 + (_T152 - _T50) * (101 - 50) / (152 - 50)),
+}
 # A ring step's latency as NCCL's own cost model has it (NVIDIA/nccl src/graph/tuning.cc,
 # hwLat of Ring/Simple, the protocol of large messages: 5.7 us over PCIe, 9.6 us over the
 # network, times 1.9, its "plateau effect of ring" for a multi-node all-reduce of at least
@@ -76,8 +86,10 @@ def wire_share(payload: int, overhead: int) -> float:
 # that, InfiniBand's own headers at its 4096-byte MTU (LRH 8, BTH 12, ICRC 4, VCRC 2 bytes)
 # take 0.6%: the rest is NCCL's transport, 96.6% of what the packets carry.
 NCCL_TRANSPORT_SHARE = 0.96 / wire_share(4096, 26)
-NCCL_SHARE = ("https://github.com/NVIDIA/nccl src/graph/topo.h (NET_BW, PCI_BW) and tuning.cc; "
-              "https://github.com/NVIDIA/nccl-tests/issues/119 (24 GB/s per 200G NIC)")
+NCCL_SHARE = (
+    "https://github.com/NVIDIA/nccl src/graph/topo.h (NET_BW, PCI_BW) and tuning.cc; "
+    "https://github.com/NVIDIA/nccl-tests/issues/119 (24 GB/s per 200G NIC)"
+)
 # RoCE v2 wraps the same transport in Ethernet: 82 bytes beside each packet on the wire
 # (preamble 8, Ethernet header 14 and FCS 4, IPv4 20, UDP 8, BTH 12, ICRC 4, inter-frame
 # gap 12), packets of the RoCE path MTU: 1024 bytes on Ethernet's default 1500-byte MTU,
@@ -99,6 +111,7 @@ def horovod_machine(payload_share: float) -> Machine:
         intra=Link(NCCL_RING_STEP_PCIE, 12e9),
         inter=Link(NCCL_RING_STEP_NET, 25e9 / 8 * payload_share),  # documented: 25 Gbit/s RoCE
     )
+
 
 HOROVOD_FUSION_MB = 64  # Horovod's default tensor-fusion buffer (HOROVOD_FUSION_THRESHOLD = 64 MiB)
 
@@ -141,8 +154,10 @@ def ec2_inter(latency_us: float = EC2_LATENCY_US) -> Link:
 # "32 servers with 4 Pascal GPUs each connected by RoCE-capable 25 Gbit/s network": 90%
 # for Inception V3 and ResNet-101, 79% for VGG-16 (128 GPUs)
 HOROVOD_2017 = "https://github.com/bobohuang/horovod (Horovod README of 2017, 128 GPUs)"
-HOROVOD_PUBLISHED = {512: (HOROVOD, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.68}),
-                     128: (HOROVOD_2017, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.79})}
+HOROVOD_PUBLISHED = {
+    512: (HOROVOD, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.68}),
+    128: (HOROVOD_2017, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.79}),
+}
 
 
 def _layers(name: str, overlap: float | None):
@@ -157,8 +172,9 @@ def _machine_overlap(machine: Machine, overlap: float | None) -> Machine:
     return machine if overlap is None else dataclasses.replace(machine, overlap=overlap)
 
 
-def horovod_cases(overlap: float | None = None, algorithm: str = "hierarchical",
-                  payload_share: float = roce_payload_share(ROCE_MTU)) -> list[dict]:
+def horovod_cases(
+    overlap: float | None = None, algorithm: str = "hierarchical", payload_share: float = roce_payload_share(ROCE_MTU)
+) -> list[dict]:
     """`overlap` None: the model's default (each architecture's layer profile, Horovod's 64 MiB
     fusion buffers filled in backprop order as perfmodel's DDP-style buckets: the wait-free
     timeline); a number: that fixed share of compute instead.
@@ -166,18 +182,28 @@ def horovod_cases(overlap: float | None = None, algorithm: str = "hierarchical",
     Horovod then ran NCCL 2's flat ring ("ring"): its hierarchical mode came in v0.13.6, July
     2018 (https://github.com/horovod/horovod/pull/329), after both benchmarks. `payload_share`:
     the share of the servers' 25 Gbit/s that carries gradient bytes."""
-    machine = dataclasses.replace(_machine_overlap(horovod_machine(payload_share), overlap), allreduce_algorithm=algorithm)
+    machine = dataclasses.replace(
+        _machine_overlap(horovod_machine(payload_share), overlap), allreduce_algorithm=algorithm
+    )
     rows = []
     for gpus, (source, published) in HOROVOD_PUBLISHED.items():
         for name, efficiency in published.items():
-            workload = Workload(PARAMETERS[name], 4, 64, compute_s=64 / P100_SINGLE[name],
-                                layers=_layers(name, overlap))
+            workload = Workload(
+                PARAMETERS[name], 4, 64, compute_s=64 / P100_SINGLE[name], layers=_layers(name, overlap)
+            )
             params = {"bucket_cap_mb": HOROVOD_FUSION_MB}
             single = specs.model_step("allreduce", workload, machine, 1, params).throughput
             s = specs.model_step("allreduce", workload, machine, gpus, params)
-            rows.append({"source": source, "key": f"horovod_{name}_{gpus}",
-                         "case": f"Horovod {name}, {gpus} GPUs ({gpus // 4} x 4 Pascal, 25 Gbit/s RoCE)",
-                         "published": efficiency, "projected": s.throughput / (gpus * single), "bound": s.bound})
+            rows.append(
+                {
+                    "source": source,
+                    "key": f"horovod_{name}_{gpus}",
+                    "case": f"Horovod {name}, {gpus} GPUs ({gpus // 4} x 4 Pascal, 25 Gbit/s RoCE)",
+                    "published": efficiency,
+                    "projected": s.throughput / (gpus * single),
+                    "bound": s.bound,
+                }
+            )
     return rows
 
 
@@ -228,8 +254,9 @@ def tf_phase(workload: Workload, machine: Machine, nodes: int, shards: int, case
     return phase
 
 
-def tf_exchange(workload: Workload, machine: Machine, workers: int, shards: int, case: TFCase,
-                messages: int) -> tuple[float, float]:
+def tf_exchange(
+    workload: Workload, machine: Machine, workers: int, shards: int, case: TFCase, messages: int
+) -> tuple[float, float]:
     """(the sum over the instance's GPUs, one phase) of a distributed_replicated step, seconds."""
     inside = collectives.ring_allreduce_time(workload.model_bytes, machine.local(workers), machine.intra)
     return inside, tf_phase(workload, machine, machine.nodes(workers), shards, case, messages)
@@ -252,19 +279,25 @@ def tf_step(workload: Workload, machine: Machine, workers: int, shards: int, cas
 
 def _root(gap, low: float, high: float) -> float:
     """10 ** x where gap(10 ** x) is 0, low <= x <= high."""
-    return 10 ** brentq(lambda x: gap(10 ** x), low, high)
+    return 10 ** brentq(lambda x: gap(10**x), low, high)
 
 
 def fit_inside(workload: Workload, machine: Machine, gap) -> tuple[Workload, Machine]:
     """The 8-GPU figure's loss: the sum over the instance's GPUs; its link fitted."""
-    return workload, dataclasses.replace(machine, intra=Link(0.0, _root(lambda b: gap(
-        workload, dataclasses.replace(machine, intra=Link(0.0, b))), 6, 14)))
+    return workload, dataclasses.replace(
+        machine,
+        intra=Link(0.0, _root(lambda b: gap(workload, dataclasses.replace(machine, intra=Link(0.0, b))), 6, 14)),
+    )
 
 
 def fit_local_ps(workload: Workload, machine: Machine, gap) -> tuple[Workload, Machine]:
     """The 8-GPU figure's loss: the round trip to the instance's own shard; the host link fitted."""
-    return workload, dataclasses.replace(machine, intra_p2p=Link(0.0, _root(lambda b: gap(
-        workload, dataclasses.replace(machine, intra_p2p=Link(0.0, b))), 6, 14)))
+    return workload, dataclasses.replace(
+        machine,
+        intra_p2p=Link(
+            0.0, _root(lambda b: gap(workload, dataclasses.replace(machine, intra_p2p=Link(0.0, b))), 6, 14)
+        ),
+    )
 
 
 #: ASSUMED for the "compute" baseline: the sum inside over PCIe 3.0 x16 at NCCL's own figure
@@ -276,16 +309,18 @@ def fit_compute(workload: Workload, machine: Machine, gap) -> tuple[Workload, Ma
     """The 8-GPU figure's loss: the sum inside at a stated PCIe rate (TF_INSIDE_STATED), the
     rest a slower compute of each GPU of a full instance (shared host, clocks); compute fitted."""
     machine = dataclasses.replace(machine, intra=TF_INSIDE_STATED)
-    return dataclasses.replace(workload, compute_s=_root(lambda c: gap(
-        dataclasses.replace(workload, compute_s=c), machine), -3, 2)), machine
+    return dataclasses.replace(
+        workload, compute_s=_root(lambda c: gap(dataclasses.replace(workload, compute_s=c), machine), -3, 2)
+    ), machine
 
 
 #: TFCase.baseline -> how the model reads the published 8-GPU figure's loss (fitted to it)
 TF_BASELINES = {"inside": fit_inside, "local_ps": fit_local_ps, "compute": fit_compute}
 
 
-def fit_tf_node(workload: Workload, machine: Machine, throughput: float, case: TFCase,
-                messages: int) -> tuple[Workload, Machine]:
+def fit_tf_node(
+    workload: Workload, machine: Machine, throughput: float, case: TFCase, messages: int
+) -> tuple[Workload, Machine]:
     """The workload and machine that make the published 8-GPU rate (one instance, one shard),
     with the same step model as the multi-node cases, as `case.baseline` reads its loss."""
     g = machine.gpus_per_node
@@ -312,33 +347,52 @@ def tf_ec2_cases(case: TFCase = TFCase()) -> list[dict]:
             shards = figures["shards_at_64"] if n == 64 else nodes
             step = tf_step(workload, machine, n, shards, case, len(buckets))
             inside, phase = tf_exchange(workload, machine, n, shards, case, len(buckets))
-            rows.append({"source": TF_BENCH, "key": f"tf_ec2_{name}_{n}",
-                         "case": f"TF EC2 {name}, {n} GPUs ({nodes} x p2.8xlarge, {shards} PS)",
-                         "published": figures[n] / (n * single), "projected": n * batch / step / (n * single),
-                         "bound": "network" if step - workload.compute_s > workload.compute_s else "compute",
-                         "compute_s": workload.compute_s, "inside_s": inside, "phase_s": phase,
-                         "exchange_s": inside + 2 * phase,
-                         "exposed_s": step - workload.compute_s,
-                         "backward_s": workload.layers.backward_share * workload.compute_s if workload.layers else 0.0})
+            rows.append(
+                {
+                    "source": TF_BENCH,
+                    "key": f"tf_ec2_{name}_{n}",
+                    "case": f"TF EC2 {name}, {n} GPUs ({nodes} x p2.8xlarge, {shards} PS)",
+                    "published": figures[n] / (n * single),
+                    "projected": n * batch / step / (n * single),
+                    "bound": "network" if step - workload.compute_s > workload.compute_s else "compute",
+                    "compute_s": workload.compute_s,
+                    "inside_s": inside,
+                    "phase_s": phase,
+                    "exchange_s": inside + 2 * phase,
+                    "exposed_s": step - workload.compute_s,
+                    "backward_s": workload.layers.backward_share * workload.compute_s if workload.layers else 0.0,
+                }
+            )
     return rows
 
 
 #: what the model may miss on the TF EC2 table, each a change of one setting (TFCase):
 #: record key -> (label, the change)
 TF_SENSITIVITIES = {
-    "pushes_after_backward": ("overlap: the pushes after backward (only the sum inside overlaps)",
-                              {"push_overlaps": False}),
+    "pushes_after_backward": (
+        "overlap: the pushes after backward (only the sum inside overlaps)",
+        {"push_overlaps": False},
+    ),
     "fused_25_mib": ("fusion: variables fused into 25 MiB buckets", {"bucket_cap_mb": 25.0}),
     "fused_64_mib": ("fusion: variables fused into 64 MiB buckets", {"bucket_cap_mb": 64.0}),
     "message_per_variable": ("latency: a message per variable from each instance", {"latency_per": "bucket"}),
-    "message_per_variable_200_us": ("latency: the same at 200 us a message",
-                                    {"latency_per": "bucket", "latency_us": 200.0}),
-    "rerun_table": ("baseline: the table's May 2017 re-run (its own 1- and 8-GPU figures)", {"table": "May 2017 re-run"}),
+    "message_per_variable_200_us": (
+        "latency: the same at 200 us a message",
+        {"latency_per": "bucket", "latency_us": 200.0},
+    ),
+    "rerun_table": (
+        "baseline: the table's May 2017 re-run (its own 1- and 8-GPU figures)",
+        {"table": "May 2017 re-run"},
+    ),
     "single_server_1_gpu": ("baseline: 1 GPU from the single-server table", {"single": TF_EC2_SINGLE_SERVER}),
-    "loss_local_ps_round_trip": ("baseline: the 8-GPU loss a round trip to the instance's own shard",
-                                 {"baseline": "local_ps"}),
-    "loss_slower_compute": ("baseline: the 8-GPU loss a slower compute, the sum inside at 12 GB/s",
-                            {"baseline": "compute"}),
+    "loss_local_ps_round_trip": (
+        "baseline: the 8-GPU loss a round trip to the instance's own shard",
+        {"baseline": "local_ps"},
+    ),
+    "loss_slower_compute": (
+        "baseline: the 8-GPU loss a slower compute, the sum inside at 12 GB/s",
+        {"baseline": "compute"},
+    ),
 }
 
 #: the columns: label -> (record key, the Horovod rows, the TF rows)
@@ -392,49 +446,75 @@ def main() -> int:
         for label, rows in columns.items():
             diff = miss(rows[i])
             misses[label] += abs(diff) > TOLERANCE
-            cells.append(f"{100 * rows[i]['projected']:5.1f}% {100 * diff:+6.1f}%{'*' if abs(diff) > TOLERANCE else ' '}")
+            cells.append(
+                f"{100 * rows[i]['projected']:5.1f}% {100 * diff:+6.1f}%{'*' if abs(diff) > TOLERANCE else ' '}"
+            )
         print(f"{row['case']:62s} {100 * row['published']:8.1f}% " + " ".join(f"{c:>16s}" for c in cells))
-    print("\nefficiency = throughput(N) / (N x throughput(1)); each column: projected, projected / published - 1; "
-          "*: a miss (beyond 10%)")
+    print(
+        "\nefficiency = throughput(N) / (N x throughput(1)); each column: projected, projected / published - 1; "
+        "*: a miss (beyond 10%)"
+    )
     print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2, ";", NCCL_SHARE)
-    print("settings for every case: fp32 gradients; links at their payload rate (below); the Horovod cases' ring steps at NCCL's own cost model's latencies "
-          f"({NCCL_RING_STEP_PCIE * 1e6:.1f} us over PCIe, {NCCL_RING_STEP_NET * 1e6:.1f} us over the network); "
-          "assumptions in each case's comment. Columns: a fixed overlap of "
-          "0 (the model's default where no layer profile fits) and 0.5 of compute for every case; wait-free (the "
-          "model's default: the projection and the budget take the architecture's layer profile): each bucket's "
-          "exchange starts when backprop has produced it (layer profiles of dtstudy/layer_profiles.json); the "
-          "all-reduce across servers hierarchical (the model's default), or in the last column one flat ring "
-          "through every GPU, the algorithm Horovod ran then (the TF cases, parameter servers, are the same)")
-    print("; ".join(f"{len(rows) - misses[label]} of {len(rows)} within 10% ({label})" for label, rows in columns.items()))
-    print(f"\nlinks at their payload rate: 25 Gbit/s RoCE x {roce_payload_share(ROCE_MTU):.3f} (RoCE v2 framing at "
-          f"path MTU {ROCE_MTU}, Ethernet's default, x NCCL's transport {NCCL_TRANSPORT_SHARE:.3f}); 10 Gbit/s TCP "
-          f"x {EC2_PAYLOAD_SHARE:.3f} (jumbo frames)")
-    print(f"sensitivity, jumbo frames on the Horovod cluster (RoCE path MTU {ROCE_MTU_JUMBO}, x "
-          f"{roce_payload_share(ROCE_MTU_JUMBO):.3f}):")
+    print(
+        "settings for every case: fp32 gradients; links at their payload rate (below); the Horovod cases' ring steps at NCCL's own cost model's latencies "
+        f"({NCCL_RING_STEP_PCIE * 1e6:.1f} us over PCIe, {NCCL_RING_STEP_NET * 1e6:.1f} us over the network); "
+        "assumptions in each case's comment. Columns: a fixed overlap of "
+        "0 (the model's default where no layer profile fits) and 0.5 of compute for every case; wait-free (the "
+        "model's default: the projection and the budget take the architecture's layer profile): each bucket's "
+        "exchange starts when backprop has produced it (layer profiles of dtstudy/layer_profiles.json); the "
+        "all-reduce across servers hierarchical (the model's default), or in the last column one flat ring "
+        "through every GPU, the algorithm Horovod ran then (the TF cases, parameter servers, are the same)"
+    )
+    print(
+        "; ".join(f"{len(rows) - misses[label]} of {len(rows)} within 10% ({label})" for label, rows in columns.items())
+    )
+    print(
+        f"\nlinks at their payload rate: 25 Gbit/s RoCE x {roce_payload_share(ROCE_MTU):.3f} (RoCE v2 framing at "
+        f"path MTU {ROCE_MTU}, Ethernet's default, x NCCL's transport {NCCL_TRANSPORT_SHARE:.3f}); 10 Gbit/s TCP "
+        f"x {EC2_PAYLOAD_SHARE:.3f} (jumbo frames)"
+    )
+    print(
+        f"sensitivity, jumbo frames on the Horovod cluster (RoCE path MTU {ROCE_MTU_JUMBO}, x "
+        f"{roce_payload_share(ROCE_MTU_JUMBO):.3f}):"
+    )
     for label, algorithm in WAIT_FREE_COLUMNS.items():
         jumbo = horovod_cases(algorithm=algorithm, payload_share=roce_payload_share(ROCE_MTU_JUMBO))
         diffs = [miss(row) for row in jumbo]
-        print(f"  {label}: " + ", ".join(f"{row['case'].split(' (')[0].removeprefix('Horovod ')} {100 * d:+.1f}%"
-                                         for row, d in zip(jumbo, diffs))
-              + f"; {sum(abs(d) <= TOLERANCE for d in diffs)} of {len(diffs)} within 10%")
-    print("payload shares of the 25 Gbit/s (0.50 to 1.00 in steps of 0.01) at which all 6 Horovod cases are within 10%:")
+        print(
+            f"  {label}: "
+            + ", ".join(
+                f"{row['case'].split(' (')[0].removeprefix('Horovod ')} {100 * d:+.1f}%" for row, d in zip(jumbo, diffs)
+            )
+            + f"; {sum(abs(d) <= TOLERANCE for d in diffs)} of {len(diffs)} within 10%"
+        )
+    print(
+        "payload shares of the 25 Gbit/s (0.50 to 1.00 in steps of 0.01) at which all 6 Horovod cases are within 10%:"
+    )
     for label, algorithm in WAIT_FREE_COLUMNS.items():
         print(f"  {label}: {shares_within(algorithm)}")
 
-    print("\nwhat the TF EC2 cases' exchange costs a step under the model's default (wait-free), ms: one GPU's "
-          "compute (the 8-GPU figure's loss read as the sum inside, whose link is fitted to it), backward, the sum "
-          "inside, the push and the pull (one phase each), of all three the part exposed; the rest hides behind "
-          "backward")
+    print(
+        "\nwhat the TF EC2 cases' exchange costs a step under the model's default (wait-free), ms: one GPU's "
+        "compute (the 8-GPU figure's loss read as the sum inside, whose link is fitted to it), backward, the sum "
+        "inside, the push and the pull (one phase each), of all three the part exposed; the rest hides behind "
+        "backward"
+    )
     print_costs(row for row in columns["wait-free"] if row["key"].startswith("tf_ec2"))
-    print(f"the same, ResNet-152, with the loss read as a slower compute and the sum inside at "
-          f"{TF_INSIDE_STATED.bandwidth / 1e9:g} GB/s (TF_BASELINES 'compute'):")
+    print(
+        f"the same, ResNet-152, with the loss read as a slower compute and the sum inside at "
+        f"{TF_INSIDE_STATED.bandwidth / 1e9:g} GB/s (TF_BASELINES 'compute'):"
+    )
     print_costs(row for row in tf_ec2_cases(TFCase(baseline="compute")) if "resnet152" in row["key"])
     sensitivities = tf_sensitivities()
-    print("\nsensitivity of the TF EC2 cases, one setting changed at a time (projected / published - 1 of ResNet-152 "
-          "at 16, 32, 64 GPUs; how many of the 9 TF cases are within 10%; without a layer profile, as under overlap 0, "
-          "neither fusion nor when the pushes start changes anything):")
+    print(
+        "\nsensitivity of the TF EC2 cases, one setting changed at a time (projected / published - 1 of ResNet-152 "
+        "at 16, 32, 64 GPUs; how many of the 9 TF cases are within 10%; without a layer profile, as under overlap 0, "
+        "neither fusion nor when the pushes start changes anything):"
+    )
     for modes in sensitivities.values():
-        print(f"  {modes['label']:70s} overlap 0: {_brief(modes['overlap_zero'])} | wait-free: {_brief(modes['model_default'])}")
+        print(
+            f"  {modes['label']:70s} overlap 0: {_brief(modes['overlap_zero'])} | wait-free: {_brief(modes['model_default'])}"
+        )
     print(f"  sources: the re-run {TF_BENCH_RERUN}; the single-server table, the same page as the held-out one")
     if args.record:
         write_record(args.record, columns, misses, sensitivities)
@@ -444,10 +524,12 @@ def main() -> int:
 def print_costs(rows) -> None:
     for row in rows:
         exchange = row["exchange_s"]
-        print(f"  {row['case'].removeprefix('TF EC2 '):44s} compute {1e3 * row['compute_s']:5.0f}, backward "
-              f"{1e3 * row['backward_s']:5.0f}, inside {1e3 * row['inside_s']:5.0f}, push and pull "
-              f"{1e3 * row['phase_s']:4.0f} each, exposed {1e3 * row['exposed_s']:4.0f} "
-              f"({100 * (1 - row['exposed_s'] / exchange):.0f}% of the exchange hidden)")
+        print(
+            f"  {row['case'].removeprefix('TF EC2 '):44s} compute {1e3 * row['compute_s']:5.0f}, backward "
+            f"{1e3 * row['backward_s']:5.0f}, inside {1e3 * row['inside_s']:5.0f}, push and pull "
+            f"{1e3 * row['phase_s']:4.0f} each, exposed {1e3 * row['exposed_s']:4.0f} "
+            f"({100 * (1 - row['exposed_s'] / exchange):.0f}% of the exchange hidden)"
+        )
 
 
 def write_record(path: str, columns: dict, misses: dict, sensitivities: dict) -> None:
@@ -458,22 +540,25 @@ def write_record(path: str, columns: dict, misses: dict, sensitivities: dict) ->
     import time
 
     repo = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     cases = {}
     for label, rows in columns.items():
         for row in rows:
-            entry = cases.setdefault(row["key"], {"case": row["case"], "source": row["source"],
-                                                  "published_percent": 100 * row["published"]})
+            entry = cases.setdefault(
+                row["key"], {"case": row["case"], "source": row["source"], "published_percent": 100 * row["published"]}
+            )
             entry[COLUMNS[label][0]] = {"projected_percent": 100 * row["projected"], "miss_percent": 100 * miss(row)}
     keys = {label: key for label, (key, _) in COLUMNS.items()}
     record = {
         "what": "published multi-node scaling efficiencies (Horovod; TensorFlow 1.x benchmarks on EC2) against the "
-                "performance model's projection from each case's single-GPU and single-node figures, per column; "
-                "the TF EC2 table's sensitivities, one setting changed at a time (miss_percent: projected / "
-                "published - 1, in %)",
+        "performance model's projection from each case's single-GPU and single-node figures, per column; "
+        "the TF EC2 table's sensitivities, one setting changed at a time (miss_percent: projected / "
+        "published - 1, in %)",
         "command": "python3 benchmarks/projection_validation.py " + " ".join(sys.argv[1:]),
-        "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": {"cpu": "analytic: no timing, any machine gives the same", "cores": None},
         "python": platform.python_version(),
         "first_reported": "docs/performance-model.md (Validation against published scaling)",
@@ -489,9 +574,11 @@ def shares_within(algorithm: str, tolerance: float = TOLERANCE) -> str:
     """The payload shares of the Horovod servers' link at which every Horovod case of the
     wait-free column is within `tolerance` of its published efficiency: how much the
     verdict hangs on the share, which no source gives for that cluster."""
-    good = [percent for percent in range(50, 101)
-            if all(abs(miss(row)) <= tolerance
-                   for row in horovod_cases(algorithm=algorithm, payload_share=percent / 100))]
+    good = [
+        percent
+        for percent in range(50, 101)
+        if all(abs(miss(row)) <= tolerance for row in horovod_cases(algorithm=algorithm, payload_share=percent / 100))
+    ]
     if not good:
         return "none"
     runs = [[good[0], good[0]]]  # consecutive percents joined into ranges

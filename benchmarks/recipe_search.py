@@ -35,9 +35,9 @@ from dtstudy.checks import load_config
 from dtstudy.config.study_config import validate_schema
 from dtstudy.data.loading import load_split
 from dtstudy.training.evaluate import topk_accuracy
-from dtstudy.training.models import build_model
-from dtstudy.training.lr_schedule import make_schedule
 from dtstudy.training.loop import make_criterion, make_optimizer_factory, seed_everything
+from dtstudy.training.lr_schedule import make_schedule
+from dtstudy.training.models import build_model
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"  # its train section is "base"
 
@@ -57,8 +57,14 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def worker_batch_samplers(train_set, workers: int, batch_size: int, seed: int) -> list[BatchSampler]:
     """Each worker's batches, as the study's workers draw them (training.loop.set_up)."""
-    return [BatchSampler(DistributedSampler(train_set, num_replicas=workers, rank=rank, shuffle=True, seed=seed),
-                         batch_size, drop_last=True) for rank in range(workers)]
+    return [
+        BatchSampler(
+            DistributedSampler(train_set, num_replicas=workers, rank=rank, shuffle=True, seed=seed),
+            batch_size,
+            drop_last=True,
+        )
+        for rank in range(workers)
+    ]
 
 
 def global_batches(samplers: list[BatchSampler], epoch: int):
@@ -91,8 +97,12 @@ def replay(data_dir: str, train: dict, workers: int, seed: int, model_name: str 
             optimizer.step()
             losses.append(loss.item())
             step += 1
-    return {"test_top1": topk_accuracy(model, test_set, ks=(1,))[1], "steps": step, "seconds": time.perf_counter() - start,
-            "train_loss": losses}
+    return {
+        "test_top1": topk_accuracy(model, test_set, ks=(1,))[1],
+        "steps": step,
+        "seconds": time.perf_counter() - start,
+        "train_loss": losses,
+    }
 
 
 def main() -> None:
@@ -102,8 +112,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variant", action="append", default=None, help="base, or key=value[,key=value]")
-    parser.add_argument("--check", default=None,
-                        help="a study run's metrics.json + eval.json folder: replay it and print both")
+    parser.add_argument(
+        "--check", default=None, help="a study run's metrics.json + eval.json folder: replay it and print both"
+    )
     args = parser.parse_args()
 
     if args.check:
@@ -115,10 +126,12 @@ def main() -> None:
         result = replay(args.data, train, metrics["workers"], metrics["seed"], config["model"])
         gaps = [abs(a - b) for a, b in zip(metrics["train_loss"], result["train_loss"])]
         first = next((i for i, gap in enumerate(gaps) if gap > 1e-4), None)
-        print(f"{folder}: test top-1 study {study_top1:.4f}, replay {result['test_top1']:.4f}; train loss "
-              f"(mean over the global batch) equal to 1e-4 for the first {len(gaps) if first is None else first} "
-              f"of {len(gaps)} steps (largest gap before: {max(gaps[:first] or [0]):.1e}), then apart as float "
-              "rounding grows (the study's all-reduce sums in another order)")
+        print(
+            f"{folder}: test top-1 study {study_top1:.4f}, replay {result['test_top1']:.4f}; train loss "
+            f"(mean over the global batch) equal to 1e-4 for the first {len(gaps) if first is None else first} "
+            f"of {len(gaps)} steps (largest gap before: {max(gaps[:first] or [0]):.1e}), then apart as float "
+            "rounding grows (the study's all-reduce sums in another order)"
+        )
         return
 
     variants = [parse_variant(text) for text in (args.variant or ["base"])]
@@ -131,13 +144,18 @@ def main() -> None:
             for seed in args.seeds:
                 result = replay(args.data, config["train"], workers, seed)
                 values.append(result["test_top1"])
-                print(f"{name:40s} N={workers} seed {seed}: test top-1 {result['test_top1']:.4f} "
-                      f"({result['steps']} steps, {result['seconds']:.0f} s)", flush=True)
+                print(
+                    f"{name:40s} N={workers} seed {seed}: test top-1 {result['test_top1']:.4f} "
+                    f"({result['steps']} steps, {result['seconds']:.0f} s)",
+                    flush=True,
+                )
             rows.append((name, workers, values))
     print("\nvariant | N | test top-1 per seed | mean | min")
     for name, workers, values in rows:
-        print(f"{name} | {workers} | {' '.join(f'{v:.4f}' for v in values)} | "
-              f"{statistics.mean(values):.4f} | {min(values):.4f}")
+        print(
+            f"{name} | {workers} | {' '.join(f'{v:.4f}' for v in values)} | "
+            f"{statistics.mean(values):.4f} | {min(values):.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -20,14 +20,18 @@ import tempfile
 from pathlib import Path
 
 import yaml
-
 from fixed_cost import REPO, run_study, spread
 
 
 def study_config() -> dict:
     strategies = yaml.safe_load((REPO / "config/config.yaml").read_text())["strategies"]
-    return {"dataset": {"name": "fashion_mnist", "subset": 3000}, "strategies": strategies, "workers": [1, 2],
-            "seeds": [0], "train": {"epochs": 1, "batch_size": 64}}
+    return {
+        "dataset": {"name": "fashion_mnist", "subset": 3000},
+        "strategies": strategies,
+        "workers": [1, 2],
+        "seeds": [0],
+        "train": {"epochs": 1, "batch_size": 64},
+    }
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ from dtstudy.config.study_config import run_config, validate_schema
 from dtstudy.data.loading import load_split
 from dtstudy.data.prepare import prepare
 from dtstudy.launch.launcher import run_training_job
-from dtstudy.training.models import build_model
 from dtstudy.runspec import RunSpec
+from dtstudy.training.models import build_model
 
 
 def plain_loop(data_dir: Path, batch_size: int, steps: int, skip: int) -> float:
@@ -45,7 +45,7 @@ def plain_loop(data_dir: Path, batch_size: int, steps: int, skip: int) -> float:
         if step == skip:
             start, images = time.perf_counter(), 0
         first = (step * batch_size) % (len(train) - batch_size)
-        inputs, labels = train.batch(order[first:first + batch_size])
+        inputs, labels = train.batch(order[first : first + batch_size])
         loss = criterion(model(inputs), labels)
         optimizer.zero_grad()
         loss.backward()
@@ -75,8 +75,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
 
-    study = validate_schema({"train": {"batch_size": args.batch_size, "max_steps": args.steps, "epochs": 1,
-                                       "steady_state_skip": args.skip, "log_every": 10**6}})
+    study = validate_schema(
+        {
+            "train": {
+                "batch_size": args.batch_size,
+                "max_steps": args.steps,
+                "epochs": 1,
+                "steady_state_skip": args.skip,
+                "log_every": 10**6,
+            }
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data_dir = tmp / "data"
@@ -86,16 +95,23 @@ def main() -> None:
             plain.append(plain_job(data_dir, args.batch_size, args.steps, args.skip, tmp / f"plain-{repeat}"))
             ours.append(study_loop(study, data_dir, 1, tmp / f"n1-{repeat}"))
             pair.append(study_loop(study, data_dir, 2, tmp / f"n2-{repeat}"))
-            print(f"repeat {repeat + 1}: plain {plain[-1]:.0f} img/s, study N=1 {ours[-1]:.0f} img/s, "
-                  f"study N=2 {pair[-1]:.0f} img/s", flush=True)
+            print(
+                f"repeat {repeat + 1}: plain {plain[-1]:.0f} img/s, study N=1 {ours[-1]:.0f} img/s, "
+                f"study N=2 {pair[-1]:.0f} img/s",
+                flush=True,
+            )
 
     plain_m, ours_m, pair_m = (statistics.median(v) for v in (plain, ours, pair))
     loop_ratio = statistics.median(o / p for o, p in zip(ours, plain))
     efficiency = statistics.median(two / (2 * one) for two, one in zip(pair, ours))
-    print(f"\nLeNet-5, Fashion-MNIST, batch {args.batch_size}, {args.steps} steps ({args.skip} skipped), "
-          f"median of {args.repeats}")
-    print(f"study loop N=1 / plain loop:      median ratio {loop_ratio:.3f} (target >= 0.98); "
-          f"medians {ours_m:.0f} / {plain_m:.0f} img/s")
+    print(
+        f"\nLeNet-5, Fashion-MNIST, batch {args.batch_size}, {args.steps} steps ({args.skip} skipped), "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"study loop N=1 / plain loop:      median ratio {loop_ratio:.3f} (target >= 0.98); "
+        f"medians {ours_m:.0f} / {plain_m:.0f} img/s"
+    )
     print(f"allreduce efficiency N=2 vs N=1:  median {efficiency:.3f}; medians {pair_m:.0f} / (2 x {ours_m:.0f}) img/s")
 
 

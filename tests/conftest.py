@@ -21,8 +21,9 @@ LONG_MARKERS = ("slow", "e2e", "slurm")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true",
-                     help="run every tier: also the tests marked slow, e2e or slurm (what CI runs)")
+    parser.addoption(
+        "--full", action="store_true", help="run every tier: also the tests marked slow, e2e or slurm (what CI runs)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
     if long_items:
         config.hook.pytest_deselected(items=long_items)
         items[:] = [item for item in items if item not in long_items]
+
+
 TINY_SUBSET = 2000  # 1800 training + 200 validation images
 
 
@@ -78,29 +81,48 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
-def train_run(tmp_path, data_dir, workers, batch_size, steps=12, seed=0, strategy="allreduce",
-              strategy_params=None, stragglers=None, launcher=None, **train):
+def train_run(
+    tmp_path,
+    data_dir,
+    workers,
+    batch_size,
+    steps=12,
+    seed=0,
+    strategy="allreduce",
+    strategy_params=None,
+    stragglers=None,
+    launcher=None,
+    **train,
+):
     """One training run through the real path (submitit LocalExecutor, torch.distributed on
     gloo), lr_scaling none and base_lr 0.1 unless `train` says otherwise.
     Returns (metrics, final state_dict, run folder)."""
     import torch
 
+    from dtstudy.common.run_folder import MODEL
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
-    from dtstudy.common.run_folder import MODEL
     from dtstudy.runspec import RunSpec
 
-    study = validated(tiny_study(
-        strategies=[strategy],
-        workers=[workers],
-        strategy_params={strategy: strategy_params or {}},
-        stragglers=stragglers or {},
-        **({"launcher": launcher} if launcher else {}),
-        train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1, **train},
-    ))
+    study = validated(
+        tiny_study(
+            strategies=[strategy],
+            workers=[workers],
+            strategy_params={strategy: strategy_params or {}},
+            stragglers=stragglers or {},
+            **({"launcher": launcher} if launcher else {}),
+            train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1, **train},
+        )
+    )
     out = tmp_path / f"{strategy}-n{workers}-b{batch_size}-s{seed}"
-    spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
-                   data_dir=str(data_dir), out_dir=str(out))
+    spec = RunSpec(
+        strategy=strategy,
+        workers=workers,
+        seed=seed,
+        config=run_config(study, strategy),
+        data_dir=str(data_dir),
+        out_dir=str(out),
+    )
     metrics = run_training_job(spec, out / "submitit")
     return metrics, torch.load(out / MODEL, weights_only=True)["state_dict"], out
 
@@ -118,8 +140,16 @@ def run_snakemake(workdir: Path, config: dict, *args: str, timeout: int = 900) -
     config_path = workdir / "study.yaml"
     config_path.write_text(yaml.safe_dump(config))
     command = [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-        "--directory", str(workdir), "--configfile", str(config_path), *args,
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(config_path),
+        *args,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -143,8 +173,17 @@ def _in_worker(rank: int, workers: int, init_file: str, check, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=workers)
     try:
-        check(DistContext(rank=rank, world_size=workers, workers=workers, local_rank=rank,
-                          device=torch.device("cpu"), backend="gloo"), *args)
+        check(
+            DistContext(
+                rank=rank,
+                world_size=workers,
+                workers=workers,
+                local_rank=rank,
+                device=torch.device("cpu"),
+                backend="gloo",
+            ),
+            *args,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -153,16 +192,24 @@ def in_workers(tmp_path, workers: int, check, *args) -> None:
     """Run `check(ctx, *args)` in `workers` gloo processes; an assertion in any fails the test."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_in_worker, args=(workers, str(tmp_path / "rendezvous"), check, args), nprocs=workers,
-                       start_method="fork")
+    mp.start_processes(
+        _in_worker, args=(workers, str(tmp_path / "rendezvous"), check, args), nprocs=workers, start_method="fork"
+    )
 
 
 class MlflowServer:
     """A real `mlflow server` (SQLite behind it, as on a login node) that a test can stop and
     start again on the same port and store: a tracking server that goes away mid-study."""
 
-    def __init__(self, folder: Path, port: int | None = None, host: str = "127.0.0.1", name: str | None = None,
-                 options: tuple[str, ...] = (), env: dict | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        name: str | None = None,
+        options: tuple[str, ...] = (),
+        env: dict | None = None,
+    ):
         """`host`: the address it listens on; `name`: the host name its clients use (a login
         node's); `options` and `env`: more of `mlflow server`'s (its authentication)."""
         from dtstudy.common.ports import free_port
@@ -172,25 +219,45 @@ class MlflowServer:
         self.options, self.env = tuple(options), env or {}
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 120) -> "MlflowServer":
+    def start(self, timeout_s: float = 120) -> MlflowServer:
         import os
         import sys
         import time
         import urllib.request
 
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", self.host, "--port", str(self.port), *self.options,
-             "--backend-store-uri", f"sqlite:///{self.folder}/mlflow.db",
-             "--artifacts-destination", str(self.folder / "artifacts"), "--workers", "1"],
-            cwd=self.folder, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                *self.options,
+                "--backend-store-uri",
+                f"sqlite:///{self.folder}/mlflow.db",
+                "--artifacts-destination",
+                str(self.folder / "artifacts"),
+                "--workers",
+                "1",
+            ],
+            cwd=self.folder,
+            stdout=open(self.folder / "server.log", "a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 urllib.request.urlopen(f"{self.uri}/health", timeout=2).read()
                 return self
             except OSError:
-                assert self.process.poll() is None and time.monotonic() < deadline, (self.folder / "server.log").read_text()
+                assert self.process.poll() is None and time.monotonic() < deadline, (
+                    self.folder / "server.log"
+                ).read_text()
                 time.sleep(0.5)
 
     def stop(self) -> None:

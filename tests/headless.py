@@ -19,9 +19,18 @@ import urllib.request
 
 import pytest
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1400,900", "--virtual-time-budget=15000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,900",
+    "--virtual-time-budget=15000",
+]
 
 
 def browser_or_skip() -> str:
@@ -40,8 +49,12 @@ def rendered(binary: str, url: str, timeout_s: float = 120) -> str:
     """The text a page shows once its scripts ran (the DOM without its scripts and styles, its tags
     dropped), in a fresh profile."""
     with tempfile.TemporaryDirectory() as profile:
-        done = subprocess.run([binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
-                              capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
     dom = re.sub(r"(?is)<(script|style)\b.*?</\1>", " ", done.stdout)
     return html.unescape(re.sub(r"<[^>]+>", " ", dom))
@@ -57,9 +70,12 @@ def _free_port() -> int:
 def mlflow_ui(store_uri: str, start_timeout_s: float = 180):
     """`mlflow ui` on `store_uri` (one worker), as the README starts it; yields its address."""
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store_uri,
-                               "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store_uri, "--port", str(port), "--workers", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     address = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout_s

@@ -12,17 +12,24 @@ from dtstudy.analysis.aggregate import aggregate_study
 from dtstudy.analysis.findings import accuracy_markdown, findings_markdown, noise_note, scaling_markdown
 from dtstudy.analysis.plots import make_plots
 from dtstudy.analysis.runs import efficiency, load_run_metrics, load_runs, mean_of_reached, speedup
-from dtstudy.analysis.tables import (ACCURACY_COLUMNS, OVERSUBSCRIBED_NOTE, SCALING_COLUMNS, accuracy_table,
-                                     noise_summary, scaling_table, write_table)
+from dtstudy.analysis.tables import (
+    ACCURACY_COLUMNS,
+    OVERSUBSCRIBED_NOTE,
+    SCALING_COLUMNS,
+    accuracy_table,
+    noise_summary,
+    scaling_table,
+    write_table,
+)
 
 # Throughput (images/s) per (strategy, workers) for seeds 0 and 1.
 THROUGHPUT = {
     ("allreduce", 1): (100.0, 110.0),  # mean 105
     ("allreduce", 2): (200.0, 210.0),  # mean 205
     ("allreduce", 4): (380.0, 400.0),  # mean 390
-    ("ps_sync", 1): (80.0, 90.0),      # mean 85
-    ("ps_sync", 2): (150.0, 160.0),    # mean 155
-    ("ps_sync", 4): (260.0, 280.0),    # mean 270
+    ("ps_sync", 1): (80.0, 90.0),  # mean 85
+    ("ps_sync", 2): (150.0, 160.0),  # mean 155
+    ("ps_sync", 4): (260.0, 280.0),  # mean 270
 }
 # Test top-1 per (strategy, workers) for seeds 0 and 1.
 TOP1 = {
@@ -46,21 +53,29 @@ def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=No
     run_id = f"{strategy}-{workers}-{seed}" + (f"-{kind}" if kind else "")
     reach = TIME_TO_ACCURACY.get((strategy, workers), (10.0 * workers, 12.0 * workers, 14.0 * workers))[seed]
     metrics = {
-        "strategy": strategy, "workers": workers, "seed": seed,
+        "strategy": strategy,
+        "workers": workers,
+        "seed": seed,
         "throughput": THROUGHPUT[strategy, workers][seed] if windows is None else sum(windows) / len(windows),
         # five equal windows: the pooled median of two seeds is then their mean
         "throughput_windows": windows or [THROUGHPUT[strategy, workers][seed]] * 5,
-        "step_time": {"total_s": 0.05, "compute_s": 0.04 + seed * 0.01, "comm_s": 0.01,
-                      "data_s": 0.001},
+        "step_time": {"total_s": 0.05, "compute_s": 0.04 + seed * 0.01, "comm_s": 0.01, "data_s": 0.001},
         "bytes_per_step": 1000.0 * workers,
         # the knobs as the run recorded them: ps_sync with a shard per "node" of 2 workers
         "strategy_params": {"shards": max(1, workers // 2)} if strategy == "ps_sync" else {},
         "train_loss": [2.3, 2.1, 1.9],
-        "val": [{"epoch": e, "step": 100 * e, "top1": 0.6 + 0.1 * e, "wall_s": 5.0 * e / workers}
-                for e in (1, 2, 3)],
-        "target_accuracy": 0.85, "time_to_accuracy_s": reach, "wall_time_s": 40.0,
-        "environment": {"host": "test", "cores": 2, "oversubscribed": oversubscribed, "pinned_cores": [0],
-                        "device_type": "cpu", "backend": "gloo"},
+        "val": [{"epoch": e, "step": 100 * e, "top1": 0.6 + 0.1 * e, "wall_s": 5.0 * e / workers} for e in (1, 2, 3)],
+        "target_accuracy": 0.85,
+        "time_to_accuracy_s": reach,
+        "wall_time_s": 40.0,
+        "environment": {
+            "host": "test",
+            "cores": 2,
+            "oversubscribed": oversubscribed,
+            "pinned_cores": [0],
+            "device_type": "cpu",
+            "backend": "gloo",
+        },
         "mlflow": {"run_id": run_id, "experiment_id": "1", "tracking_uri": "sqlite:///x.db"},
     }
     if kind is not None:
@@ -68,8 +83,12 @@ def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=No
     if kind == "scaling":  # not tested: no eval.json
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
         return run_dir
-    evaluation = {"top1": TOP1.get((strategy, workers), (0.5, 0.5))[seed] if top1 is None else top1, "top5": 0.99, "test_images": 10000,
-                  "mlflow_run_id": run_id}
+    evaluation = {
+        "top1": TOP1.get((strategy, workers), (0.5, 0.5))[seed] if top1 is None else top1,
+        "top5": 0.99,
+        "test_images": 10000,
+        "mlflow_run_id": run_id,
+    }
     (run_dir / "metrics.json").write_text(json.dumps(metrics))
     (run_dir / "eval.json").write_text(json.dumps(evaluation))
     return run_dir
@@ -78,8 +97,11 @@ def write_run(root, strategy, workers, seed, *, oversubscribed=False, windows=No
 @pytest.fixture
 def run_dirs(tmp_path):
     # Written in a scrambled order, so that row order comes from the sorting.
-    return [write_run(tmp_path, strategy, workers, seed)
-            for (strategy, workers) in sorted(THROUGHPUT, reverse=True) for seed in SEEDS]
+    return [
+        write_run(tmp_path, strategy, workers, seed)
+        for (strategy, workers) in sorted(THROUGHPUT, reverse=True)
+        for seed in SEEDS
+    ]
 
 
 @pytest.fixture
@@ -95,6 +117,7 @@ def row(table, strategy, workers):
 
 # --- arithmetic -----------------------------------------------------------------------
 
+
 def test_speedup_and_efficiency_by_hand():
     assert speedup(205.0, 105.0) == pytest.approx(1.952381, rel=1e-6)
     assert efficiency(3.714286, 4) == pytest.approx(0.928571, rel=1e-6)
@@ -108,6 +131,7 @@ def test_mean_of_reached_ignores_runs_that_never_reached():
 
 
 # --- loading --------------------------------------------------------------------------
+
 
 def test_load_runs_one_row_per_run(runs, run_dirs):
     assert len(runs) == 12
@@ -156,14 +180,21 @@ def test_duplicate_runs_are_an_error(tmp_path, run_dirs):
     with pytest.raises(ValueError, match="same"):
         load_runs(run_dirs + [copy])
 
+
 # --- scaling table --------------------------------------------------------------------
+
 
 def test_scaling_columns_and_alphabetical_order(runs):
     table = scaling_table(runs)
     assert list(table.columns) == SCALING_COLUMNS
     assert list(zip(table["strategy"], table["workers"])) == [
-        ("allreduce", 1), ("allreduce", 2), ("allreduce", 4),
-        ("ps_sync", 1), ("ps_sync", 2), ("ps_sync", 4)]
+        ("allreduce", 1),
+        ("allreduce", 2),
+        ("allreduce", 4),
+        ("ps_sync", 1),
+        ("ps_sync", 2),
+        ("ps_sync", 4),
+    ]
     assert list(table["family"]) == ["synchronous"] * 3 + ["parameter server"] * 3
 
 
@@ -177,7 +208,11 @@ def test_the_scaling_table_states_each_runs_extra_processes(runs, run_dirs, tmp_
     header = next(line for line in markdown.splitlines() if line.startswith("| strategy"))
     cells = lambda line: [cell.strip() for cell in line.strip("|").split("|")]  # noqa: E731
     assert cells(header)[:3] == ["strategy", "N", "shards"], header
-    rows = [cells(line)[:3] for line in markdown.splitlines() if line.startswith("| ps_sync") or line.startswith("| allreduce")]
+    rows = [
+        cells(line)[:3]
+        for line in markdown.splitlines()
+        if line.startswith("| ps_sync") or line.startswith("| allreduce")
+    ]
     assert ["ps_sync", "4", "2"] in rows and ["allreduce", "4", ""] in rows, rows
     # a run recorded without its knobs (an older metrics.json): unknown, not zero
     old = json.loads((run_dirs[0] / "metrics.json").read_text())
@@ -192,16 +227,18 @@ def test_scaling_follows_config_order(runs):
     assert list(table["workers"]) == [1, 2, 4, 1, 2, 4]
 
 
-@pytest.mark.parametrize("strategy, workers, throughput, speedup, efficiency, vs_allreduce", [
-    ("allreduce", 1, 105.0, 1.0, 1.0, 1.0),
-    ("allreduce", 2, 205.0, 205 / 105, 205 / 105 / 2, 205 / 105),
-    ("allreduce", 4, 390.0, 3.714286, 0.928571, 3.714286),
-    ("ps_sync", 1, 85.0, 1.0, 1.0, 0.809524),
-    ("ps_sync", 2, 155.0, 1.823529, 0.911765, 1.476190),
-    ("ps_sync", 4, 270.0, 3.176471, 0.794118, 2.571429),
-])
-def test_scaling_numbers_by_hand(runs, strategy, workers, throughput, speedup, efficiency,
-                                 vs_allreduce):
+@pytest.mark.parametrize(
+    "strategy, workers, throughput, speedup, efficiency, vs_allreduce",
+    [
+        ("allreduce", 1, 105.0, 1.0, 1.0, 1.0),
+        ("allreduce", 2, 205.0, 205 / 105, 205 / 105 / 2, 205 / 105),
+        ("allreduce", 4, 390.0, 3.714286, 0.928571, 3.714286),
+        ("ps_sync", 1, 85.0, 1.0, 1.0, 0.809524),
+        ("ps_sync", 2, 155.0, 1.823529, 0.911765, 1.476190),
+        ("ps_sync", 4, 270.0, 3.176471, 0.794118, 2.571429),
+    ],
+)
+def test_scaling_numbers_by_hand(runs, strategy, workers, throughput, speedup, efficiency, vs_allreduce):
     r = row(scaling_table(runs), strategy, workers)
     assert r["seeds"] == 2 and r["windows"] == 10
     assert r["throughput"] == pytest.approx(throughput)
@@ -214,10 +251,12 @@ def test_scaling_intervals_come_from_the_windows_of_every_seed(tmp_path):
     # seed 0 runs at 95..105, seed 1 at 195..205 images/s: the pooled median sits between the
     # two and its interval spans the seeds' gap, which one seed's windows alone would not show
     narrow = [95.0, 97.0, 100.0, 103.0, 105.0]
-    run_dirs = [write_run(tmp_path, "allreduce", 1, 0, windows=[w * 2 for w in narrow]),
-                write_run(tmp_path, "allreduce", 1, 1, windows=[w * 2 for w in narrow]),
-                write_run(tmp_path, "allreduce", 2, 0, windows=narrow),
-                write_run(tmp_path, "allreduce", 2, 1, windows=[w + 100 for w in narrow])]
+    run_dirs = [
+        write_run(tmp_path, "allreduce", 1, 0, windows=[w * 2 for w in narrow]),
+        write_run(tmp_path, "allreduce", 1, 1, windows=[w * 2 for w in narrow]),
+        write_run(tmp_path, "allreduce", 2, 0, windows=narrow),
+        write_run(tmp_path, "allreduce", 2, 1, windows=[w + 100 for w in narrow]),
+    ]
     r = row(scaling_table(load_runs(run_dirs)), "allreduce", 2)
     assert r["throughput"] == pytest.approx((105.0 + 195.0) / 2)
     assert r["throughput_low"] < 150.0 < r["throughput_high"]
@@ -227,9 +266,15 @@ def test_scaling_intervals_come_from_the_windows_of_every_seed(tmp_path):
 
 
 def test_efficiency_against_the_ceiling(tmp_path):
-    run_dirs = [write_run(tmp_path, name, workers, 0, windows=[thr] * 5)
-                for name, workers, thr in (("allreduce", 1, 100.0), ("allreduce", 2, 150.0),
-                                           ("no_exchange", 1, 100.0), ("no_exchange", 2, 170.0))]
+    run_dirs = [
+        write_run(tmp_path, name, workers, 0, windows=[thr] * 5)
+        for name, workers, thr in (
+            ("allreduce", 1, 100.0),
+            ("allreduce", 2, 150.0),
+            ("no_exchange", 1, 100.0),
+            ("no_exchange", 2, 170.0),
+        )
+    ]
     df = load_runs(run_dirs)
     table = scaling_table(df)
     r = row(table, "allreduce", 2)
@@ -252,7 +297,9 @@ def test_noise_is_the_spread_of_the_identical_single_worker_runs(runs, tmp_path)
     # a plain loop beside it (easgd has no extra process at N=1) counts
     THROUGHPUT[("easgd", 1)] = (95.0, 105.0)
     try:
-        more = noise_summary(load_runs([write_run(tmp_path, "easgd", 1, seed) for seed in SEEDS] + list(runs["run_dir"])))
+        more = noise_summary(
+            load_runs([write_run(tmp_path, "easgd", 1, seed) for seed in SEEDS] + list(runs["run_dir"]))
+        )
     finally:
         del THROUGHPUT[("easgd", 1)]
     assert (more["n1_runs"], more["n1_min"], more["n1_max"]) == (4, 95.0, 110.0)
@@ -274,6 +321,7 @@ def test_speedup_vs_allreduce_is_nan_without_allreduce(runs):
 
 # --- accuracy table -------------------------------------------------------------------
 
+
 def test_accuracy_columns_and_numbers(runs):
     table = accuracy_table(runs)
     assert list(table.columns) == ACCURACY_COLUMNS
@@ -291,8 +339,11 @@ def test_accuracy_columns_and_numbers(runs):
 
 def test_three_seeds_give_a_t_interval_of_the_paired_difference(tmp_path):
     base, other = (0.90, 0.91, 0.92), (0.88, 0.90, 0.90)  # differences -0.02, -0.01, -0.02
-    run_dirs = [write_run(tmp_path, name, 1, seed, top1=values[seed], windows=[100.0] * 5)
-                for name, values in (("allreduce", base), ("ps_sync", other)) for seed in range(3)]
+    run_dirs = [
+        write_run(tmp_path, name, 1, seed, top1=values[seed], windows=[100.0] * 5)
+        for name, values in (("allreduce", base), ("ps_sync", other))
+        for seed in range(3)
+    ]
     r = row(accuracy_table(load_runs(run_dirs)), "ps_sync", 1)
     differences = np.array([-0.02, -0.01, -0.02])
     half = 4.302653 * differences.std(ddof=1) / math.sqrt(3)
@@ -315,6 +366,7 @@ def test_time_to_accuracy_only_over_seeds_that_reached(runs):
 
 
 # --- writing --------------------------------------------------------------------------
+
 
 def test_write_table_csv_and_markdown(runs, tmp_path):
     table = scaling_table(runs)
@@ -342,13 +394,17 @@ def test_accuracy_markdown_marks_the_strategies_below_allreduce(runs):
 
 
 def test_markdown_notes_oversubscribed_rows(tmp_path):
-    run_dirs = [write_run(tmp_path, "allreduce", workers, seed, oversubscribed=(workers == 4))
-                for workers in (1, 2, 4) for seed in SEEDS]
+    run_dirs = [
+        write_run(tmp_path, "allreduce", workers, seed, oversubscribed=(workers == 4))
+        for workers in (1, 2, 4)
+        for seed in SEEDS
+    ]
     table = scaling_table(load_runs(run_dirs))
     assert list(table["oversubscribed"]) == [False, False, True]
     md_path = tmp_path / "scaling.md"
-    write_table(table, tmp_path / "scaling.csv", md_path,
-                markdown=scaling_markdown(table, noise_summary(load_runs(run_dirs))))
+    write_table(
+        table, tmp_path / "scaling.csv", md_path, markdown=scaling_markdown(table, noise_summary(load_runs(run_dirs)))
+    )
     assert OVERSUBSCRIBED_NOTE in md_path.read_text()
 
 
@@ -363,8 +419,10 @@ def test_findings_state_the_noise_the_ranking_and_the_gaps(runs):
     assert "  - allreduce: E = 0.93 [0.86, 1.00]\n  - ps_sync: E = 0.79 [0.72, 0.88]; undecided (wide CI)" in findings
     assert "ps_sync N=4: -0.0700 (-0.0800–-0.0600)" in findings
     # ps_sync N=1: seeds 0.00 and -0.02 apart from allreduce: level; N=2: -0.02 at both seeds: apart
-    assert "- Level with allreduce (the paired difference's interval holds 0 and lies within ±3 points): " \
-           "ps_sync N=1.\n" in findings
+    assert (
+        "- Level with allreduce (the paired difference's interval holds 0 and lies within ±3 points): "
+        "ps_sync N=1.\n" in findings
+    )
     assert "- Within 3 points of allreduce but apart from it (" in findings
     assert "excludes 0): ps_sync N=2 -0.0200 (-0.0200–-0.0200).\n" in findings
     assert "- allreduce at N=4: test top-1 " in findings and "(2 seeds)." in findings
@@ -377,8 +435,11 @@ def test_findings_rank_only_rows_that_are_not_oversubscribed(tmp_path):
     shard's round trip): its E of 1.5 is above allreduce's 0.95, but it is no scaling result, so it
     is listed apart, after the ranking, saying why."""
     windows = {("allreduce", 1): 100.0, ("allreduce", 2): 190.0, ("ps_sync", 1): 60.0, ("ps_sync", 2): 180.0}
-    run_dirs = [write_run(tmp_path, strategy, n, seed, windows=[value] * 5, oversubscribed=strategy == "ps_sync" and n == 2)
-                for (strategy, n), value in windows.items() for seed in SEEDS]
+    run_dirs = [
+        write_run(tmp_path, strategy, n, seed, windows=[value] * 5, oversubscribed=strategy == "ps_sync" and n == 2)
+        for (strategy, n), value in windows.items()
+        for seed in SEEDS
+    ]
     runs = load_runs(run_dirs)
     findings = findings_markdown(scaling_table(runs), accuracy_table(runs), noise_summary(runs))
     ranking = findings.split("- Efficiency at N=2 (the largest N not oversubscribed), best first:\n", 1)[1]
@@ -391,12 +452,15 @@ def test_findings_rank_only_rows_that_are_not_oversubscribed(tmp_path):
 
 # --- two kinds of run -------------------------------------------------------------------
 
+
 def two_kinds(root):
     """Accuracy runs of allreduce at N = 1 and 4 (seeds 0 and 1, THROUGHPUT's windows), and
     scaling runs at N = 1, 2 and 4 (seed 2, ten times the accuracy runs' throughput)."""
     accuracy = [write_run(root, "allreduce", n, seed) for n in (1, 4) for seed in SEEDS]
-    scaling = [write_run(root, "allreduce", n, 2, kind="scaling", windows=[10 * THROUGHPUT["allreduce", n][0]] * 5)
-               for n in (1, 2, 4)]
+    scaling = [
+        write_run(root, "allreduce", n, 2, kind="scaling", windows=[10 * THROUGHPUT["allreduce", n][0]] * 5)
+        for n in (1, 2, 4)
+    ]
     return accuracy, scaling
 
 
@@ -437,7 +501,9 @@ def test_plots_of_two_kinds_say_which_runs_each_comes_from(tmp_path, monkeypatch
     df = load_runs(accuracy_dirs + scaling_dirs)
     titles, convergence_runs = [], []
     real_save, real_panels = plots._save, plots._family_panels
-    monkeypatch.setattr(plots, "_save", lambda figure, path: titles.append(figure.get_suptitle()) or real_save(figure, path))
+    monkeypatch.setattr(
+        plots, "_save", lambda figure, path: titles.append(figure.get_suptitle()) or real_save(figure, path)
+    )
     paths = make_plots(df, load_run_metrics(accuracy_dirs + scaling_dirs), tmp_path / "plots", ["allreduce"])
     assert len(paths) == 5
     assert any("Throughput" in t and "scaling runs" in t for t in titles)
@@ -446,19 +512,28 @@ def test_plots_of_two_kinds_say_which_runs_each_comes_from(tmp_path, monkeypatch
     assert any("Test top-1" in t and "accuracy runs" in t for t in titles)
     assert any("Validation top-1" in t and "accuracy runs" in t for t in titles)
     # the convergence plot draws the accuracy runs only (one line per N, the lowest seed)
-    monkeypatch.setattr(plots, "_family_panels", lambda table, *a: convergence_runs.append(table) or real_panels(table, *a))
-    plots.plot_convergence(df, {str(k): v for k, v in load_run_metrics(accuracy_dirs + scaling_dirs).items()},
-                           tmp_path / "convergence.png")
+    monkeypatch.setattr(
+        plots, "_family_panels", lambda table, *a: convergence_runs.append(table) or real_panels(table, *a)
+    )
+    plots.plot_convergence(
+        df, {str(k): v for k, v in load_run_metrics(accuracy_dirs + scaling_dirs).items()}, tmp_path / "convergence.png"
+    )
     assert set(convergence_runs[-1]["kind"]) == {"accuracy"} and sorted(convergence_runs[-1]["workers"]) == [1, 4]
 
 
 # --- plots ----------------------------------------------------------------------------
 
+
 def test_make_plots_writes_five_nontrivial_pngs(runs, run_dirs, tmp_path):
     run_metrics = load_run_metrics(run_dirs)
     paths = make_plots(runs, run_metrics, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
-        "accuracy.png", "convergence.png", "efficiency.png", "throughput.png", "time_to_accuracy.png"]
+        "accuracy.png",
+        "convergence.png",
+        "efficiency.png",
+        "throughput.png",
+        "time_to_accuracy.png",
+    ]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 5_000, path
@@ -471,9 +546,12 @@ def test_every_plots_titles_fit_in_it_and_do_not_overlap(tmp_path, monkeypatch):
     titles that said everything on each panel ran into the next panel's and past the image's edge."""
     from dtstudy.analysis import plots
 
-    run_dirs = [write_run(tmp_path, strategy, workers, seed, windows=[100.0 * workers + seed] * 5, top1=0.8 + seed / 100)
-                for strategy in ("allreduce", "ps_sync", "local_sgd", "allreduce_powersgd")
-                for workers in (1, 2, 4) for seed in SEEDS]
+    run_dirs = [
+        write_run(tmp_path, strategy, workers, seed, windows=[100.0 * workers + seed] * 5, top1=0.8 + seed / 100)
+        for strategy in ("allreduce", "ps_sync", "local_sgd", "allreduce_powersgd")
+        for workers in (1, 2, 4)
+        for seed in SEEDS
+    ]
     figures = []
     real_save = plots._save
     monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure) or real_save(figure, path))
@@ -482,12 +560,21 @@ def test_every_plots_titles_fit_in_it_and_do_not_overlap(tmp_path, monkeypatch):
     outside, overlapping = [], []
     for figure in figures:
         renderer, page = figure.canvas.get_renderer(), figure.bbox
-        titles = [title for title in [figure._suptitle] + [ax.title for ax in figure.axes] if title and title.get_text()]
+        titles = [
+            title for title in [figure._suptitle] + [ax.title for ax in figure.axes] if title and title.get_text()
+        ]
         boxes = {title.get_text(): title.get_window_extent(renderer) for title in titles}
-        outside += [text for text, box in boxes.items()
-                    if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1)]
-        overlapping += [(a, b) for i, (a, box) in enumerate(boxes.items())
-                        for b, other in list(boxes.items())[i + 1:] if box.overlaps(other)]
+        outside += [
+            text
+            for text, box in boxes.items()
+            if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1)
+        ]
+        overlapping += [
+            (a, b)
+            for i, (a, box) in enumerate(boxes.items())
+            for b, other in list(boxes.items())[i + 1 :]
+            if box.overlaps(other)
+        ]
     assert not outside and not overlapping, (outside, overlapping)
     assert all(figure.get_suptitle() for figure in figures)
 
@@ -498,15 +585,23 @@ def test_plots_draw_each_familys_own_ideal_a_labelled_target_and_mark_oversubscr
     which its time to the target (30 s, one seed) is marked with."""
     from dtstudy.analysis import plots
 
-    run_dirs = [write_run(tmp_path, strategy, workers, seed, oversubscribed=strategy == "ps_sync" and workers == 4)
-                for strategy, workers in THROUGHPUT for seed in SEEDS]
+    run_dirs = [
+        write_run(tmp_path, strategy, workers, seed, oversubscribed=strategy == "ps_sync" and workers == 4)
+        for strategy, workers in THROUGHPUT
+        for seed in SEEDS
+    ]
     figures = {}
     real_save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.setdefault(path.stem, figure) and real_save(figure, path))
+    monkeypatch.setattr(
+        plots, "_save", lambda figure, path: figures.setdefault(path.stem, figure) and real_save(figure, path)
+    )
     make_plots(load_runs(run_dirs), load_run_metrics(run_dirs), tmp_path / "plots")
     panels = {ax.get_title(): ax for ax in figures["throughput"].axes}
-    dashed_at_one = lambda ax: sorted(line.get_ydata()[0] for line in ax.get_lines()  # noqa: E731
-                                      if line.get_linestyle() == "--" and len(line.get_xdata()))
+    dashed_at_one = lambda ax: sorted(
+        line.get_ydata()[0]
+        for line in ax.get_lines()  # noqa: E731
+        if line.get_linestyle() == "--" and len(line.get_xdata())
+    )
     assert dashed_at_one(panels["parameter server"]) == [pytest.approx(85.0)]  # ps_sync's N=1: 80 and 90
     assert dashed_at_one(panels["synchronous"]) == [pytest.approx(105.0)]
     convergence = figures["convergence"].axes[0]
@@ -517,6 +612,7 @@ def test_plots_draw_each_familys_own_ideal_a_labelled_target_and_mark_oversubscr
 
 
 # --- the whole step, with a real MLflow store -----------------------------------------
+
 
 def test_run_writes_everything_and_adopts_child_runs(tmp_path):
     from mlflow import MlflowClient
@@ -543,14 +639,27 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
         (scaling_dir / "metrics.json").write_text(json.dumps(metrics))
         run_dirs.append(scaling_dir)
 
-    summary = aggregate_study(run_dirs, tmp_path / "tables", tmp_path / "plots", uri,
-                              "study-test", strategies_order=["allreduce"],
-                              study_params={"model": "lenet5", "train": {"epochs": 3}})
+    summary = aggregate_study(
+        run_dirs,
+        tmp_path / "tables",
+        tmp_path / "plots",
+        uri,
+        "study-test",
+        strategies_order=["allreduce"],
+        study_params={"model": "lenet5", "train": {"epochs": 3}},
+    )
 
     # each Markdown file with its HTML page for the report (dtstudy.analysis.pages)
     assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [
-        "accuracy.csv", "accuracy.html", "accuracy.md", "findings.html", "findings.md", "scaling.csv", "scaling.html",
-        "scaling.md"]
+        "accuracy.csv",
+        "accuracy.html",
+        "accuracy.md",
+        "findings.html",
+        "findings.md",
+        "scaling.csv",
+        "scaling.html",
+        "scaling.md",
+    ]
     parent = client.get_run(summary["parent_run_id"])
     assert parent.data.params == {"model": "lenet5", "train.epochs": "3"}
     assert parent.data.metrics == {"accuracy_runs": 2.0, "scaling_runs": 2.0}  # it logs both kinds
@@ -564,8 +673,10 @@ def test_run_writes_everything_and_adopts_child_runs(tmp_path):
     scaling = pd.read_csv(tmp_path / "tables/scaling.csv").set_index("workers")
     timed = client.get_run(json.loads((scaling_dir / "metrics.json").read_text())["mlflow"]["run_id"]).data.metrics
     assert timed["efficiency"] == round(scaling.loc[2, "efficiency"], 2)
-    assert (timed["efficiency_low"], timed["efficiency_high"]) == (round(scaling.loc[2, "efficiency_low"], 2),
-                                                                   round(scaling.loc[2, "efficiency_high"], 2))
+    assert (timed["efficiency_low"], timed["efficiency_high"]) == (
+        round(scaling.loc[2, "efficiency_low"], 2),
+        round(scaling.loc[2, "efficiency_high"], 2),
+    )
 
 
 def test_speedup_at_one_worker_is_one_without_an_interval(tmp_path):

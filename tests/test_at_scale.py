@@ -19,15 +19,14 @@ import math
 import pandas as pd
 import pytest
 import yaml
-
 from conftest import REPO, run_snakemake, tiny_study
-from dtstudy.strategies.specs import get_spec
+from test_workflow import job_counts, shipped_study_dry_run, train_threads
+
 from dtstudy.analysis import claims
 from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
-from dtstudy.common.intervals import Interval
 from dtstudy.analysis.tables import accuracy_table, with_run_extras
-from dtstudy.strategies.specs import SPECS
-from test_workflow import job_counts, shipped_study_dry_run, train_threads
+from dtstudy.common.intervals import Interval
+from dtstudy.strategies.specs import SPECS, get_spec
 
 AT_SCALE = REPO / "config/at-scale.yaml"
 AT_SCALE_ASYNC = REPO / "config/at-scale-async.yaml"
@@ -38,6 +37,7 @@ EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 
 # --- the shipped config ----------------------------------------------------------------
 
+
 def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection(tmp_path):
     result = shipped_study_dry_run(tmp_path, AT_SCALE)
     assert result.returncode == 0, result.stderr
@@ -46,8 +46,14 @@ def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection(t
     assert len(study["seeds"]) >= 3 and study["model"] == "lenet5" and study["dataset"]["name"] == "fashion_mnist"
     runs = len(study["strategies"]) * 5 * len(study["seeds"])
     # an emulated study is not projected (common.smk PROJECTS_THE_STUDY): no commbench, no project
-    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
-                                         "aggregate": 1, "all": 1}
+    assert job_counts(result.stdout) == {
+        "prepare_data": 1,
+        "init_tracking": 1,
+        "train": runs,
+        "evaluate": runs,
+        "aggregate": 1,
+        "all": 1,
+    }
     planned = shipped_study_dry_run(tmp_path, AT_SCALE, args=("--cores", "8", "--printshellcmds"))
     assert planned.returncode == 0, planned.stderr
     planned = planned.stdout
@@ -73,18 +79,27 @@ def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference(t
     assert {claims.SYNC, claims.BACKUP, claims.ASYNC, claims.DECENTRALISED} <= set(strategies)
     assert set(overlay) == {"strategies", "strategy_params", "train", "stragglers"}  # the budget is at-scale.yaml's
     assert overlay["train"] == {"lr_scaling": "sqrt", "base_lr": 0.05}  # but for the rule: every N learns
-    assert {name: knobs["shards"] for name, knobs in overlay["strategy_params"].items()} == \
-        dict.fromkeys(PARAMETER_SERVERS, 4)
+    assert {name: knobs["shards"] for name, knobs in overlay["strategy_params"].items()} == dict.fromkeys(
+        PARAMETER_SERVERS, 4
+    )
     # every worker a straggler of the same mean pace (so ssp's bound binds and no worker trails
     # alone at an epoch's end), ps_backup backing up a share of N
     assert overlay["stragglers"]["fraction"] == 1.0 and overlay["stragglers"]["distribution"] == "exponential"
     backup = get_spec("ps_backup")
-    backups = {n: n - backup.quorum(n, backup.check_params(overlay["strategy_params"]["ps_backup"], n))
-               for n in (4, 16, 64, 256)}
+    backups = {
+        n: n - backup.quorum(n, backup.check_params(overlay["strategy_params"]["ps_backup"], n))
+        for n in (4, 16, 64, 256)
+    }
     assert backups == {4: 0, 16: 1, 64: 4, 256: 16}
     runs = len(strategies) * 5 * 3
-    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
-                                         "aggregate": 1, "all": 1}
+    assert job_counts(result.stdout) == {
+        "prepare_data": 1,
+        "init_tracking": 1,
+        "train": runs,
+        "evaluate": runs,
+        "aggregate": 1,
+        "all": 1,
+    }
     synchronous = yaml.safe_load(AT_SCALE.read_text())["strategies"]
     assert not set(PARAMETER_SERVERS) & set(synchronous)
 
@@ -103,20 +118,31 @@ def test_the_onebit_part_runs_allreduce_onebit_beside_allreduce_and_the_parts_co
     assert overlay["train"] == yaml.safe_load(AT_SCALE_ASYNC.read_text())["train"]
     assert overlay["strategy_params"] == {"allreduce_onebit": {"exchange": "reduce_scatter"}}
     runs = 2 * 5 * 3
-    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
-                                         "aggregate": 1, "all": 1}
+    assert job_counts(result.stdout) == {
+        "prepare_data": 1,
+        "init_tracking": 1,
+        "train": runs,
+        "evaluate": runs,
+        "aggregate": 1,
+        "all": 1,
+    }
     parts = [yaml.safe_load(path.read_text())["strategies"] for path in (AT_SCALE, AT_SCALE_ASYNC, AT_SCALE_ONEBIT)]
     assert set(SPECS) - set().union(*parts) == {"hybrid", "no_exchange"}
 
 
 # --- a tiny emulated study through Snakemake -------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def emulated_study(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("emulated-study")
-    config = tiny_study(strategies=["allreduce", "gossip"], workers=[1, 4], launcher={"cluster": "emulate"},
-                        emulate=EMULATE, train={"batch_size": 16, "evals_per_epoch": 4, "steady_state_skip": 2,
-                                                "timing_window_steps": 5})
+    config = tiny_study(
+        strategies=["allreduce", "gossip"],
+        workers=[1, 4],
+        launcher={"cluster": "emulate"},
+        emulate=EMULATE,
+        train={"batch_size": 16, "evals_per_epoch": 4, "steady_state_skip": 2, "timing_window_steps": 5},
+    )
     result = run_snakemake(workdir, config, "--cores", "2", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return workdir
@@ -125,8 +151,12 @@ def emulated_study(tmp_path_factory):
 def test_an_emulated_study_writes_its_tables_plots_and_claims(emulated_study):
     results = emulated_study / "results"
     accuracy = pd.read_csv(results / "tables/accuracy.csv")
-    assert sorted(zip(accuracy["strategy"], accuracy["workers"])) == [("allreduce", 1), ("allreduce", 4),
-                                                                     ("gossip", 1), ("gossip", 4)]
+    assert sorted(zip(accuracy["strategy"], accuracy["workers"])) == [
+        ("allreduce", 1),
+        ("allreduce", 4),
+        ("gossip", 1),
+        ("gossip", 4),
+    ]
     assert list(accuracy.sort_values(["strategy", "workers"])["global_batch"]) == [16, 64, 16, 64]
     for name in ("throughput", "efficiency", "accuracy", "time_to_accuracy", "convergence"):
         plot = results / f"plots/{name}.png"
@@ -161,15 +191,28 @@ def seed_runs(cells: dict, seeds: int = SEEDS) -> tuple[pd.DataFrame, dict]:
             run_dir = f"runs/{strategy}/n{workers}/seed{seed}"
             time = cell.get("time", REACHED)[seed]
             steps = cell.get("steps", [100, 100, 100])[seed]
-            rows.append({"kind": "accuracy", "strategy": strategy, "workers": workers, "seed": seed,
-                         "top1": cell["top1"][seed], "top5": 0.99, "run_dir": run_dir,
-                         "time_to_accuracy_s": math.nan if time is None else time})
+            rows.append(
+                {
+                    "kind": "accuracy",
+                    "strategy": strategy,
+                    "workers": workers,
+                    "seed": seed,
+                    "top1": cell["top1"][seed],
+                    "top5": 0.99,
+                    "run_dir": run_dir,
+                    "time_to_accuracy_s": math.nan if time is None else time,
+                }
+            )
             # the first grid point at or above the target is the one counted
-            grid = [{"step": 1, "top1": 0.1}] + ([] if steps is None else [{"step": steps, "top1": 0.85},
-                                                                         {"step": steps + 50, "top1": 0.9}])
-            metrics[run_dir] = {"global_batch": 8 * workers, "target_accuracy": 0.8, "val_grid": grid,
-                                "strategy_metrics": ({"staleness_mean": cell["staleness"][seed]}
-                                                     if "staleness" in cell else {})}
+            grid = [{"step": 1, "top1": 0.1}] + (
+                [] if steps is None else [{"step": steps, "top1": 0.85}, {"step": steps + 50, "top1": 0.9}]
+            )
+            metrics[run_dir] = {
+                "global_batch": 8 * workers,
+                "target_accuracy": 0.8,
+                "val_grid": grid,
+                "strategy_metrics": ({"staleness_mean": cell["staleness"][seed]} if "staleness" in cell else {}),
+            }
     return pd.DataFrame(rows), metrics
 
 
@@ -199,7 +242,9 @@ def test_goyal_holds_up_to_a_batch_then_breaks():
     assert "kept up to N=16, global batch 128 and breaks from N=64, global batch 512" in verdict.summary
     assert len(verdict.evidence) == 5 and "N=64, global batch 512: test top-1 0.8000 [" in verdict.evidence[3]
     # N=4, 16 and 64 answer (N=256 did not learn): N=64, the clearest, is read at Holm's 1 - 0.05/3
-    assert verdict.evidence[3].endswith("below N=1's (intervals apart at 0.9833, Holm's level for its place among the N)")
+    assert verdict.evidence[3].endswith(
+        "below N=1's (intervals apart at 0.9833, Holm's level for its place among the N)"
+    )
     assert ", kept, not below N=1's by more than 0.03: the difference lies in [" in verdict.evidence[2]
 
 
@@ -209,8 +254,10 @@ def test_goyal_a_narrow_overlapping_cell_is_kept():
     verdict = claims.goyal_batch_limit(table(goyal_cells(n64=[0.870, 0.8725, 0.875])))
     assert verdict.status == claims.HOLDS and verdict.from_n is None
     assert "limit lies beyond this study" in verdict.summary
-    assert "N=64, global batch 512: test top-1 0.8725 [0.8663, 0.8787], kept, not below N=1's by more than 0.03" \
+    assert (
+        "N=64, global batch 512: test top-1 0.8725 [0.8663, 0.8787], kept, not below N=1's by more than 0.03"
         in verdict.evidence[3]
+    )
 
 
 N1 = [0.845974, 0.85, 0.854026]  # 0.8500 [0.8400, 0.8600]
@@ -219,13 +266,24 @@ WIDE = [0.45, 0.88, 0.88]  # every seed learned, one far less: 0.7367 [0.1200, 1
 CHANCE = [0.10, 0.10, 0.10]  # did not learn, in every seed
 
 
-@pytest.mark.parametrize("n256, status, said", [
-    (N1, claims.PARTLY, "Accuracy is kept up to N=256, global batch 2048; the study cannot tell at N=64 (intervals "
-     "too wide): no break is seen, nor can one be ruled out."),
-    (CHANCE, claims.PARTLY, "Accuracy is kept up to N=16, global batch 128; the study cannot tell at N=64 (intervals "
-     "too wide); cannot tell at N=256: allreduce did not learn (a mean test top-1 below 0.4250, 50% of allreduce's "
-     "at N=1): no break is seen, nor can one be ruled out."),
-])
+@pytest.mark.parametrize(
+    "n256, status, said",
+    [
+        (
+            N1,
+            claims.PARTLY,
+            "Accuracy is kept up to N=256, global batch 2048; the study cannot tell at N=64 (intervals "
+            "too wide): no break is seen, nor can one be ruled out.",
+        ),
+        (
+            CHANCE,
+            claims.PARTLY,
+            "Accuracy is kept up to N=16, global batch 128; the study cannot tell at N=64 (intervals "
+            "too wide); cannot tell at N=256: allreduce did not learn (a mean test top-1 below 0.4250, 50% of allreduce's "
+            "at N=1): no break is seen, nor can one be ruled out.",
+        ),
+    ],
+)
 def test_goyal_a_wide_interval_is_undecided_not_kept(n256, status, said):
     cells = goyal_cells(n1=N1, n4=N1, n16=N1, n64=WIDE, n256=n256)
     accuracy = table(cells)
@@ -236,7 +294,8 @@ def test_goyal_a_wide_interval_is_undecided_not_kept(n256, status, said):
     assert verdict.evidence[3] == (
         "N=64, global batch 512: test top-1 0.7367 [0.1200, 1.3534], undecided against N=1's: the interval "
         "[0.1200, 1.3534] is too wide to tell (3 seeds; it reaches outside [0, 1], where no top-1 lies: too few "
-        "seeds for their spread); the difference lies in [-0.73, +0.503], wider than a margin of 0.03 allows")
+        "seeds for their spread); the difference lies in [-0.73, +0.503], wider than a margin of 0.03 allows"
+    )
 
 
 def test_goyal_is_undecided_when_no_n_is_kept_or_below():
@@ -260,7 +319,8 @@ def test_reading_a_difference_apart_level_or_undecided():
     reading = read(Interval(0.92, 0.86, 0.98, 3, "t95"), reference, "top1", "N=1's")
     assert reading.side == claims.UNDECIDED_READING and reading.text.endswith(
         "the difference lies in [+0.00917, +0.131], wider than a margin of 0.03 allows; that range lies above zero "
-        "(a difference at about the 95% level), but above and below need the two intervals apart"), reading.text
+        "(a difference at about the 95% level), but above and below need the two intervals apart"
+    ), reading.text
     # the reference's own width counts: a narrow cell against a wide reference is undecided too
     reading = read(reference, Interval(0.85, 0.70, 1.00, 3, "t95"), "top1", "N=1's")
     assert reading.side == claims.UNDECIDED_READING and "N=1's interval [0.7000, 1.0000] is too wide" in reading.text
@@ -277,17 +337,21 @@ def test_reading_a_difference_apart_level_or_undecided():
 def test_findings_read_efficiency_against_allreduce_three_ways():
     allreduce = Interval(0.90, 0.88, 0.92, 0, "bootstrap95")
     assert _versus_allreduce(Interval(0.89, 0.87, 0.91, 0, "bootstrap95"), allreduce).startswith(
-        "; level with allreduce (the difference lies in [-0.04, +0.02], within ±0.09")
+        "; level with allreduce (the difference lies in [-0.04, +0.02], within ±0.09"
+    )
     assert _versus_allreduce(Interval(0.80, 0.60, 1.00, 0, "bootstrap95"), allreduce).startswith(
-        "; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [-0.30, +0.10]")
+        "; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [-0.30, +0.10]"
+    )
     assert _versus_allreduce(Interval(0.70, 0.65, 0.75, 0, "bootstrap95"), allreduce) == "; below allreduce (CIs apart)"
     lower = _versus_allreduce(Interval(0.84, 0.80, 0.88, 0, "bootstrap95"), allreduce)  # touching CIs
-    assert lower.startswith("; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in "
-                            "[-0.10, -0.02]") and lower.endswith("that range lies below zero (a difference at about "
-                                                                 "the 95% level), but above and below need the two "
-                                                                 "intervals apart"), lower
+    assert lower.startswith(
+        "; undecided (wide CI): the CIs overlap, but the difference may lie anywhere in [-0.10, -0.02]"
+    ) and lower.endswith(
+        "that range lies below zero (a difference at about "
+        "the 95% level), but above and below need the two "
+        "intervals apart"
+    ), lower
     assert "zero" not in _versus_allreduce(Interval(0.80, 0.60, 1.00, 0, "bootstrap95"), allreduce)
-
 
 
 def test_goyal_is_not_judged_on_a_study_that_does_not_scale_linearly():
@@ -328,8 +392,9 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     # above at 64 only, level at the largest N: it does not hold at Chen's scale
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {64: low})))
     assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
-    assert verdict.summary.startswith("ps_backup's top-1 is above ps_async's at N=64, but at N=256 ps_backup's top-1 "
-                                      "is not above ps_async's")
+    assert verdict.summary.startswith(
+        "ps_backup's top-1 is above ps_async's at N=64, but at N=256 ps_backup's top-1 is not above ps_async's"
+    )
     assert ": level with ps_async's within ±0.03:" in verdict.evidence[-1]
     # a lower async mean whose seeds spread over backup's: overlapping but too wide to call level
     noisy = [0.80, 0.95, 0.84]
@@ -340,8 +405,9 @@ def test_chen_holds_from_the_n_where_backup_stays_above_async():
     # above at 16 and 64, undecided at the largest N: the summary names where it was above
     verdict = claims.chen_backup_vs_async(table(ps_cells({}, {16: low, 64: low, 256: noisy})))
     assert verdict.status == claims.UNDECIDED
-    assert verdict.summary.startswith("ps_backup's top-1 is above ps_async's at N=16, 64, but at N=256 the study "
-                                      "cannot tell")
+    assert verdict.summary.startswith(
+        "ps_backup's top-1 is above ps_async's at N=16, 64, but at N=256 the study cannot tell"
+    )
 
 
 def test_claims_of_strategies_not_run_are_not_measured_and_say_why(monkeypatch):
@@ -374,29 +440,49 @@ def test_seide_holds_where_onebit_keeps_allreduces_top1_within_the_margin():
     verdict = claims.seide_onebit(accuracy)
     assert verdict.status == claims.HOLDS and verdict.from_n == 4
     assert verdict.summary == "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64, 256."
-    assert verdict.evidence[-1] == ("N=256, global batch 2048: top-1 0.8750 [0.8626, 0.8874], − allreduce -0.0100 "
-                                    "[-0.0100, -0.0100]: not below allreduce's by more than 0.03: the difference "
-                                    "lies in [-0.01, -0.01]")
+    assert verdict.evidence[-1] == (
+        "N=256, global batch 2048: top-1 0.8750 [0.8626, 0.8874], − allreduce -0.0100 "
+        "[-0.0100, -0.0100]: not below allreduce's by more than 0.03: the difference "
+        "lies in [-0.01, -0.01]"
+    )
     # the control: read as the other claims read a difference (apart first), the same cell is "below"
     cell = accuracy[(accuracy["strategy"] == "allreduce_onebit") & (accuracy["workers"] == 256)].iloc[0]
-    difference = Interval(cell["top1_vs_allreduce"], cell["top1_vs_allreduce_low"], cell["top1_vs_allreduce_high"],
-                          3, "t95")
-    assert claims.read(difference, claims.ZERO, "top1_vs_allreduce", "allreduce's", guard=claims.BELOW).side == \
-        claims.BELOW
+    difference = Interval(
+        cell["top1_vs_allreduce"], cell["top1_vs_allreduce_low"], cell["top1_vs_allreduce_high"], 3, "t95"
+    )
+    assert (
+        claims.read(difference, claims.ZERO, "top1_vs_allreduce", "allreduce's", guard=claims.BELOW).side
+        == claims.BELOW
+    )
 
 
-@pytest.mark.parametrize("by_n, status, summary", [
-    ({"n64": LOST, "n256": LOST}, claims.PARTLY,
-     "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16 and loses more than 0.03 "
-     "against allreduce's at N=64, 256."),
-    ({"n4": LOST, "n16": LOST, "n64": LOST, "n256": LOST}, claims.DOES_NOT_HOLD,
-     "allreduce_onebit loses more than 0.03 against allreduce's at N=4, 16, 64, 256."),
-    ({"n4": ONEBIT_WIDE, "n16": ONEBIT_WIDE, "n64": ONEBIT_WIDE, "n256": ONEBIT_WIDE}, claims.UNDECIDED,
-     "The study cannot tell at N=4, 16, 64, 256 (intervals across the margin)."),
-    ({"n256": ONEBIT_WIDE}, claims.PARTLY,
-     "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64; the study cannot tell at N=256 "
-     "(intervals across the margin)."),
-])
+@pytest.mark.parametrize(
+    "by_n, status, summary",
+    [
+        (
+            {"n64": LOST, "n256": LOST},
+            claims.PARTLY,
+            "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16 and loses more than 0.03 "
+            "against allreduce's at N=64, 256.",
+        ),
+        (
+            {"n4": LOST, "n16": LOST, "n64": LOST, "n256": LOST},
+            claims.DOES_NOT_HOLD,
+            "allreduce_onebit loses more than 0.03 against allreduce's at N=4, 16, 64, 256.",
+        ),
+        (
+            {"n4": ONEBIT_WIDE, "n16": ONEBIT_WIDE, "n64": ONEBIT_WIDE, "n256": ONEBIT_WIDE},
+            claims.UNDECIDED,
+            "The study cannot tell at N=4, 16, 64, 256 (intervals across the margin).",
+        ),
+        (
+            {"n256": ONEBIT_WIDE},
+            claims.PARTLY,
+            "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64; the study cannot tell at N=256 "
+            "(intervals across the margin).",
+        ),
+    ],
+)
 def test_seide_is_lost_or_undecided_where_onebits_difference_leaves_the_margin(by_n, status, summary):
     verdict = claims.seide_onebit(table(onebit_cells(**by_n)))
     assert (verdict.status, verdict.summary) == (status, summary)
@@ -408,16 +494,21 @@ def test_seide_says_where_a_loss_is_sure_but_its_size_is_not():
     # 3.2 points lower in every seed, give or take 0.4: below zero, across the margin
     verdict = claims.seide_onebit(table(onebit_cells(n16=[0.848, 0.853, 0.862])))
     assert verdict.status == claims.PARTLY
-    assert verdict.evidence[1].endswith("across the margin of -0.03; a loss at about the 95% level, but the seeds "
-                                        "cannot tell whether more than 0.03"), verdict.evidence[1]
+    assert verdict.evidence[1].endswith(
+        "across the margin of -0.03; a loss at about the 95% level, but the seeds cannot tell whether more than 0.03"
+    ), verdict.evidence[1]
 
 
 def test_seide_with_two_seeds_has_no_interval_to_show_a_loss_small():
     verdict = claims.seide_onebit(table(onebit_cells(), seeds=2))
     assert verdict.status == claims.UNDECIDED
-    assert verdict.summary == ("The study cannot tell at N=4, 16, 64, 256 (intervals across the margin, or too few "
-                               "seeds for a confidence interval).")
-    assert verdict.evidence[0].endswith("undecided: 2 seed(s) give no confidence interval, too few to show a loss small")
+    assert verdict.summary == (
+        "The study cannot tell at N=4, 16, 64, 256 (intervals across the margin, or too few "
+        "seeds for a confidence interval)."
+    )
+    assert verdict.evidence[0].endswith(
+        "undecided: 2 seed(s) give no confidence interval, too few to show a loss small"
+    )
 
 
 def test_seide_is_not_measured_without_onebit_runs_at_n_above_1():
@@ -452,7 +543,8 @@ def test_jin_crossover_with_gossip_only_holds_in_part():
         "every time rests on the emulated clock: the assumed compute rate (emulate.images_per_s, an estimate, not a "
         "measurement) and the straggler model (stragglers)",
         "gossip here is synchronous (every worker averages with its fixed ring neighbours each step), not Jin et al.'s "
-        "asynchronous gossip"]
+        "asynchronous gossip",
+    ]
 
 
 def test_jin_holds_with_both_challengers_and_fails_without_a_crossover():
@@ -462,8 +554,10 @@ def test_jin_holds_with_both_challengers_and_fails_without_a_crossover():
     for gossip in ({n: FAST for n in (4, 16, 64, 256)}, {256: SLOW}):
         verdict = claims.jin_crossover(table(jin_cells(gossip)))
         assert verdict.status == claims.DOES_NOT_HOLD
-    assert "N=4: time to target gossip 1.01 [0.985, 1.03] s (reached in 3/3 seeds) vs allreduce 1.01 [0.985, 1.03] s " \
-           "(reached in 3/3 seeds): level with allreduce's within ±0.101" in verdict.evidence[3]
+    assert (
+        "N=4: time to target gossip 1.01 [0.985, 1.03] s (reached in 3/3 seeds) vs allreduce 1.01 [0.985, 1.03] s "
+        "(reached in 3/3 seeds): level with allreduce's within ±0.101" in verdict.evidence[3]
+    )
     # ahead at N=4 by a mean within a wide interval: the study cannot tell, not "does not hold"
     verdict = claims.jin_crossover(table(jin_cells({4: [0.9, 1.0, 1.05], 256: SLOW})))
     assert verdict.status == claims.UNDECIDED and verdict.from_n is None
@@ -475,18 +569,25 @@ def dai_cells(staleness: dict, top1: dict, steps: dict) -> dict:
     cells = goyal_cells()
     for n in (1, 4, 16, 64, 256):
         cells[("allreduce", n)]["steps"] = [100, 101, 102]
-        cells[("ps_async", n)] = {"top1": top1.get(n, KEPT), "staleness": staleness.get(n, [0.0, 0.0, 0.0]),
-                                  "steps": steps.get(n, [100, 101, 102])}
+        cells[("ps_async", n)] = {
+            "top1": top1.get(n, KEPT),
+            "staleness": staleness.get(n, [0.0, 0.0, 0.0]),
+            "steps": steps.get(n, [100, 101, 102]),
+        }
     return cells
 
 
 def test_dai_holds_from_the_n_where_staleness_accuracy_and_steps_all_cost():
     grows = {4: [3.0, 3.1, 3.2], 16: [15.0, 15.2, 15.1], 64: [60.0, 61.0, 62.0], 256: [250.0, 251.0, 252.0]}
-    verdict = claims.dai_staleness(table(dai_cells(grows, {16: [0.85, 0.86, 0.855], 64: [0.7, 0.71, 0.72]},
-                                                   {64: [150, 160, 170], 256: [None, None, None]})))
+    verdict = claims.dai_staleness(
+        table(
+            dai_cells(
+                grows, {16: [0.85, 0.86, 0.855], 64: [0.7, 0.71, 0.72]}, {64: [150, 160, 170], 256: [None, None, None]}
+            )
+        )
+    )
     assert verdict.status == claims.HOLDS and verdict.from_n == 64
-    assert verdict.summary == ("Staleness grows from N=4; accuracy is lost from N=16; more steps are needed "
-                               "from N=64.")
+    assert verdict.summary == ("Staleness grows from N=4; accuracy is lost from N=16; more steps are needed from N=64.")
     assert verdict.evidence[2].startswith("N=16: mean staleness 15.10 [")
 
 
@@ -495,21 +596,30 @@ def test_dai_does_not_hold_without_growth_or_cost_and_in_part_with_growth_only()
     assert verdict.status == claims.DOES_NOT_HOLD and verdict.from_n is None
     assert verdict.summary == "Staleness grows at no N; accuracy is lost at no N; more steps are needed at no N."
     # higher means in wide intervals: staleness, the accuracy gap and the steps are undecided, not absent
-    noisy = claims.dai_staleness(table(dai_cells({1: [1.0, 1.5, 2.0], 256: [1.0, 1.5, 2.6]}, {256: [0.80, 0.95, 0.84]},
-                                                 {256: [90, 100, 125]})))
+    noisy = claims.dai_staleness(
+        table(dai_cells({1: [1.0, 1.5, 2.0], 256: [1.0, 1.5, 2.6]}, {256: [0.80, 0.95, 0.84]}, {256: [90, 100, 125]}))
+    )
     assert noisy.status == claims.UNDECIDED and noisy.from_n is None
-    assert noisy.summary == ("Whether staleness grows is undecided (N=256); whether accuracy is lost is "
-                             "undecided (N=256); whether more steps are needed is undecided (N=256).")
+    assert noisy.summary == (
+        "Whether staleness grows is undecided (N=256); whether accuracy is lost is "
+        "undecided (N=256); whether more steps are needed is undecided (N=256)."
+    )
     verdict = claims.dai_staleness(table(dai_cells({256: [9.0, 9.5, 10.0]}, {}, {})))
-    assert verdict.status == claims.PARTLY and verdict.summary.startswith("Staleness grows from N=256; accuracy is lost at no N")
+    assert verdict.status == claims.PARTLY and verdict.summary.startswith(
+        "Staleness grows from N=256; accuracy is lost at no N"
+    )
 
 
 # --- what a verdict cannot tell: runs that did not learn, the resolution, several N, pairs ----
 
+
 def at_chance_beyond_n1(strategies: tuple[str, ...]) -> dict:
     """allreduce and `strategies` at KEPT at N=1 and at chance in every seed at every N > 1."""
-    return {(name, n): {"top1": KEPT if n == 1 else CHANCE} for name in ("allreduce", *strategies)
-            for n in (1, 4, 16, 64, 256)}
+    return {
+        (name, n): {"top1": KEPT if n == 1 else CHANCE}
+        for name in ("allreduce", *strategies)
+        for n in (1, 4, 16, 64, 256)
+    }
 
 
 def test_seide_with_both_at_chance_in_every_seed_cannot_tell():
@@ -517,10 +627,13 @@ def test_seide_with_both_at_chance_in_every_seed_cannot_tell():
     width that read "holds"."""
     verdict = claims.seide_onebit(table(at_chance_beyond_n1(("allreduce_onebit",))))
     assert (verdict.status, verdict.from_n) == (claims.CANNOT_TELL, None)
-    assert verdict.summary == ("Cannot tell at N=4, 16, 64, 256: allreduce_onebit and allreduce did not learn (a mean "
-                               "test top-1 below 0.4425, 50% of allreduce's at N=1).")
-    assert verdict.evidence[0].endswith("+0.0000 [+0.0000, +0.0000]: cannot tell: allreduce_onebit and allreduce did "
-                                        "not learn")
+    assert verdict.summary == (
+        "Cannot tell at N=4, 16, 64, 256: allreduce_onebit and allreduce did not learn (a mean "
+        "test top-1 below 0.4425, 50% of allreduce's at N=1)."
+    )
+    assert verdict.evidence[0].endswith(
+        "+0.0000 [+0.0000, +0.0000]: cannot tell: allreduce_onebit and allreduce did not learn"
+    )
     assert "**Cannot tell**: Cannot tell at N=4" in "\n".join(claims_markdown([verdict], "emulated"))
 
 
@@ -529,9 +642,11 @@ def test_chen_with_both_at_chance_at_the_largest_n_is_read_where_they_learned():
     low = [0.70, 0.71, 0.72]
     verdict = claims.chen_backup_vs_async(table(ps_cells({256: CHANCE}, {16: low, 64: low, 256: CHANCE})))
     assert (verdict.status, verdict.from_n) == (claims.HOLDS, 16)
-    assert verdict.summary == ("ps_backup's top-1 is above ps_async's from N=16 up to N=64; cannot tell at N=256: "
-                               "ps_backup and ps_async did not learn (a mean test top-1 below 0.4425, 50% of "
-                               "allreduce's at N=1).")
+    assert verdict.summary == (
+        "ps_backup's top-1 is above ps_async's from N=16 up to N=64; cannot tell at N=256: "
+        "ps_backup and ps_async did not learn (a mean test top-1 below 0.4425, 50% of "
+        "allreduce's at N=1)."
+    )
     assert ": cannot tell: ps_backup and ps_async did not learn; time to target" in verdict.evidence[-1]
     everywhere = claims.chen_backup_vs_async(table(at_chance_beyond_n1(("ps_backup", "ps_async"))))
     assert everywhere.status == claims.CANNOT_TELL
@@ -544,9 +659,11 @@ def test_jin_with_neither_reaching_the_target_at_the_largest_n_keeps_its_crossov
     cells[("allreduce", 256)]["time"] = NEVER
     verdict = claims.jin_crossover(table(cells))
     assert (verdict.status, verdict.from_n) == (claims.HOLDS, 64)
-    assert verdict.summary == ("ps_async faster at the smallest N > 1 and allreduce faster from N=64 (cannot tell at "
-                               "N=256: neither reached the target); gossip faster at the smallest N > 1 and allreduce "
-                               "faster from N=64 (cannot tell at N=256: neither reached the target).")
+    assert verdict.summary == (
+        "ps_async faster at the smallest N > 1 and allreduce faster from N=64 (cannot tell at "
+        "N=256: neither reached the target); gossip faster at the smallest N > 1 and allreduce "
+        "faster from N=64 (cannot tell at N=256: neither reached the target)."
+    )
     # a challenger that did not learn cannot tell either, whatever its time
     cells = jin_cells({4: FAST, 256: SLOW})
     cells[("gossip", 4)]["top1"] = CHANCE
@@ -558,9 +675,11 @@ def test_goyal_a_budget_that_does_not_learn_is_no_break_of_the_rule():
     """N=256 at chance (52 updates of the at-scale budget) read as where the linear rule breaks."""
     verdict = claims.goyal_batch_limit(table(goyal_cells(n256=CHANCE)))
     assert (verdict.status, verdict.from_n) == (claims.HOLDS, None)
-    assert verdict.summary == ("Accuracy is kept at every N that learned, up to N=64, global batch 512; cannot tell at "
-                               "N=256: allreduce did not learn (a mean test top-1 below 0.4425, 50% of allreduce's "
-                               "at N=1): no break is seen where the runs learned.")
+    assert verdict.summary == (
+        "Accuracy is kept at every N that learned, up to N=64, global batch 512; cannot tell at "
+        "N=256: allreduce did not learn (a mean test top-1 below 0.4425, 50% of allreduce's "
+        "at N=1): no break is seen where the runs learned."
+    )
     verdict = claims.goyal_batch_limit(table(at_chance_beyond_n1(())))
     assert (verdict.status, verdict.from_n) == (claims.CANNOT_TELL, None)
     # a run that learned, below N=1's: that is a break
@@ -572,8 +691,9 @@ def test_dai_cannot_tell_accuracy_or_steps_where_ps_async_did_not_learn():
     grows = {4: [3.0, 3.1, 3.2], 16: [15.0, 15.2, 15.1], 64: [60.0, 61.0, 62.0], 256: [250.0, 251.0, 252.0]}
     verdict = claims.dai_staleness(table(dai_cells(grows, {256: CHANCE}, {256: [None, None, None]})))
     assert verdict.status == claims.PARTLY
-    assert verdict.summary.startswith("Staleness grows from N=4; accuracy is lost at no N (cannot tell at N=256: "
-                                      "ps_async did not learn"), verdict.summary
+    assert verdict.summary.startswith(
+        "Staleness grows from N=4; accuracy is lost at no N (cannot tell at N=256: ps_async did not learn"
+    ), verdict.summary
     assert "; whether accuracy is lost: cannot tell: ps_async did not learn" in verdict.evidence[-1]
 
 
@@ -588,9 +708,13 @@ def test_no_interval_is_narrower_than_what_it_was_measured_on():
     grid = {(name, n): (50.0, 0.1) for name in ("allreduce", "gossip") for n in (1, 4, 16, 64, 256)}
     verdict = claims.jin_crossover(accuracy, claims.StudyFacts(grid=grid))
     assert verdict.status == claims.UNDECIDED
-    assert "the interval [0.9, 1] is too wide to tell (3 seeds; as wide as its resolution, 0.1, what it was measured " \
-           "on can tell)" in verdict.evidence[3], verdict.evidence[3]
-    one_image = table(ps_cells({n: [0.8801] * 3 for n in (4, 16, 64, 256)}, {n: [0.8800] * 3 for n in (4, 16, 64, 256)}))
+    assert (
+        "the interval [0.9, 1] is too wide to tell (3 seeds; as wide as its resolution, 0.1, what it was measured "
+        "on can tell)" in verdict.evidence[3]
+    ), verdict.evidence[3]
+    one_image = table(
+        ps_cells({n: [0.8801] * 3 for n in (4, 16, 64, 256)}, {n: [0.8800] * 3 for n in (4, 16, 64, 256)})
+    )
     assert claims.chen_backup_vs_async(one_image).status == claims.HOLDS
     verdict = claims.chen_backup_vs_async(one_image, claims.StudyFacts(test_images=10_000))
     assert verdict.status == claims.DOES_NOT_HOLD and ": level with ps_async's within ±0.03" in verdict.evidence[-1]
@@ -604,8 +728,9 @@ def test_study_facts_read_the_resolution_and_the_seeds_from_the_runs(tmp_path):
         (tmp_path / run_dir).mkdir(parents=True)
         (tmp_path / run_dir / "eval.json").write_text(json.dumps({"top1": 0.88, "test_images": 10_000 - i}))
         # the grid's points 0.5 s apart, one gap of 0.75 s; step gaps 40 and 60
-        metrics[run_dir]["val_grid"] = [{"step": s, "train_s": t, "top1": 0.5} for s, t in
-                                        ((0, 0.0), (40, 0.5), (100, 1.25), (140, 1.75))]
+        metrics[run_dir]["val_grid"] = [
+            {"step": s, "train_s": t, "top1": 0.5} for s, t in ((0, 0.0), (40, 0.5), (100, 1.25), (140, 1.75))
+        ]
     facts = claims.study_facts(runs, metrics)
     assert facts.lr_rules == ("linear",) and facts.test_images == 10_000 - 5
     assert facts.grid[("allreduce", 4)] == (60.0, 0.75)
@@ -659,14 +784,22 @@ def prose(path) -> str:
 def test_the_docs_read_the_n256_budget_failure_as_cannot_tell_not_as_goyals_limit():
     """N = 256's 52 updates learn nothing at any rate tried: the docs must not present that as
     where Goyal's rule breaks, and they say what the time and gossip verdicts rest on."""
-    docs = {path: " ".join(prose(path).split()) for path in
-            (REPO / "README.md", REPO / "docs/emulation.md", AT_SCALE, AT_SCALE_ASYNC, AT_SCALE_ONEBIT)}
+    docs = {
+        path: " ".join(prose(path).split())
+        for path in (REPO / "README.md", REPO / "docs/emulation.md", AT_SCALE, AT_SCALE_ASYNC, AT_SCALE_ONEBIT)
+    }
     for path, text in docs.items():
-        for reading in ("the linear rule breaks there", "shows where the rule breaks", "there the rule breaks",
-                        "finding on Goyal's claim"):
+        for reading in (
+            "the linear rule breaks there",
+            "shows where the rule breaks",
+            "there the rule breaks",
+            "finding on Goyal's claim",
+        ):
             assert reading not in text, f"{path}: {reading!r}"
-    assert "at N = 256, chance: there the 2-epoch budget (52 updates) does not learn, so the study cannot tell " \
-           "whether the linear rule breaks" in docs[REPO / "README.md"]
+    assert (
+        "at N = 256, chance: there the 2-epoch budget (52 updates) does not learn, so the study cannot tell "
+        "whether the linear rule breaks" in docs[REPO / "README.md"]
+    )
     emulation = docs[REPO / "docs/emulation.md"]
     assert "So the study cannot tell whether Goyal's rule breaks at N = 256" in emulation
     assert "not the linear rule breaking, so the study cannot tell Goyal's claim at N=256" in docs[AT_SCALE]
@@ -682,8 +815,15 @@ def test_findings_and_statistics_md_say_what_every_verdict_and_rule_means():
     each with its figure as the code has it."""
     preamble = " ".join("\n".join(claims_markdown([], "emulated")).split())
     statistics = " ".join(prose(REPO / "docs/statistics.md").split())
-    rules = ("did not learn", "neither reached the target", "narrower than what it was measured on",
-             "validation grid's step", "Holm's step-down procedure", "per-seed differences", "paired by seed")
+    rules = (
+        "did not learn",
+        "neither reached the target",
+        "narrower than what it was measured on",
+        "validation grid's step",
+        "Holm's step-down procedure",
+        "per-seed differences",
+        "paired by seed",
+    )
     for text in (preamble, statistics):
         assert all(phrase in text for phrase in rules), [phrase for phrase in rules if phrase not in text]
     assert all(f'"{status}"' in statistics for status in claims.STATUSES)

@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
+
 from dtstudy.config.study_config import deep_merge, read_yaml, validate_schema
 from dtstudy.errors import ConfigError
 from dtstudy.projection import budget, layer_profiles
@@ -43,8 +43,10 @@ def test_steps_are_the_training_loops(train_images, workers, batch):
     BatchSampler drops the last partial batch; the budget must count those batches."""
     from torch.utils.data import BatchSampler, DistributedSampler
 
-    loop = {len(BatchSampler(DistributedSampler(range(train_images), num_replicas=workers, rank=rank), batch, True))
-            for rank in range(workers)}
+    loop = {
+        len(BatchSampler(DistributedSampler(range(train_images), num_replicas=workers, rank=rank), batch, True))
+        for rank in range(workers)
+    }
     assert len(loop) == 1
     config = {"train": {"epochs": 3, "batch_size": batch, "scaling": "weak", "max_steps": None}}
     counted = budget.steps(config, "allreduce", workers, budget.Images(train_images, 0, "test"), {})
@@ -79,7 +81,8 @@ def test_each_kind_of_run_is_costed_at_its_own_steps_n_and_seeds():
     for cost in accuracy:
         assert cost.steps == 30 * (math.ceil(seen.train / cost.workers) // 32)
     assert budget.total_gpu_hours(costs) == pytest.approx(
-        2 * sum(c.gpu_hours for c in scaling) + 3 * sum(c.gpu_hours for c in accuracy), rel=1e-12)
+        2 * sum(c.gpu_hours for c in scaling) + 3 * sum(c.gpu_hours for c in accuracy), rel=1e-12
+    )
     # the control: a scaling run counted at its epochs would cost as much as an accuracy run
     one_scaling = next(c for c in scaling if (c.strategy, c.workers) == ("allreduce", 1))
     one_accuracy = next(c for c in accuracy if (c.strategy, c.workers) == ("allreduce", 1))
@@ -90,8 +93,14 @@ def test_each_kind_of_run_is_costed_at_its_own_steps_n_and_seeds():
     plain = budget.study_costs(config, seen, where)
     assert {c.kind for c in plain} == {"accuracy"} and len(plain) == 12 * 7
     assert budget.total_gpu_hours(plain) == pytest.approx(
-        3 * sum(budget.run_cost(config, s, n, seen, where).gpu_hours for s in config["strategies"]
-                for n in config["workers"]), rel=1e-12)
+        3
+        * sum(
+            budget.run_cost(config, s, n, seen, where).gpu_hours
+            for s in config["strategies"]
+            for n in config["workers"]
+        ),
+        rel=1e-12,
+    )
 
 
 # ----- one run, by hand ----------------------------------------------------------------------
@@ -110,7 +119,9 @@ def test_an_n1_run_costs_its_compute_evaluation_and_start_up_on_one_gpu():
     val = round(0.02 * IMAGENET_TRAIN)
     assert (seen.train, seen.val) == (IMAGENET_TRAIN - val, val)
     steps = 30 * ((IMAGENET_TRAIN - val) // 32)
-    entry = json.loads((REPO / "workflow/dtstudy/projection/layer_profiles.json").read_text())["architectures"]["resnet50"]
+    entry = json.loads((REPO / "workflow/dtstudy/projection/layer_profiles.json").read_text())["architectures"][
+        "resnet50"
+    ]
     forward = entry["forward_flops"] / (entry["forward_flops"] + entry["backward_flops"])
     # the base config's grid: evals_per_epoch points of its first eval_images a epoch, the whole split once
     grid = config["train"]["evals_per_epoch"] * min(config["train"]["eval_images"], val)
@@ -157,7 +168,9 @@ def test_a_study_over_its_gpu_hour_budget_is_refused_naming_the_key():
     where = budget.cluster_costing(config)
     total = budget.total_gpu_hours(budget.study_costs(config, images(config), where))
     budget.check_study(cluster_config(gpu_hour_budget=total * 1.001), images(config))  # the control: within
-    with pytest.raises(ConfigError, match=r"'launcher.gpu_hour_budget'.* predicted to cost \d+ GPU-hours on h100_ib400"):
+    with pytest.raises(
+        ConfigError, match=r"'launcher.gpu_hour_budget'.* predicted to cost \d+ GPU-hours on h100_ib400"
+    ):
         budget.check_study(cluster_config(gpu_hour_budget=total * 0.999), images(config))
 
 
@@ -179,7 +192,10 @@ def test_a_run_that_cannot_finish_within_its_requeues_is_refused():
     config["launcher"]["max_requeues"] = attempts - 1
     budget.check_study(config, images(config))
     config["launcher"]["max_requeues"] = attempts - 2
-    with pytest.raises(ConfigError, match=rf"'launcher.max_requeues': {attempts - 2} requeues cannot finish the accuracy run of allreduce at N=1"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"'launcher.max_requeues': {attempts - 2} requeues cannot finish the accuracy run of allreduce at N=1",
+    ):
         budget.check_study(config, images(config))
 
 
@@ -212,8 +228,14 @@ def test_job_time_limits_come_from_each_runs_prediction_from_the_prepared_data(t
         wall = budget.run_cost(config, "allreduce", n, budget.Images(1255544, 25623, "meta"), where).wall_s
         assert limit >= wall * 1.5 / 60 and limit <= config["launcher"]["timeout_min"]
         limits[n] = limit
-    assert limits[64] == budget.TIME_LIMIT_FLOOR_MIN < limits[1] == math.ceil(
-        budget.run_cost(config, "allreduce", 1, budget.Images(1255544, 25623, "meta"), where).wall_s * 1.5 / 60)
+    assert (
+        limits[64]
+        == budget.TIME_LIMIT_FLOOR_MIN
+        < limits[1]
+        == math.ceil(
+            budget.run_cost(config, "allreduce", 1, budget.Images(1255544, 25623, "meta"), where).wall_s * 1.5 / 60
+        )
+    )
     # the control: a tenth of the data set, a shorter limit
     (tmp_path / "meta.json").write_text(json.dumps({"sizes": {"train": 125554, "val": 2562, "test": 5000}}))
     assert budget.job_time_limit_min(config, "allreduce", 1, tmp_path) < limits[1]
@@ -234,8 +256,9 @@ def test_a_run_longer_than_timeout_min_asks_timeout_min_and_the_floor_clears_the
 
 
 def run_budget(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtstudy", "budget", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dtstudy", "budget", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_budget_command_prints_every_run_and_the_total_and_refuses_over_budget():
@@ -244,12 +267,16 @@ def test_the_budget_command_prints_every_run_and_the_total_and_refuses_over_budg
     rows = [line.split()[:3] for line in done.stdout.splitlines() if line.split()[1:2] in (["allreduce"], ["ps_sync"])]
     # allreduce and ps_sync on h100_ib400 (the one profile with a bf16 rate): scaling runs at 7 N,
     # accuracy runs at 3
-    assert [row for row in rows if row[0] == "scaling"] == [["scaling", s, str(n)] for s in ("allreduce", "ps_sync")
-                                                             for n in (1, 2, 4, 8, 16, 32, 64)]
-    assert [row for row in rows if row[0] == "accuracy"] == [["accuracy", s, str(n)] for s in ("allreduce", "ps_sync")
-                                                              for n in (1, 8, 64)]
-    assert done.stdout.startswith("Predicted cost of the study: 168 scaling runs (2 seeds each, the scaling table); "
-                                  "108 accuracy runs (3 seeds each, ")
+    assert [row for row in rows if row[0] == "scaling"] == [
+        ["scaling", s, str(n)] for s in ("allreduce", "ps_sync") for n in (1, 2, 4, 8, 16, 32, 64)
+    ]
+    assert [row for row in rows if row[0] == "accuracy"] == [
+        ["accuracy", s, str(n)] for s in ("allreduce", "ps_sync") for n in (1, 8, 64)
+    ]
+    assert done.stdout.startswith(
+        "Predicted cost of the study: 168 scaling runs (2 seeds each, the scaling table); "
+        "108 accuracy runs (3 seeds each, "
+    )
     assert "GPU-hours per kind of run: scaling runs " in done.stdout
     assert "total: " in done.stdout and "GPU-hours on h100_ib400" in done.stdout
     one_seed = run_budget("--configfile", "config/cluster.yaml", "--set", "seeds=[0]")
@@ -299,14 +326,35 @@ def test_the_train_command_submits_with_its_runs_predicted_time_limit(tmp_path, 
     from dtstudy.launch import launcher
 
     seen = []
-    monkeypatch.setattr(launcher, "run_training_job", lambda spec, job_dir, time_limit_min=None: seen.append(
-        time_limit_min) or {"throughput": 1.0, "final_val_top1": 0.5, "wall_time_s": 1.0})
+    monkeypatch.setattr(
+        launcher,
+        "run_training_job",
+        lambda spec, job_dir, time_limit_min=None: (
+            seen.append(time_limit_min) or {"throughput": 1.0, "final_val_top1": 0.5, "wall_time_s": 1.0}
+        ),
+    )
     (tmp_path / "meta.json").write_text(json.dumps({"sizes": {"train": 1255544, "val": 25623, "test": 50000}}))
-    for config, kind in ((cluster_config(), "accuracy"), (cluster_config(hardware=None), "accuracy"),
-                         (cluster_config(), "scaling")):
-        args = ["train", "--config-json", to_json(run_config(config, "allreduce", kind)), "--strategy", "allreduce",
-                "--workers", "1", "--seed", "0", "--data", str(tmp_path), "--out", str(tmp_path / "run"),
-                "--no-tracking"]
+    for config, kind in (
+        (cluster_config(), "accuracy"),
+        (cluster_config(hardware=None), "accuracy"),
+        (cluster_config(), "scaling"),
+    ):
+        args = [
+            "train",
+            "--config-json",
+            to_json(run_config(config, "allreduce", kind)),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "1",
+            "--seed",
+            "0",
+            "--data",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "run"),
+            "--no-tracking",
+        ]
         assert cli.main(args) == 0
     expected = budget.job_time_limit_min(cluster_config(), "allreduce", 1, tmp_path)
     # a scaling run asks for its few hundred steps: the floor, not the accuracy run's hours

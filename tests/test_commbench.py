@@ -16,8 +16,10 @@ def _powersgd_on_one_bucket(ctx):
     shapes = [p.shape for p in net.parameters()]
     bucket = commbench._OneBucket(list(net.parameters()))
     # the gradients are views of the flat buffer, as in a DDP bucket
-    assert all(g.data_ptr() == part.data_ptr() for g, part in
-               zip(bucket.gradients(), bucket.buffer().split([g.numel() for g in bucket.gradients()])))
+    assert all(
+        g.data_ptr() == part.data_ptr()
+        for g, part in zip(bucket.gradients(), bucket.buffer().split([g.numel() for g in bucket.gradients()]))
+    )
     torch.manual_seed(0)
     gradient = torch.randn(bucket.buffer().numel())
     state = PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=2)
@@ -26,8 +28,9 @@ def _powersgd_on_one_bucket(ctx):
         powerSGD_hook(state, bucket).wait()
     # torch's hook read the bucket and wrote its result back: the matrices it compressed
     # came back as rank-2 approximations, the vectors (sent whole) unchanged
-    for shape, result, original in zip(shapes, bucket.gradients(),
-                                       gradient.split([g.numel() for g in bucket.gradients()])):
+    for shape, result, original in zip(
+        shapes, bucket.gradients(), gradient.split([g.numel() for g in bucket.gradients()])
+    ):
         if len(shape) > 1:
             assert torch.linalg.matrix_rank(result.reshape(shape[0], -1)) <= 2
             assert not torch.equal(result.reshape(-1), original)
@@ -44,8 +47,8 @@ def _each_compressed_exchange_timed(ctx):
     import torch.distributed as dist
 
     from dtstudy.projection import commbench
-    from dtstudy.strategies.registry import STRATEGIES
     from dtstudy.strategies.compressed.onebit_codec import dequantize, quantization_groups, quantize
+    from dtstudy.strategies.registry import STRATEGIES
     from dtstudy.strategies.specs import SPECS
 
     # fp16: in a group of one, the hook's round trip is the casts alone
@@ -102,9 +105,11 @@ def test_a_failing_process_fails_the_benchmark_instead_of_hanging():
 
     from conftest import REPO
 
-    code = ("from dtstudy.projection import commbench\n"
-            "if __name__ == '__main__':\n"
-            "    commbench.measure(sizes=[-4], repeats=1)\n")
+    code = (
+        "from dtstudy.projection import commbench\n"
+        "if __name__ == '__main__':\n"
+        "    commbench.measure(sizes=[-4], repeats=1)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode != 0

@@ -9,18 +9,26 @@ import json
 
 import pytest
 import torch
-
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import in_workers, tiny_study, train_run, validated
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from conftest import in_workers, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
-from dtstudy.strategies.compressed import strategy as compressed
-from dtstudy.strategies.compressed.strategy import AllReduceOneBit
 from dtstudy.strategies.compressed import onebit_codec
-from dtstudy.strategies.compressed.onebit_codec import (chunk_groups, compress_with_feedback, decode, dequantize, encode, pack_signs,
-                                            quantization_groups, quantize, unpack_signs)
+from dtstudy.strategies.compressed import strategy as compressed
+from dtstudy.strategies.compressed.onebit_codec import (
+    chunk_groups,
+    compress_with_feedback,
+    decode,
+    dequantize,
+    encode,
+    pack_signs,
+    quantization_groups,
+    quantize,
+    unpack_signs,
+)
+from dtstudy.strategies.compressed.strategy import AllReduceOneBit
 
 
 def test_signs_pack_eight_to_a_byte_and_unpack():
@@ -43,9 +51,13 @@ def test_tensor_quantizer_keeps_signs_and_one_scale_per_tensor():
 def test_column_quantizer_keeps_every_columns_sum_zeros_included():
     """Seide et al. 2014: per column, the mean of the non-negative and of the negative values.
     A zero joins the non-negative side and its mean: the column's sum stays exact."""
-    weight = torch.tensor([[3.0, 0.0, -1.0, -2.0],   # non-negative {3, 0} -> 1.5; negative -> -1.5
-                           [0.0, 0.0, 0.0, 0.0],     # all zero -> zeros
-                           [0.0, 1.0, 5.0, 0.0]])    # no negative value -> mean 1.5 everywhere
+    weight = torch.tensor(
+        [
+            [3.0, 0.0, -1.0, -2.0],  # non-negative {3, 0} -> 1.5; negative -> -1.5
+            [0.0, 0.0, 0.0, 0.0],  # all zero -> zeros
+            [0.0, 1.0, 5.0, 0.0],
+        ]
+    )  # no negative value -> mean 1.5 everywhere
     bias = torch.tensor([-1.0, 0.0, 2.0])
     groups = quantization_groups([weight.shape, bias.shape], "column")
     assert groups == [4, 4, 4, 3]
@@ -93,7 +105,9 @@ def test_error_feedback_loses_nothing_in_sum(quantizer):
 def test_onebit_quantizer_knob_is_checked():
     assert AllReduceOneBit.check_params({}, 2)["quantizer"] == "column"
     with pytest.raises(ConfigError, match=r"strategy_params\.allreduce_onebit\.quantizer'.*'row'"):
-        validated(tiny_study(strategies=["allreduce_onebit"], strategy_params={"allreduce_onebit": {"quantizer": "row"}}))
+        validated(
+            tiny_study(strategies=["allreduce_onebit"], strategy_params={"allreduce_onebit": {"quantizer": "row"}})
+        )
 
 
 # ----- the exchange itself, in two gloo processes ------------------------------------------------
@@ -171,15 +185,19 @@ def _check_onebit_exchange(ctx, quantizer, broken, exchange):
         sent = _step(strategy, module, parameters, inputs, labels)
         assert torch.equal(_mean_over_workers(sent), sent), "the replicas got different gradients"
         sent_total += sent
-        kept = (_mean_over_workers(_flat(strategy.residuals[p] for p in parameters))
-                + ctx.workers * _mean_over_workers(_server_residual(strategy, parameters)))
+        kept = _mean_over_workers(_flat(strategy.residuals[p] for p in parameters)) + ctx.workers * _mean_over_workers(
+            _server_residual(strategy, parameters)
+        )
         identity = identity and torch.allclose(sent_total + kept, step * true_gradient, atol=1e-5, rtol=0)
     assert identity != (broken == "no_server_residual"), f"{exchange}, {quantizer}, {broken}: identity {identity}"
     tracks = (sent_total - steps * true_gradient).norm() < 0.25 * (steps * true_gradient).norm()
     if quantizer == "column":
         residuals = [strategy.residuals] + ([strategy.server_residuals] if exchange == "reduce_scatter" else [])
-        column_sums = [r[p].view(p.shape[0], -1).sum(1) if p.dim() > 1 else r[p].sum().view(1)
-                       for r in residuals for p in parameters]
+        column_sums = [
+            r[p].view(p.shape[0], -1).sum(1) if p.dim() > 1 else r[p].sum().view(1)
+            for r in residuals
+            for p in parameters
+        ]
         tracks = tracks and bool(torch.cat(column_sums).abs().max() < 1e-5)
     if broken != "no_server_residual":
         assert tracks != (broken == "zeros"), f"{exchange}, {quantizer}, {broken}: tracking the gradient is {tracks}"
@@ -195,9 +213,11 @@ def _check_hand_over(ctx, strategy, parameters):
     """A new bucket layout (here: the bucket's parameters reversed) gives entries new owners:
     each worker's server residual outside its new chunk moves into its worker residual, so
     mean_i e_i + s is unchanged and no worker holds a server residual it no longer reduces."""
+
     def kept():
-        return (_mean_over_workers(_flat(strategy.residuals[p] for p in parameters))
-                + ctx.workers * _mean_over_workers(_server_residual(strategy, parameters)))
+        return _mean_over_workers(_flat(strategy.residuals[p] for p in parameters)) + ctx.workers * _mean_over_workers(
+            _server_residual(strategy, parameters)
+        )
 
     before = kept()
     assert _server_residual(strategy, parameters).abs().max() > 1e-3  # something to hand over
@@ -216,10 +236,17 @@ def test_onebit_exchange_keeps_the_residual_and_sends_the_gradient(tmp_path, qua
     in_workers(tmp_path, 2, _check_onebit_exchange, quantizer, broken, "allgather")
 
 
-@pytest.mark.parametrize("workers, quantizer, broken", [
-    (2, "column", None), (4, "column", None), (4, "tensor", None),
-    (4, "column", "zeros"), (2, "column", "no_server_residual"), (4, "tensor", "no_server_residual"),
-])
+@pytest.mark.parametrize(
+    "workers, quantizer, broken",
+    [
+        (2, "column", None),
+        (4, "column", None),
+        (4, "tensor", None),
+        (4, "column", "zeros"),
+        (2, "column", "no_server_residual"),
+        (4, "tensor", "no_server_residual"),
+    ],
+)
 def test_onebit_reduce_scatter_keeps_both_residuals(tmp_path, workers, quantizer, broken):
     in_workers(tmp_path, workers, _check_onebit_exchange, quantizer, broken, "reduce_scatter")
 
@@ -303,13 +330,16 @@ def test_onebit_reduce_scatter_resumes_both_residuals(tmp_path):
 def test_onebit_exchange_knob_is_checked():
     assert AllReduceOneBit.check_params({}, 2)["exchange"] == "allgather"
     with pytest.raises(ConfigError, match=r"strategy_params\.allreduce_onebit\.exchange'.*'ring'"):
-        validated(tiny_study(strategies=["allreduce_onebit"],
-                             strategy_params={"allreduce_onebit": {"exchange": "ring"}}))
+        validated(
+            tiny_study(strategies=["allreduce_onebit"], strategy_params={"allreduce_onebit": {"exchange": "ring"}})
+        )
 
 
 # ----- half precision: what the hook really hands to the all-reduce, in two gloo processes --------
-_HALF = {"allreduce_fp16": (compressed.AllReduceFP16, torch.float16),
-         "allreduce_bf16": (compressed.AllReduceBF16, torch.bfloat16)}
+_HALF = {
+    "allreduce_fp16": (compressed.AllReduceFP16, torch.float16),
+    "allreduce_bf16": (compressed.AllReduceBF16, torch.bfloat16),
+}
 _OTHER = {"allreduce_fp16": "allreduce_bf16", "allreduce_bf16": "allreduce_fp16"}
 # each strategy as shipped (hook None), and the planted bugs: the plain fp32 all-reduce hook
 # (nothing compressed, half the bytes still counted), and the other 16-bit cast's hook
@@ -370,15 +400,17 @@ def _check_half_precision(ctx, out):
             finally:
                 dist.all_reduce = real_all_reduce
             _, counted = strategy.meter.take()
-            steps.append({
-                "vs_own_cast": _max_diff(delivered, cast_mean(_HALF[name][1])),
-                "vs_fp32": _max_diff(delivered, fp32_mean),
-                "vs_other_cast": _max_diff(delivered, cast_mean(_HALF[_OTHER[name]][1])),
-                "handed_dtypes": sorted({dtype for dtype, _ in handed}),
-                "handed_bytes": compressed.ring_allreduce_bytes(sum(b for _, b in handed), ctx.workers),
-                "counted_bytes": counted,
-                "gradient_bytes": local.numel() * 4,
-            })
+            steps.append(
+                {
+                    "vs_own_cast": _max_diff(delivered, cast_mean(_HALF[name][1])),
+                    "vs_fp32": _max_diff(delivered, fp32_mean),
+                    "vs_other_cast": _max_diff(delivered, cast_mean(_HALF[_OTHER[name]][1])),
+                    "handed_dtypes": sorted({dtype for dtype, _ in handed}),
+                    "handed_bytes": compressed.ring_allreduce_bytes(sum(b for _, b in handed), ctx.workers),
+                    "counted_bytes": counted,
+                    "gradient_bytes": local.numel() * 4,
+                }
+            )
         results[variant] = steps
     if ctx.rank == 0:
         out.write_text(json.dumps(results))
@@ -430,9 +462,10 @@ COMPARED = ["allreduce", "allreduce_fp16", "allreduce_bf16", "allreduce_powersgd
 def two_worker_runs(tmp_path_factory, tiny_data):
     """No LR warm-up: with the tiny study's one-epoch warm-up, one epoch barely learns."""
     root = tmp_path_factory.mktemp("compressed")
-    return {name: train_run(root, tiny_data, workers=2, batch_size=32, steps=None, strategy=name,
-                            warmup_epochs=0)[0]
-            for name in COMPARED}
+    return {
+        name: train_run(root, tiny_data, workers=2, batch_size=32, steps=None, strategy=name, warmup_epochs=0)[0]
+        for name in COMPARED
+    }
 
 
 def _lenet_shapes() -> list[torch.Size]:

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny_study, validated
-from dtstudy.errors import ConfigError
-from dtstudy.config.study_config import deep_merge, run_config, validate_schema
+
 from dtstudy.checks import load_config
+from dtstudy.config.study_config import deep_merge, run_config, validate_schema
+from dtstudy.errors import ConfigError
 
 
 def test_schema_fills_every_default():
     config = validate_schema({})
     assert config["dataset"] == {
-        "name": "fashion_mnist", "root": None, "download": False, "subset": None, "val_fraction": 0.1,
-        "split_seed": 0, "test_fraction": 0.1, "corrupt_images": "error", "image_size": 224, "shard_mb": None,
+        "name": "fashion_mnist",
+        "root": None,
+        "download": False,
+        "subset": None,
+        "val_fraction": 0.1,
+        "split_seed": 0,
+        "test_fraction": 0.1,
+        "corrupt_images": "error",
+        "image_size": 224,
+        "shard_mb": None,
         "synthetic": {"train_size": 4096, "test_size": 512, "channels": 3, "classes": 10},
     }
     assert config["strategies"] == ["allreduce"] and config["workers"] == [1, 2, 4]
@@ -40,7 +48,10 @@ def test_shipped_configs_are_valid(path):
         ({"train": {"nesterov": "yes"}}, ["train.nesterov", "'yes'"]),
         ({"tracking": {"experiment": ""}}, ["tracking.experiment"]),
         ({"launcher": {"gloo_loop_nice": 20}}, ["launcher.gloo_loop_nice", "20", "maximum of 19"]),
-        ({"launcher": {"gloo_loop_nice": "fast"}}, ["launcher.gloo_loop_nice", "'fast'", "an integer in [0, 19] or 'idle'"]),
+        (
+            {"launcher": {"gloo_loop_nice": "fast"}},
+            ["launcher.gloo_loop_nice", "'fast'", "an integer in [0, 19] or 'idle'"],
+        ),
         ({"launcher": {"max_resubmits": -1}}, ["launcher.max_resubmits", "-1", "minimum of 0"]),
     ],
 )
@@ -56,7 +67,10 @@ def test_schema_errors_name_key_value_and_allowed(override, words):
     [
         ({"strategies": ["allreduce", "telepathy"]}, ["strategies[1]", "telepathy", "allowed: ", "allreduce"]),
         ({"strategy_params": {"telepathy": {}}}, ["strategy_params.telepathy", "allowed: ", "allreduce"]),
-        ({"strategy_params": {"allreduce": {"bucket_cap": 1}}}, ["strategy_params.allreduce.bucket_cap", "bucket_cap_mb"]),
+        (
+            {"strategy_params": {"allreduce": {"bucket_cap": 1}}},
+            ["strategy_params.allreduce.bucket_cap", "bucket_cap_mb"],
+        ),
         ({"strategy_params": {"allreduce": {"bucket_cap_mb": -1}}}, ["strategy_params.allreduce.bucket_cap_mb", "-1"]),
         ({"strategy_params": {"no_exchange": {"steps": 10}}}, ["strategy_params.no_exchange.steps", "10", "50"]),
         ({"dataset": {"root": "/no/such/folder"}}, ["dataset.root", "/no/such/folder"]),
@@ -65,7 +79,10 @@ def test_schema_errors_name_key_value_and_allowed(override, words):
         ({"train": {"batch_size": 1500}}, ["train.batch_size", "3000", "1800"]),
         ({"train": {"scaling": "strong", "batch_size": 63}}, ["train.batch_size", "63", "strong"]),
         ({"train": {"nesterov": True, "momentum": 0}}, ["train.nesterov", "train.momentum is 0"]),
-        ({"launcher": {"timeout_min": 2, "signal_delay_s": 60}}, ["launcher.signal_delay_s", "60 s after", "timeout_min"]),
+        (
+            {"launcher": {"timeout_min": 2, "signal_delay_s": 60}},
+            ["launcher.signal_delay_s", "60 s after", "timeout_min"],
+        ),
     ],
 )
 def test_checks_beyond_the_schema(override, words):
@@ -100,7 +117,6 @@ def test_run_config_keeps_only_what_a_run_depends_on():
     assert selected["train"] == config["train"]
 
 
-
 @pytest.mark.parametrize(
     "stragglers, words",
     [
@@ -123,14 +139,22 @@ def test_command_line_values_are_typed_and_a_config_files_text_is_not():
     from dtstudy.config.study_config import retype_command_line
 
     config = deep_merge(tiny_study(), {"train": {"batch_size": "64"}})  # as a config file wrote it
-    command_line = {"workers": ["1", "2"], "target_accuracy": "null", "model": "lenet5",
-                    "train": {"epochs": "2", "base_lr": "0.05", "nesterov": "true", "max_steps": "~"},
-                    "tracking": {"uri": "http://login1:5000"}}
+    command_line = {
+        "workers": ["1", "2"],
+        "target_accuracy": "null",
+        "model": "lenet5",
+        "train": {"epochs": "2", "base_lr": "0.05", "nesterov": "true", "max_steps": "~"},
+        "tracking": {"uri": "http://login1:5000"},
+    }
     config = deep_merge(config, command_line)  # as Snakemake merges --config over the files
     retype_command_line(config, command_line)
     assert config["workers"] == [1, 2] and config["target_accuracy"] is None and config["model"] == "lenet5"
     assert {key: config["train"][key] for key in command_line["train"]} == {
-        "epochs": 2, "base_lr": 0.05, "nesterov": True, "max_steps": None}
+        "epochs": 2,
+        "base_lr": 0.05,
+        "nesterov": True,
+        "max_steps": None,
+    }
     assert config["tracking"]["uri"] == "http://login1:5000"
     assert config["train"]["batch_size"] == "64"  # not the command line's: still refused
     with pytest.raises(ConfigError, match=r"'train.batch_size': '64' is not an integer"):

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, run_snakemake, tiny_study, validated
+
 from dtstudy.config import schema
-from dtstudy.strategies import specs
 from dtstudy.errors import ConfigError
+from dtstudy.strategies import specs
 from dtstudy.strategies.specs import SPECS
 
 # (override of the tiny study, the key named, the value as the message shows it, what it is not)
@@ -25,10 +25,18 @@ TYPE_MATRIX = [
     ({"seeds": ["0"]}, "seeds[0]", "'0'", "is not an integer"),
     ({"train": {"base_lr": True}}, "train.base_lr", "True", "is not a number"),
     ({"train": {"base_lr": "0.1"}}, "train.base_lr", "'0.1'", "is not a number"),
-    ({"strategy_params": {"allreduce": {"bucket_cap_mb": True}}}, "strategy_params.allreduce.bucket_cap_mb",
-     "True", "is not a number"),
-    ({"strategies": ["ps_sync"], "strategy_params": {"ps_sync": {"shards": 2.0}}}, "strategy_params.ps_sync.shards",
-     "2.0", "is not an integer"),
+    (
+        {"strategy_params": {"allreduce": {"bucket_cap_mb": True}}},
+        "strategy_params.allreduce.bucket_cap_mb",
+        "True",
+        "is not a number",
+    ),
+    (
+        {"strategies": ["ps_sync"], "strategy_params": {"ps_sync": {"shards": 2.0}}},
+        "strategy_params.ps_sync.shards",
+        "2.0",
+        "is not an integer",
+    ),
     ({"dataset": {"subset": 100.0}}, "dataset.subset", "100.0", "is not an integer or null"),
     ({"strategies": "allreduce"}, "strategies", "'allreduce'", "is not a list"),
     ({"stragglers": {"ranks": [0.0]}}, "stragglers.ranks[0]", "0.0", "is not an integer"),
@@ -74,7 +82,8 @@ def test_every_strategy_has_its_knob_schema_with_no_other_knobs_allowed():
     for name, knob_schema in knob_schemas.items():
         assert knob_schema["additionalProperties"] is False, name
         assert SPECS[name].check_params({}, workers=2) == {
-            knob: sub["default"] for knob, sub in knob_schema["properties"].items()}
+            knob: sub["default"] for knob, sub in knob_schema["properties"].items()
+        }
 
 
 def test_knobs_without_a_spec_fail_at_import(monkeypatch):
@@ -121,23 +130,31 @@ def documented_knobs() -> dict[tuple[str, str], str]:
 
 
 def test_the_knob_table_of_config_readme_follows_the_schema():
-    in_schema = {(name, knob): "null" if sub["default"] is None else str(sub["default"]).lower()
-                 for name, knob_schema in schema.knob_schemas().items()
-                 for knob, sub in knob_schema["properties"].items()}
+    in_schema = {
+        (name, knob): "null" if sub["default"] is None else str(sub["default"]).lower()
+        for name, knob_schema in schema.knob_schemas().items()
+        for knob, sub in knob_schema["properties"].items()
+    }
     assert documented_knobs() == in_schema
 
 
 # ----- at the dry run, before any job, and from the command line ------------------------------
 
 
-@pytest.mark.parametrize("override, key, words", [
-    ({"train": {"batch_size": 64.0}}, "train.batch_size", "64.0 is not an integer"),
-    ({"workers": [2.0]}, "workers[0]", "2.0 is not an integer"),
-    ({"strategy_params": {"allreduce": {"bucket_cap_mb": True}}}, "strategy_params.allreduce.bucket_cap_mb",
-     "True is not a number"),
-    # the profile is read by the last rule: a wrong name stops the study before the first
-    ({"projection": {"hardware": "h100"}}, "projection.hardware", "'h100' is neither a file nor a profile name"),
-])
+@pytest.mark.parametrize(
+    "override, key, words",
+    [
+        ({"train": {"batch_size": 64.0}}, "train.batch_size", "64.0 is not an integer"),
+        ({"workers": [2.0]}, "workers[0]", "2.0 is not an integer"),
+        (
+            {"strategy_params": {"allreduce": {"bucket_cap_mb": True}}},
+            "strategy_params.allreduce.bucket_cap_mb",
+            "True is not a number",
+        ),
+        # the profile is read by the last rule: a wrong name stops the study before the first
+        ({"projection": {"hardware": "h100"}}, "projection.hardware", "'h100' is neither a file nor a profile name"),
+    ],
+)
 def test_the_dry_run_refuses_a_value_of_the_wrong_type(tmp_path, override, key, words):
     result = run_snakemake(tmp_path, tiny_study(**override), "--dry-run", "--cores", "1", timeout=300)
     output = result.stdout + result.stderr
@@ -149,8 +166,13 @@ def test_the_dry_run_refuses_a_value_of_the_wrong_type(tmp_path, override, key, 
 def test_a_malformed_yaml_is_one_line_naming_file_and_line(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("model: lenet5\ntrain: {epochs: 1, batch_size: 8\nworkers: [1, 2]\n")
-    result = subprocess.run([sys.executable, "-m", "dtstudy", "check-config", "--config", str(path)],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "dtstudy", "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -166,17 +188,22 @@ def test_every_hardware_profile_of_the_projection_is_checked_when_the_study_star
     with pytest.raises(ConfigError, match=r"config key 'projection\.hardware\[1\]': 'h100' is neither"):
         validated(tiny_study(projection={"hardware": ["this_machine", "h100"]}))
     bad = tmp_path / "bad.yaml"
-    bad.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: -25, latency_us: 5}\n"
-                   "intra_node: {bandwidth_gbyte_s: 12}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: key 'inter_node\.bandwidth_gbit_s': -25 is .*; allowed: a number > 0"):
+    bad.write_text(
+        "gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: -25, latency_us: 5}\nintra_node: {bandwidth_gbyte_s: 12}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"bad\.yaml: key 'inter_node\.bandwidth_gbit_s': -25 is .*; allowed: a number > 0"
+    ):
         validated(tiny_study(projection={"hardware": [str(bad)]}))
     no_intra = tmp_path / "no_intra.yaml"  # a study has no single-node throughput to fit the link to
     no_intra.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: 25, latency_us: 5}\n")
     with pytest.raises(ConfigError, match=r"no_intra\.yaml: key 'intra_node' is missing"):
         validated(tiny_study(projection={"hardware": str(no_intra)}))
     knob = tmp_path / "knob.yaml"  # the profile's knobs of the study's strategies
-    knob.write_text("gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: 25}\nintra_node: measured\n"
-                    "strategy_params: {ps_sync: {placement: everywhere}}\n")
+    knob.write_text(
+        "gpus_per_node: 4\ninter_node: {bandwidth_gbit_s: 25}\nintra_node: measured\n"
+        "strategy_params: {ps_sync: {placement: everywhere}}\n"
+    )
     with pytest.raises(ConfigError, match=r"strategy_params\.ps_sync\.placement': 'everywhere'"):
         validated(tiny_study(strategies=["ps_sync"], projection={"hardware": str(knob)}))
     with pytest.raises(ConfigError, match=r"'projection\.hardware': \[\] should be non-empty"):

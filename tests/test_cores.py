@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_study, train_run, validated
+
 from dtstudy.launch import cores
 
 CORES = len(os.sched_getaffinity(0))
@@ -36,9 +36,16 @@ def test_leases_are_distinct_and_exhaustible(private_leases):
 
 def test_a_killed_holder_frees_its_cores(private_leases, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from dtstudy.launch import cores; "
-         f"held = cores.lease({CORES}); print(held.cores, flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True, env=os.environ)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from dtstudy.launch import cores; "
+            f"held = cores.lease({CORES}); print(held.cores, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
     try:
         assert holder.stdout.readline().strip() == str(sorted(os.sched_getaffinity(0)))
         assert cores.lease(1) is None
@@ -93,15 +100,27 @@ def test_a_cpu_worker_gets_one_core_and_a_loader_or_a_gpu_worker_gets_its_loader
     assert cores.split([3, 4, 5, 6, 9], [2, 2, 1]) == [[3, 4], [5, 6], [9]]
 
 
-def _spec(device: str, strategy: str = "allreduce", workers: int = 2, dataset: str = "imagefolder",
-          loader_workers: int | None = None):
+def _spec(
+    device: str,
+    strategy: str = "allreduce",
+    workers: int = 2,
+    dataset: str = "imagefolder",
+    loader_workers: int | None = None,
+):
     """A run's spec (its config as the schema fills it in; nothing checks for a GPU or the data)."""
     from dtstudy.config.study_config import run_config, validate_schema
     from dtstudy.runspec import RunSpec
 
     data = {"name": dataset, "root": "/data", "subset": None} if dataset == "imagefolder" else {}
-    study = validate_schema(tiny_study(dataset=data, loader={"workers": loader_workers}, launcher={"device": device},
-                                       strategies=[strategy], workers=[workers]))
+    study = validate_schema(
+        tiny_study(
+            dataset=data,
+            loader={"workers": loader_workers},
+            launcher={"device": device},
+            strategies=[strategy],
+            workers=[workers],
+        )
+    )
     return RunSpec(strategy, workers, 0, run_config(study, strategy), "", "")
 
 
@@ -143,7 +162,9 @@ def write_jpeg_tree(root, classes: int = 2, per_class: int = 10, size: int = 20)
     for label in range(classes):
         (root / f"class{label}").mkdir(parents=True)
         for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(root / f"class{label}" / f"{i}.jpg")
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(
+                root / f"class{label}" / f"{i}.jpg"
+            )
     return root
 
 
@@ -157,12 +178,21 @@ def test_a_rank_with_loader_processes_is_pinned_to_their_cores_too(tmp_path):
     from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
 
-    study = validated(tiny_study(
-        dataset={"name": "imagefolder", "root": str(write_jpeg_tree(tmp_path / "tree")), "subset": None,
-                 "val_fraction": 0.2, "test_fraction": 0.2, "image_size": 16},
-        loader={"workers": 1}, workers=[1],
-        train={"batch_size": 4, "max_steps": 2, "log_every": 1, "steady_state_skip": 0, "eval_images": None},
-    ))
+    study = validated(
+        tiny_study(
+            dataset={
+                "name": "imagefolder",
+                "root": str(write_jpeg_tree(tmp_path / "tree")),
+                "subset": None,
+                "val_fraction": 0.2,
+                "test_fraction": 0.2,
+                "image_size": 16,
+            },
+            loader={"workers": 1},
+            workers=[1],
+            train={"batch_size": 4, "max_steps": 2, "log_every": 1, "steady_state_skip": 0, "eval_images": None},
+        )
+    )
     prepare(study["dataset"], tmp_path / "data")
     spec = RunSpec("allreduce", 1, 0, run_config(study, "allreduce"), str(tmp_path / "data"), str(tmp_path / "run"))
     environment = run_training_job(spec, tmp_path / "run" / "submitit")["environment"]

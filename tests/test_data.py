@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO, dataset_config
+
 from dtstudy.data.checks import check_dataset
 from dtstudy.data.errors import DataConfigError
 from dtstudy.data.formats import DEFAULT_FASHION_MNIST_ROOT, FASHION_MNIST_FILES

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, dataset_config
 from PIL import Image
 
-from conftest import REPO, dataset_config
 from dtstudy.data.checks import PICKLE_STOP, check_dataset
 from dtstudy.data.errors import DataConfigError
 from dtstudy.data.formats import CIFAR10_DIR, CIFAR10_FILES, FASHION_MNIST_FILES

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import assert_same_parameters, in_workers, tiny_study, train_run, validated
+
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.gossip.strategy import Gossip, pair_partner, ring_neighbours
 from dtstudy.strategies.local.strategy import EASGD, LocalSGD
@@ -18,16 +18,32 @@ PLAIN_SGD = {"momentum": 0.0, "weight_decay": 0.0}
 def test_local_sgd_with_period_1_equals_allreduce(tmp_path, tiny_data):
     """local_sgd with H=1 equals allreduce (plain SGD) (docs/strategies.md, "Equivalences the tests check")."""
     _, allreduce, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, **PLAIN_SGD)
-    metrics, local, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="local_sgd",
-                                  strategy_params={"period": 1}, **PLAIN_SGD)
+    metrics, local, _ = train_run(
+        tmp_path,
+        tiny_data,
+        workers=2,
+        batch_size=32,
+        steps=8,
+        strategy="local_sgd",
+        strategy_params={"period": 1},
+        **PLAIN_SGD,
+    )
     assert_same_parameters(local, allreduce, atol=1e-5)
     # averaging the parameters every step moves as many bytes as all-reducing the gradients
     lenet_bytes = sum(p.numel() for p in local.values()) * 4
     assert metrics["bytes_per_step"] == pytest.approx(lenet_bytes)
 
     # teeth: averaging every 4 steps lets the workers drift apart in between
-    _, every_4, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="local_sgd",
-                              strategy_params={"period": 4}, **PLAIN_SGD)
+    _, every_4, _ = train_run(
+        tmp_path,
+        tiny_data,
+        workers=2,
+        batch_size=32,
+        steps=8,
+        strategy="local_sgd",
+        strategy_params={"period": 4},
+        **PLAIN_SGD,
+    )
     with pytest.raises(AssertionError):
         assert_same_parameters(every_4, allreduce, atol=1e-5)
 
@@ -35,8 +51,15 @@ def test_local_sgd_with_period_1_equals_allreduce(tmp_path, tiny_data):
 def test_local_sgd_warm_up_is_synchronous_sgd(tmp_path, tiny_data):
     """During warm-up (here every step) local_sgd all-reduces gradients: allreduce, momentum included."""
     _, allreduce, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8)
-    _, warm, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="local_sgd",
-                           strategy_params={"period": 100, "warmup_steps": 8})
+    _, warm, _ = train_run(
+        tmp_path,
+        tiny_data,
+        workers=2,
+        batch_size=32,
+        steps=8,
+        strategy="local_sgd",
+        strategy_params={"period": 100, "warmup_steps": 8},
+    )
     assert_same_parameters(warm, allreduce, atol=1e-5)
 
 
@@ -44,16 +67,18 @@ def test_easgd_and_gossip_on_one_worker_are_plain_sgd(tmp_path, tiny_data):
     """easgd and gossip on one worker reduce to plain SGD (docs/strategies.md, "Equivalences the tests check")."""
     metrics, sgd, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=12)
     for name, params in (("easgd", {"period": 1, "alpha": 1.0}), ("gossip", {})):
-        other, state, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=12, strategy=name,
-                                    strategy_params=params)
+        other, state, _ = train_run(
+            tmp_path, tiny_data, workers=1, batch_size=32, steps=12, strategy=name, strategy_params=params
+        )
         assert_same_parameters(state, sgd, atol=1e-6)
         assert other["train_loss"] == metrics["train_loss"] and other["bytes_per_step"] == 0
         assert other["strategy_metrics"]["consensus_distance"] == [{"step": 12, "distance": 0.0}]
 
 
 def test_easgd_exchanges_every_period(tmp_path, tiny_data):
-    metrics, centre, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="easgd",
-                                   strategy_params={"period": 4})
+    metrics, centre, _ = train_run(
+        tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="easgd", strategy_params={"period": 4}
+    )
     # the exchange (every 4 steps) all-reduces the parameters once: 2 of 8 steps, ring factor 1 at N=2
     lenet_bytes = sum(p.numel() for p in centre.values()) * 4
     assert metrics["steady_state_skip"] == 4
@@ -66,21 +91,33 @@ def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_da
     """An average of models is evaluated with BatchNorm statistics recomputed for it (the
     mean of the workers' running statistics is not the averaged model's): the checkpoint's
     statistics are those update_bn computes for its parameters on the first batches."""
-    from dtstudy.data.loading import load_split
-    from dtstudy.training.models import build_model
-    from dtstudy.strategies.base import Strategy
-
-    from dtstudy.config.study_config import run_config
-    from dtstudy.launch.launcher import run_training_job
     from dtstudy.common.run_folder import MODEL
+    from dtstudy.config.study_config import run_config
+    from dtstudy.data.loading import load_split
+    from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
+    from dtstudy.strategies.base import Strategy
+    from dtstudy.training.models import build_model
 
     batch = 8
-    study = validated(tiny_study(strategies=["local_sgd"], workers=[2], model="resnet18",
-                                 model_options={"small_input": True}, strategy_params={"local_sgd": {"period": 3}},
-                                 train={"batch_size": batch, "max_steps": 4}))
-    spec = RunSpec(strategy="local_sgd", workers=2, seed=0, config=run_config(study, "local_sgd"),
-                   data_dir=str(tiny_data), out_dir=str(tmp_path / "run"))
+    study = validated(
+        tiny_study(
+            strategies=["local_sgd"],
+            workers=[2],
+            model="resnet18",
+            model_options={"small_input": True},
+            strategy_params={"local_sgd": {"period": 3}},
+            train={"batch_size": batch, "max_steps": 4},
+        )
+    )
+    spec = RunSpec(
+        strategy="local_sgd",
+        workers=2,
+        seed=0,
+        config=run_config(study, "local_sgd"),
+        data_dir=str(tiny_data),
+        out_dir=str(tmp_path / "run"),
+    )
     metrics = run_training_job(spec, tmp_path / "run" / "submitit")
     state = torch.load(tmp_path / "run" / MODEL, weights_only=True)["state_dict"]
     assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0  # averaged after 3, apart at 4
@@ -88,8 +125,9 @@ def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_da
     model.load_state_dict(state)
     train_set = load_split(tiny_data, "train")
     count = Strategy.batch_norm_batches * batch
-    torch.optim.swa_utils.update_bn([train_set.batch(torch.arange(i, i + batch))[0] for i in range(0, count, batch)],
-                                    model)
+    torch.optim.swa_utils.update_bn(
+        [train_set.batch(torch.arange(i, i + batch))[0] for i in range(0, count, batch)], model
+    )
     recomputed = model.state_dict()
     statistics = [name for name in state if name.endswith(("running_mean", "running_var"))]
     assert len(statistics) == 2 * 20  # every BatchNorm of ResNet-18
@@ -190,8 +228,9 @@ def _check_local_sgd(ctx, momentum):
     local_parameters = _flat(parameters) - lr * local_momenta
     strategy.update(lr)  # step 2: local step, then parameters and momentum averaged
     for after, local in ((_flat(parameters), local_parameters), (_flat(momenta), local_momenta)):
-        torch.testing.assert_close(_everyone(after), _everyone(local).mean(0).expand(ctx.workers, -1),
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            _everyone(after), _everyone(local).mean(0).expand(ctx.workers, -1), atol=1e-6, rtol=0
+        )
     ring = 2 * (ctx.workers - 1) / ctx.workers
     assert strategy.meter.take()[1] == pytest.approx(ring * 4 * 2 * local_parameters.numel())
 
@@ -240,8 +279,9 @@ def test_bad_knobs_stop_the_study_naming_the_key(name, knob, value):
     assert repr(value) in str(err.value)
 
 
-@pytest.mark.parametrize("alpha, workers, first_bad, bound", [(1, [1, 2], 2, "0.5"), (0.3, [1, 2, 4], 4, "0.25"),
-                                                              (0.6, [2], 2, "0.5")])
+@pytest.mark.parametrize(
+    "alpha, workers, first_bad, bound", [(1, [1, 2], 2, "0.5"), (0.3, [1, 2, 4], 4, "0.25"), (0.6, [2], 2, "0.5")]
+)
 def test_easgd_rejects_n_alpha_above_one_before_any_job(alpha, workers, first_bad, bound):
     """c <- (1 - N alpha) c + N alpha mean(x): degenerate at N alpha = 2 (alpha 1, N=2), unstable past."""
     config = tiny_study(strategies=["easgd"], workers=workers, strategy_params={"easgd": {"alpha": alpha}})
@@ -251,16 +291,18 @@ def test_easgd_rejects_n_alpha_above_one_before_any_job(alpha, workers, first_ba
     assert repr(alpha) in message and "N*alpha must be <= 1" in message and bound in message
     assert f"1/N = {bound} with N={first_bad} in workers" in message
     # alpha = 1 / N at the largest N is the bound itself: allowed
-    validated(tiny_study(strategies=["easgd"], workers=workers,
-                         strategy_params={"easgd": {"alpha": 1 / max(workers)}}))
+    validated(tiny_study(strategies=["easgd"], workers=workers, strategy_params={"easgd": {"alpha": 1 / max(workers)}}))
 
 
 @pytest.mark.parametrize(
     "name, knobs",
-    [("local_sgd", {"period": 1, "warmup_steps": 5}), ("easgd", {"alpha": 0.5}), ("easgd", {"beta": 0.5}),
-     ("gossip", {"topology": "random_pairs"}), ("allreduce_powersgd", {"rank": 1, "warm_start": False,
-                                                                       "use_error_feedback": False,
-                                                                       "start_powerSGD_iter": 0})],
+    [
+        ("local_sgd", {"period": 1, "warmup_steps": 5}),
+        ("easgd", {"alpha": 0.5}),
+        ("easgd", {"beta": 0.5}),
+        ("gossip", {"topology": "random_pairs"}),
+        ("allreduce_powersgd", {"rank": 1, "warm_start": False, "use_error_feedback": False, "start_powerSGD_iter": 0}),
+    ],
 )
 def test_good_knobs_pass(name, knobs):
     validated(tiny_study(strategies=[name], strategy_params={name: knobs}))

@@ -31,7 +31,7 @@ class StreamLog:
         self.current = self.Stream(self, "training")
 
     class Stream:
-        def __init__(self, log: "StreamLog", name: str):
+        def __init__(self, log: StreamLog, name: str):
             self.log, self.name = log, name
 
         def wait_stream(self, other) -> None:
@@ -85,13 +85,15 @@ def test_nvjpeg_decodes_on_its_own_stream_and_the_training_stream_waits_for_it(m
 @pytest.fixture(scope="module")
 def prepared_tree(tmp_path_factory):
     from conftest import dataset_config
-    from dtstudy.data.prepare import prepare
     from test_image_pipeline import write_messy_tree
+
+    from dtstudy.data.prepare import prepare
 
     tree = write_messy_tree(tmp_path_factory.mktemp("tree") / "tree", per_class=4, seed=0)
     out = tmp_path_factory.mktemp("prepared")
-    prepare(dataset_config(name="imagefolder", root=str(tree), val_fraction=0.25, test_fraction=0.25, image_size=16),
-            out)
+    prepare(
+        dataset_config(name="imagefolder", root=str(tree), val_fraction=0.25, test_fraction=0.25, image_size=16), out
+    )
     return out
 
 
@@ -100,15 +102,15 @@ def _parent(pid: int) -> int:
 
 
 @pytest.mark.parametrize("decoder, start", [("dali_cpu", "forkserver"), ("torchvision", None)])
-def test_dali_workers_start_from_a_fresh_interpreter_not_a_fork_of_the_training_process(prepared_tree, decoder,
-                                                                                        start):
+def test_dali_workers_start_from_a_fresh_interpreter_not_a_fork_of_the_training_process(prepared_tree, decoder, start):
     """The declared start method reaches the split's DataLoader, and its workers are not the
     training process's children (forked from it, CUDA state and all); the CPU decoders keep
     the cheap fork (the control: their workers are its children)."""
     import os
 
-    from dtstudy.data.loading import load_split
     from test_image_pipeline import loader_config
+
+    from dtstudy.data.loading import load_split
 
     assert decoding.DECODERS[decoder]().worker_start_method == start
     train = load_split(prepared_tree, "train", loader_config(workers=1, decoder=decoder))

@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "device"))
@@ -27,8 +26,11 @@ def test_the_record_keeps_what_was_measured_and_decides_each_check_once_its_figu
     written = json.loads(path.read_text())
     assert not written["complete"] and not written["passed"]
     assert set(written["checks"].values()) == {None}
-    record.update(images_per_s_ratio=0.97, data_share_of_step=0.08,
-                  start={"pinned_cores": None, "rank0_cores": 16, "check_cores": 16})
+    record.update(
+        images_per_s_ratio=0.97,
+        data_share_of_step=0.08,
+        start={"pinned_cores": None, "rank0_cores": 16, "check_cores": 16},
+    )
     checks = json.loads(path.read_text())["checks"]
     assert checks["images_per_s_ratio_at_least_0.95"] is True and checks["data_share_under_0.05"] is False
     assert checks["study_run_started_unpinned"] is True and checks["test_pass_on_the_runs_device"] is None

@@ -23,11 +23,11 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_same_parameters, in_workers
+from test_emulation import emulated_run
 from torch.overrides import TorchFunctionMode
 
-from conftest import assert_same_parameters, in_workers
 from dtstudy.strategies.registry import STRATEGIES
-from test_emulation import emulated_run
 
 #: the stand-in accelerator: a tensor made with device=cpu:0 reports `cpu` as any other, so
 #: only the factory's argument tells the run's device from the host's memory
@@ -37,15 +37,27 @@ _HOST = "_dtstudy_on_host"
 #: knobs with which each strategy exchanges within the runs' few steps (the rest: defaults);
 #: every registered strategy runs at least once
 CASES = [
-    ("allreduce", {}), ("ps_sync", {}), ("ps_backup", {"backup": 1}), ("ps_async", {}), ("ssp", {}),
-    ("local_sgd", {"period": 2, "warmup_steps": 1}), ("easgd", {"period": 2}),
-    ("gossip", {"topology": "ring"}), ("gossip", {"topology": "random_pairs"}),
-    ("allreduce_fp16", {}), ("allreduce_bf16", {}), ("allreduce_powersgd", {"start_powerSGD_iter": 2}),
-    ("allreduce_onebit", {"exchange": "allgather"}), ("allreduce_onebit", {"exchange": "reduce_scatter"}),
-    ("hybrid", {}), ("no_exchange", {}),
+    ("allreduce", {}),
+    ("ps_sync", {}),
+    ("ps_backup", {"backup": 1}),
+    ("ps_async", {}),
+    ("ssp", {}),
+    ("local_sgd", {"period": 2, "warmup_steps": 1}),
+    ("easgd", {"period": 2}),
+    ("gossip", {"topology": "ring"}),
+    ("gossip", {"topology": "random_pairs"}),
+    ("allreduce_fp16", {}),
+    ("allreduce_bf16", {}),
+    ("allreduce_powersgd", {"start_powerSGD_iter": 2}),
+    ("allreduce_onebit", {"exchange": "allgather"}),
+    ("allreduce_onebit", {"exchange": "reduce_scatter"}),
+    ("hybrid", {}),
+    ("no_exchange", {}),
 ]
-IDS = [name + "".join(f"-{value}" for key, value in knobs.items() if key in ("topology", "exchange"))
-       for name, knobs in CASES]
+IDS = [
+    name + "".join(f"-{value}" for key, value in knobs.items() if key in ("topology", "exchange"))
+    for name, knobs in CASES
+]
 STEPS = 5
 
 
@@ -54,6 +66,7 @@ def test_the_cases_cover_every_registered_strategy():
 
 
 # ----- where each tensor would live on a GPU ---------------------------------------------------
+
 
 def _tensors(value):
     if isinstance(value, torch.Tensor):
@@ -114,12 +127,30 @@ class HostTensors(TorchFunctionMode):
 # ----- a recorder of the emulated group's collectives -------------------------------------------
 
 #: the emulated group's methods that move tensors (barrier moves none)
-COLLECTIVES = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "gather", "all_gather_single",
-               "reduce_scatter", "reduce_scatter_single", "all_to_all_single", "alltoall", "send", "recv",
-               "recv_anysource")
+COLLECTIVES = (
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "allgather",
+    "gather",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "alltoall",
+    "send",
+    "recv",
+    "recv_anysource",
+)
 #: torch's object collectives serialise to a tensor on the device NCCL wants, by themselves
-OBJECT_COLLECTIVES = ("gather_object", "all_gather_object", "broadcast_object_list", "scatter_object_list",
-                      "send_object_list", "recv_object_list")
+OBJECT_COLLECTIVES = (
+    "gather_object",
+    "all_gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 def _caller() -> str:
@@ -159,16 +190,19 @@ def _watched(cls, record: Record, channels_last: bool):
             four_d = [(name, p) for name, p in self._watched.named_parameters() if p.dim() == 4]
             for name, p in four_d:
                 if p.grad is not None and p.grad.stride() != p.stride():
-                    record.layout.append(f"update {self._updates}: {name}'s gradient has strides "
-                                         f"{p.grad.stride()}, the parameter {p.stride()}")
+                    record.layout.append(
+                        f"update {self._updates}: {name}'s gradient has strides "
+                        f"{p.grad.stride()}, the parameter {p.stride()}"
+                    )
             super().update(lr)
             for name, p in four_d:
                 record.layouts_checked += 1
                 is_channels_last = p.is_contiguous(memory_format=torch.channels_last)
                 record.channels_last_seen |= is_channels_last and p.shape[1] > 1
                 if channels_last and not is_channels_last:
-                    record.layout.append(f"after update {self._updates}: {name} is not channels_last "
-                                         f"(strides {p.stride()})")
+                    record.layout.append(
+                        f"after update {self._updates}: {name} is not channels_last (strides {p.stride()})"
+                    )
 
     Watched.__name__ = cls.__name__
     return Watched
@@ -192,8 +226,10 @@ def on_the_stand_in(record: Record, channels_last: bool = False):
                 for tensor in _tensors(args):
                     record.checked += 1
                     if on_host(tensor):
-                        record.host.append(f"{method_name} of a {tuple(tensor.shape)} {tensor.dtype} tensor in host "
-                                           f"memory, from {_caller()}")
+                        record.host.append(
+                            f"{method_name} of a {tuple(tensor.shape)} {tensor.dtype} tensor in host "
+                            f"memory, from {_caller()}"
+                        )
             return method(group, *args, **kwargs)
 
         return collective
@@ -242,9 +278,16 @@ def stand_in_runs(tmp_path_factory, tiny_data):
         key = (strategy, repr(knobs), memory_format)
         if key not in runs:
             with on_the_stand_in(Record(), memory_format == "channels_last") as record:
-                metrics, state, _ = emulated_run(tmp_path_factory.mktemp(strategy), tiny_data, workers=2,
-                                                 batch_size=16, steps=STEPS, strategy=strategy, strategy_params=knobs,
-                                                 memory_format=memory_format)
+                metrics, state, _ = emulated_run(
+                    tmp_path_factory.mktemp(strategy),
+                    tiny_data,
+                    workers=2,
+                    batch_size=16,
+                    steps=STEPS,
+                    strategy=strategy,
+                    strategy_params=knobs,
+                    memory_format=memory_format,
+                )
             runs[key] = metrics, state, record
         return runs[key]
 
@@ -255,11 +298,24 @@ def test_the_stand_in_tells_host_tensors_from_the_run_devices():
     """The rules the recorder relies on, one by one (a GPU run's placement)."""
     with HostTensors(RUN_DEVICE):
         on_device = torch.zeros(3, device=RUN_DEVICE)
-        made_on_host = [torch.tensor([1]), torch.zeros(2), torch.ones(2, device="cpu"), on_device.cpu(),
-                        torch.tensor([1]) + 1, torch.arange(3).to(torch.float64)]
-        made_on_device = [on_device + 1, torch.empty_like(on_device), on_device[1:], on_device.view(3, 1),
-                          torch.tensor([1]).to(RUN_DEVICE), torch.tensor([1], device=RUN_DEVICE), on_device * torch.tensor(2.0),
-                          torch.cat([on_device, on_device])]
+        made_on_host = [
+            torch.tensor([1]),
+            torch.zeros(2),
+            torch.ones(2, device="cpu"),
+            on_device.cpu(),
+            torch.tensor([1]) + 1,
+            torch.arange(3).to(torch.float64),
+        ]
+        made_on_device = [
+            on_device + 1,
+            torch.empty_like(on_device),
+            on_device[1:],
+            on_device.view(3, 1),
+            torch.tensor([1]).to(RUN_DEVICE),
+            torch.tensor([1], device=RUN_DEVICE),
+            on_device * torch.tensor(2.0),
+            torch.cat([on_device, on_device]),
+        ]
         host = torch.zeros(2)
         host.copy_(on_device[:2])  # in place: still host memory
     assert all(on_host(t) for t in made_on_host)
@@ -269,6 +325,7 @@ def test_the_stand_in_tells_host_tensors_from_the_run_devices():
 
 # ----- (a) every collective's tensors on the run's device ------------------------------------------
 
+
 @pytest.mark.parametrize("strategy, knobs", CASES, ids=IDS)
 def test_every_collective_gets_tensors_on_the_runs_device(stand_in_runs, strategy, knobs):
     metrics, _, record = stand_in_runs(strategy, knobs, "channels_last")
@@ -277,8 +334,9 @@ def test_every_collective_gets_tensors_on_the_runs_device(stand_in_runs, strateg
     assert record.host == [], "host tensors in collectives of the device's group:\n" + "\n".join(record.host)
 
 
-@pytest.mark.parametrize("made", ["torch.tensor([0])", "torch.zeros(1, device='cpu')",
-                                  "torch.zeros(1, device=self.ctx.device).cpu()"])
+@pytest.mark.parametrize(
+    "made", ["torch.tensor([0])", "torch.zeros(1, device='cpu')", "torch.zeros(1, device=self.ctx.device).cpu()"]
+)
 def test_a_host_tensor_planted_in_an_exchange_is_named(tmp_path, tiny_data, monkeypatch, made):
     """The teeth: a broadcast of a tensor made on the host, planted in allreduce's set-up, is
     named with the line that handed it over; the same tensor moved to the run's device is not."""
@@ -302,6 +360,7 @@ def test_a_host_tensor_planted_in_an_exchange_is_named(tmp_path, tiny_data, monk
 
 # ----- (b) channels_last kept through every exchange ------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy, knobs", CASES, ids=IDS)
 def test_channels_last_survives_every_exchange_and_ends_where_contiguous_ends(stand_in_runs, strategy, knobs):
     metrics, channels_last, record = stand_in_runs(strategy, knobs, "channels_last")
@@ -320,7 +379,11 @@ def _averages_in_place_without_a_device_sync(ctx):
         raise AssertionError("the exchange synchronized the device")
 
     # this worker process only: an accelerator that may not be waited for
-    torch.accelerator.is_available, torch.accelerator.synchronize, torch.cuda.synchronize = (lambda: True), refuse, refuse
+    torch.accelerator.is_available, torch.accelerator.synchronize, torch.cuda.synchronize = (
+        (lambda: True),
+        refuse,
+        refuse,
+    )
     weight = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
     values, storage = weight.clone(), weight.data_ptr()
     average_over_workers([weight], ctx.worker_group)

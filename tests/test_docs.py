@@ -153,8 +153,10 @@ def test_every_relative_link_resolves(path):
 
 def test_the_link_check_catches_a_missing_file_a_missing_heading_and_a_link_into_the_package():
     page = REPO / "docs" / "a-page.md"
-    text = ("[ok](strategies.md#references) [gone](no-such-page.md) [anchor](strategies.md#no-such-heading) "
-            "[module](../workflow/dtstudy/errors.py) `[in code](nowhere.md)` [web](https://example.org/x.md)\n")
+    text = (
+        "[ok](strategies.md#references) [gone](no-such-page.md) [anchor](strategies.md#no-such-heading) "
+        "[module](../workflow/dtstudy/errors.py) `[in code](nowhere.md)` [web](https://example.org/x.md)\n"
+    )
     assert len(broken_links(page, text)) == 3
 
 
@@ -171,7 +173,8 @@ def test_no_dates_or_commit_hashes_in_the_prose(path):
     dates = ISO_DATE.findall(text)
     commits = COMMIT.findall(text)
     assert not dates and not commits, (
-        f"{rel(path)}: dates {dates}, commit hashes {commits}: they belong in a record (docs/records/), not the prose")
+        f"{rel(path)}: dates {dates}, commit hashes {commits}: they belong in a record (docs/records/), not the prose"
+    )
 
 
 def test_the_date_and_commit_patterns_catch_a_diary():
@@ -190,7 +193,8 @@ FIGURE = re.compile(
     r"(?:(?P<min>\d+) min (?P<sec>\d+) s"
     r"|(?P<count>\d+) of (?P<total>\d+)"
     r"|(?P<number>[+−-]?\d+(?:\.\d+)?)\s?(?P<unit>%|ms|µs|s|images/s)?)"
-    r"\**\s*$")
+    r"\**\s*$"
+)
 # what looks like a measurement when no marker stands beside it
 MEASURED = [
     re.compile(r"(?<![\w.])[+−-]?\d+(?:\.\d+)?\s?%"),
@@ -245,11 +249,13 @@ def quoted_figures(text: str) -> tuple[list[str], list[str]]:
         plain = INLINE_CODE.sub("``", block)
         # marked figures: each checked, then taken out of what the unmarked scan sees
         for mark in RECORD_MARK.finditer(plain):
-            before = re.sub(r"<!--.*?-->", "", plain[:mark.start()])
+            before = re.sub(r"<!--.*?-->", "", plain[: mark.start()])
             figure = FIGURE.search(before)
             path, dotted = mark.groups()
             if figure is None:
-                problems.append(f"a marker with no figure before it: ...{before[-40:]!r} <!-- record: {path}#{dotted} -->")
+                problems.append(
+                    f"a marker with no figure before it: ...{before[-40:]!r} <!-- record: {path}#{dotted} -->"
+                )
                 continue
             if not (REPO / path).exists():
                 problems.append(f"{figure.group(0)!r}: no record {path}")
@@ -263,9 +269,9 @@ def quoted_figures(text: str) -> tuple[list[str], list[str]]:
                 problems.append(f"{figure.group(0).strip()!r} is not {path}#{dotted} = {value!r}")
         scan = plain
         for mark in reversed(list(RECORD_MARK.finditer(plain))):
-            figure = FIGURE.search(re.sub(r"<!--.*?-->", "", plain[:mark.start()]))
+            figure = FIGURE.search(re.sub(r"<!--.*?-->", "", plain[: mark.start()]))
             start = mark.start() - (len(figure.group(0)) if figure else 0)
-            scan = scan[:max(start, 0)] + " FIGURE " + scan[mark.end():]
+            scan = scan[: max(start, 0)] + " FIGURE " + scan[mark.end() :]
         published = PUBLISHED_MARK.findall(scan)
         for source in published:
             cited = re.findall(r"\[(\d+)\]", source)
@@ -286,8 +292,10 @@ def quoted_figures(text: str) -> tuple[list[str], list[str]]:
 def test_every_quoted_figure_matches_its_record_and_none_is_unmarked(path):
     problems, unmarked = quoted_figures(path.read_text())
     assert not problems, f"{rel(path)}:\n" + "\n".join(problems)
-    assert not unmarked, (f"{rel(path)}: numbers that look measured, with no record marker "
-                          f"(docs/README.md, 'Quoting a figure'):\n" + "\n".join(unmarked))
+    assert not unmarked, (
+        f"{rel(path)}: numbers that look measured, with no record marker "
+        f"(docs/README.md, 'Quoting a figure'):\n" + "\n".join(unmarked)
+    )
 
 
 def test_the_figure_check_fails_a_drifted_or_unmarked_figure():
@@ -373,8 +381,11 @@ def schema_defaults(node: dict, prefix: str = "") -> dict[str, object]:
 
 def knob_defaults() -> dict[tuple[str, str], object]:
     knobs = load_schema()["properties"]["strategy_params"]["properties"]
-    return {(name, knob): sub.get("default", "<no default>")
-            for name, knob_schema in knobs.items() for knob, sub in knob_schema.get("properties", {}).items()}
+    return {
+        (name, knob): sub.get("default", "<no default>")
+        for name, knob_schema in knobs.items()
+        for knob, sub in knob_schema.get("properties", {}).items()
+    }
 
 
 def cells(row: str) -> list[str]:
@@ -438,8 +449,11 @@ def same(a, b) -> bool:
 
 def test_every_default_config_readme_quotes_is_the_schemas():
     documented, in_schema = documented_defaults(), schema_defaults(load_schema())
-    wrong = [f"{key}: README says {cell}, the schema {in_schema[key]!r}"
-             for key, cell in documented.items() if key in in_schema and not same(as_written(cell), in_schema[key])]
+    wrong = [
+        f"{key}: README says {cell}, the schema {in_schema[key]!r}"
+        for key, cell in documented.items()
+        if key in in_schema and not same(as_written(cell), in_schema[key])
+    ]
     assert not wrong, "config/README.md:\n" + "\n".join(wrong)
 
 
@@ -452,8 +466,11 @@ def test_config_readme_documents_every_key_of_the_schema_and_no_other():
 def test_every_knob_default_config_readme_quotes_is_the_schemas():
     documented, in_schema = documented_knob_defaults(), knob_defaults()
     assert documented.keys() == in_schema.keys(), sorted(documented.keys() ^ in_schema.keys())
-    wrong = [f"{name}.{knob}: README says {cell}, the schema {in_schema[(name, knob)]!r}"
-             for (name, knob), cell in documented.items() if not same(as_written(cell), in_schema[(name, knob)])]
+    wrong = [
+        f"{name}.{knob}: README says {cell}, the schema {in_schema[(name, knob)]!r}"
+        for (name, knob), cell in documented.items()
+        if not same(as_written(cell), in_schema[(name, knob)])
+    ]
     assert not wrong, "config/README.md's knob table:\n" + "\n".join(wrong)
 
 
@@ -469,7 +486,9 @@ def deep_merge(base: dict, over: dict) -> dict:
     """`over` on top of `base`, mappings key by key (as Snakemake merges --configfile)."""
     merged = dict(base)
     for key, value in over.items():
-        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -506,9 +525,16 @@ def quoted_config_values() -> list[tuple[str, str, str]]:
 
 def test_the_values_config_readme_quotes_for_the_shipped_configs_are_theirs():
     quoted = quoted_config_values()
-    assert {name for name, _, _ in quoted} == {"config.yaml", "embedded-full.yaml", "allreduce.yaml", "hybrid.yaml",
-                                               "cluster.yaml", "at-scale.yaml", "at-scale-async.yaml",
-                                               "at-scale-onebit.yaml"}
+    assert {name for name, _, _ in quoted} == {
+        "config.yaml",
+        "embedded-full.yaml",
+        "allreduce.yaml",
+        "hybrid.yaml",
+        "cluster.yaml",
+        "at-scale.yaml",
+        "at-scale-async.yaml",
+        "at-scale-onebit.yaml",
+    }
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     wrong = []
     for name, key, written in quoted:
@@ -530,7 +556,9 @@ def test_config_readme_lists_exactly_the_operational_keys():
 
     section = CONFIG_README.read_text().split("## `launcher`", 1)[1].split("| key |", 1)[0]
     listed = set(re.findall(r"`([\w.]+)`", section))
-    expected = {key for key in OPERATIONAL_KEYS["launcher"]} | {f"tracking.{key}" for key in OPERATIONAL_KEYS["tracking"]}
+    expected = {key for key in OPERATIONAL_KEYS["launcher"]} | {
+        f"tracking.{key}" for key in OPERATIONAL_KEYS["tracking"]
+    }
     assert listed == expected
 
 
@@ -542,17 +570,28 @@ def test_every_count_of_the_cluster_studys_jobs_is_the_configs():
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config = deep_merge(base, yaml.safe_load((REPO / "config" / "cluster.yaml").read_text()))
     counts = {kind: run_kinds.run_count(config, kind) for kind in run_kinds.kinds_run(config)}
-    expected = {"training jobs": sum(counts.values()), "scaling runs": counts["scaling"],
-                "accuracy runs": counts["accuracy"], "strategies": len(config["strategies"])}
+    expected = {
+        "training jobs": sum(counts.values()),
+        "scaling runs": counts["scaling"],
+        "accuracy runs": counts["accuracy"],
+        "strategies": len(config["strategies"]),
+    }
     quoted = []
-    for path in (REPO / "README.md", REPO / "docs" / "cluster.md", REPO / "docs" / "testing.md",
-                 REPO / "config" / "cluster.yaml"):
+    for path in (
+        REPO / "README.md",
+        REPO / "docs" / "cluster.md",
+        REPO / "docs" / "testing.md",
+        REPO / "config" / "cluster.yaml",
+    ):
         text = " ".join(path.read_text().split())
         counted = r"(\d+) (?:SLURM )?training jobs|(\d+) (scaling|accuracy) runs|(\d+) strategies other"
         for match in re.finditer(counted, text):
-            what = ("training jobs" if match[1] else f"{match[3]} runs" if match[2] else "strategies")
+            what = "training jobs" if match[1] else f"{match[3]} runs" if match[2] else "strategies"
             quoted.append((path.name, what, int(match[1] or match[2] or match[4])))
     assert {name for name, _, _ in quoted} == {"README.md", "cluster.md", "testing.md", "cluster.yaml"}, quoted
-    wrong = [f"{name} says {count} {what}, config/cluster.yaml makes {expected[what]}"
-             for name, what, count in quoted if count != expected[what]]
+    wrong = [
+        f"{name} says {count} {what}, config/cluster.yaml makes {expected[what]}"
+        for name, what, count in quoted
+        if count != expected[what]
+    ]
     assert not wrong, "\n".join(wrong)

@@ -8,8 +8,8 @@ import re
 import mlflow
 import pandas as pd
 import pytest
-
 from conftest import job_counts, read_json, run_snakemake, tiny_study
+
 from dtstudy.analysis.tables import ACCURACY_COLUMNS, SCALING_COLUMNS
 from dtstudy.strategies.registry import STRATEGIES
 
@@ -43,7 +43,9 @@ def test_both_tables_have_a_row_per_strategy_and_workers(study):
     # one seed: the median of the run's own timed windows
     assert allreduce.throughput.tolist() == pytest.approx([runs[1]["throughput_median"], runs[2]["throughput_median"]])
     assert all(len(runs[n]["throughput_windows"]) >= 5 for n in (1, 2))
-    assert allreduce.efficiency.iloc[1] == pytest.approx(runs[2]["throughput_median"] / runs[1]["throughput_median"] / 2)
+    assert allreduce.efficiency.iloc[1] == pytest.approx(
+        runs[2]["throughput_median"] / runs[1]["throughput_median"] / 2
+    )
 
     accuracy = pd.read_csv(study / "results/tables/accuracy.csv")
     assert list(accuracy.columns) == ACCURACY_COLUMNS
@@ -134,7 +136,9 @@ def test_mlflow_holds_every_run_under_the_study_run(study):
         # the table's figure: the median of the timed windows with its interval, rounded as shown
         assert row["metrics.throughput"] == round(metrics["throughput_median"])
         assert row["metrics.throughput_low"] == round(metrics["throughput_ci95"][0])
-        assert row["metrics.test_top1"] == pytest.approx(read_json(run_dir(study, "allreduce", n) / "eval.json")["top1"])
+        assert row["metrics.test_top1"] == pytest.approx(
+            read_json(run_dir(study, "allreduce", n) / "eval.json")["top1"]
+        )
         assert row["tags.env.git_commit"] == str(metrics["environment"]["git_commit"])
     artifacts = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(parent_id, "tables")}
     assert {"tables/scaling.csv", "tables/accuracy.csv"} <= artifacts
@@ -167,7 +171,9 @@ def test_mlflow_ui_opens_on_the_training_runs_with_their_key_metrics(study):
     kind, key = re.fullmatch(r"(metrics|params)\.`(.+)`", view["orderByKey"]).groups()
     assert all(key in getattr(run.data, kind) for run in training)
     log = (study / "results/logs/aggregate.log").read_text()
-    assert f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=dtstudy" in log
+    assert (
+        f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=dtstudy" in log
+    )
 
 
 def test_rerun_has_nothing_to_do(study):
@@ -182,8 +188,10 @@ def test_changing_how_runs_are_launched_retrains_nothing_and_changing_what_they_
     checks the tracking settings again); a learning rate does not."""
     from dtstudy.config.study_config import deep_merge
 
-    operational = {"launcher": {"timeout_min": 240, "max_requeues": 9, "comm_timeout_s": 90, "gpu_hour_budget": 50.0},
-                   "tracking": {"wait_for_server_s": 30}}
+    operational = {
+        "launcher": {"timeout_min": 240, "max_requeues": 9, "comm_timeout_s": 90, "gpu_hour_budget": 50.0},
+        "tracking": {"wait_for_server_s": 30},
+    }
     result = run_snakemake(study, deep_merge(STUDY, operational), "--dry-run", "--cores", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert job_counts(result.stdout) == {"init_tracking": 1}, result.stdout[-2000:]

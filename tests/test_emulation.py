@@ -21,8 +21,8 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO, assert_same_parameters, tiny_study, train_run, validated
 
-from conftest import assert_same_parameters, REPO, tiny_study, train_run, validated
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.specs import SPECS
 
@@ -30,26 +30,51 @@ RATE = 10_000.0  # images/s of one emulated GPU for LeNet-5 (the h100 profile gi
 EMULATE = {"hardware": "h100_ib400", "images_per_s": RATE}
 
 
-def emulated_run(tmp_path, data_dir, workers, batch_size, steps=6, seed=0, strategy="allreduce",
-                 strategy_params=None, stragglers=None, emulate=None, name="emulated", run_class=None, **train):
+def emulated_run(
+    tmp_path,
+    data_dir,
+    workers,
+    batch_size,
+    steps=6,
+    seed=0,
+    strategy="allreduce",
+    strategy_params=None,
+    stragglers=None,
+    emulate=None,
+    name="emulated",
+    run_class=None,
+    **train,
+):
     """One emulated run (run_emulated, what `python -m dtstudy train` calls for it), configured as
     conftest.train_run's real run but for launcher.cluster and the emulate section (`run_class`:
     an EmulatedRun of the test's own instead). Returns (metrics, final state_dict, run folder)."""
     import torch
 
+    from dtstudy.common.run_folder import MODEL
     from dtstudy.config.study_config import run_config
     from dtstudy.emulation.runner import run_emulated
-    from dtstudy.common.run_folder import MODEL
     from dtstudy.runspec import RunSpec
 
-    study = validated(tiny_study(
-        strategies=[strategy], workers=[workers], strategy_params={strategy: strategy_params or {}},
-        stragglers=stragglers or {}, launcher={"cluster": "emulate"}, emulate=emulate or EMULATE,
-        train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1, **train},
-    ))
+    study = validated(
+        tiny_study(
+            strategies=[strategy],
+            workers=[workers],
+            strategy_params={strategy: strategy_params or {}},
+            stragglers=stragglers or {},
+            launcher={"cluster": "emulate"},
+            emulate=emulate or EMULATE,
+            train={"batch_size": batch_size, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1, **train},
+        )
+    )
     out = tmp_path / f"{name}-{strategy}-n{workers}-b{batch_size}-s{seed}"
-    spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
-                   data_dir=str(data_dir), out_dir=str(out))
+    spec = RunSpec(
+        strategy=strategy,
+        workers=workers,
+        seed=seed,
+        config=run_config(study, strategy),
+        data_dir=str(data_dir),
+        out_dir=str(out),
+    )
     metrics = run_emulated(spec) if run_class is None else run_class(spec).run()
     return metrics, torch.load(out / MODEL, weights_only=True)["state_dict"], out
 
@@ -71,23 +96,38 @@ def emulated_run(tmp_path, data_dir, workers, batch_size, steps=6, seed=0, strat
 # allgather (every worker's compressed bucket to every other, each decoded and averaged) and
 # its per-tensor quantizer
 SYNCHRONOUS_KNOBS = {
-    "allreduce": [{}], "allreduce_fp16": [{}], "allreduce_bf16": [{}],
-    "allreduce_powersgd": [{"start_powerSGD_iter": 2},
-                           {"start_powerSGD_iter": 2, "warm_start": False, "use_error_feedback": False}],
-    "local_sgd": [{"warmup_steps": 2, "period": 2}], "easgd": [{"period": 2}],
+    "allreduce": [{}],
+    "allreduce_fp16": [{}],
+    "allreduce_bf16": [{}],
+    "allreduce_powersgd": [
+        {"start_powerSGD_iter": 2},
+        {"start_powerSGD_iter": 2, "warm_start": False, "use_error_feedback": False},
+    ],
+    "local_sgd": [{"warmup_steps": 2, "period": 2}],
+    "easgd": [{"period": 2}],
     "gossip": [{}, {"topology": "random_pairs"}],
-    "allreduce_onebit": [{"exchange": "reduce_scatter"}, {"exchange": "allgather"},
-                         {"exchange": "allgather", "quantizer": "tensor"}],
-    "hybrid": [{}], "ps_sync": [{}],
+    "allreduce_onebit": [
+        {"exchange": "reduce_scatter"},
+        {"exchange": "allgather"},
+        {"exchange": "allgather", "quantizer": "tensor"},
+    ],
+    "hybrid": [{}],
+    "ps_sync": [{}],
 }
 #: what the equality leaves out, and why: their updates depend on the order the pushes arrive in,
 #: which a real run takes from the host's scheduling (test_emulated_staleness_matches_the_real_runs
 #: holds them to real runs by their staleness); no_exchange trains nothing together
 NOT_STEP_BY_STEP = {"ps_backup", "ps_async", "ssp", "no_exchange"}
-SYNCHRONOUS = [(strategy, knobs, workers) for strategy, variants in SYNCHRONOUS_KNOBS.items() for knobs in variants
-               for workers in (2, 4)]
-SYNCHRONOUS_IDS = [strategy + "".join(f"-{knob}={value}" for knob, value in knobs.items()) + f"-n{workers}"
-                   for strategy, knobs, workers in SYNCHRONOUS]
+SYNCHRONOUS = [
+    (strategy, knobs, workers)
+    for strategy, variants in SYNCHRONOUS_KNOBS.items()
+    for knobs in variants
+    for workers in (2, 4)
+]
+SYNCHRONOUS_IDS = [
+    strategy + "".join(f"-{knob}={value}" for knob, value in knobs.items()) + f"-n{workers}"
+    for strategy, knobs, workers in SYNCHRONOUS
+]
 #: the parameters' tolerance where 16-bit gradients of more than 2 workers are summed: gloo's ring
 #: sums them in another order than the emulated group's rank order, each partial sum rounded to
 #: the format, so after 8 steps they differ by a few of its rounding steps times the learning
@@ -116,10 +156,12 @@ def test_every_choice_of_a_synchronous_knob_is_held_to_its_real_run():
 
 @pytest.mark.parametrize("strategy, knobs, workers", SYNCHRONOUS, ids=SYNCHRONOUS_IDS)
 def test_emulated_run_equals_the_real_run_of_the_same_seed(tmp_path, tiny_data, strategy, knobs, workers):
-    real, real_state, _ = train_run(tmp_path, tiny_data, workers=workers, batch_size=16, steps=8, strategy=strategy,
-                                    strategy_params=knobs)
-    emulated, emulated_state, out = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=16, steps=8,
-                                                 strategy=strategy, strategy_params=knobs)
+    real, real_state, _ = train_run(
+        tmp_path, tiny_data, workers=workers, batch_size=16, steps=8, strategy=strategy, strategy_params=knobs
+    )
+    emulated, emulated_state, out = emulated_run(
+        tmp_path, tiny_data, workers=workers, batch_size=16, steps=8, strategy=strategy, strategy_params=knobs
+    )
     assert emulated["steps"] == real["steps"] == 8
     for metrics in (real, emulated):  # both ran the variant asked for
         assert {knob: metrics["strategy_params"][knob] for knob in knobs} == knobs
@@ -142,13 +184,37 @@ def test_the_train_command_runs_an_emulated_run_in_its_own_process(tmp_path, tin
     from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
 
-    study = validated(tiny_study(launcher={"cluster": "emulate"}, emulate=EMULATE, workers=[2],
-                                 train={"batch_size": 16, "max_steps": 3}))
+    study = validated(
+        tiny_study(
+            launcher={"cluster": "emulate"}, emulate=EMULATE, workers=[2], train={"batch_size": 16, "max_steps": 3}
+        )
+    )
     out = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "dtstudy", "train", "--config-json", to_json(run_config(study, "allreduce")),
-         "--strategy", "allreduce", "--workers", "2", "--seed", "0", "--data", str(tiny_data), "--out", str(out),
-         "--no-tracking"], capture_output=True, text=True, timeout=300, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "dtstudy",
+            "train",
+            "--config-json",
+            to_json(run_config(study, "allreduce")),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--seed",
+            "0",
+            "--data",
+            str(tiny_data),
+            "--out",
+            str(out),
+            "--no-tracking",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["emulation"]["cluster"] == "emulate" and metrics["steps"] == 3
@@ -160,11 +226,23 @@ def test_the_train_command_runs_an_emulated_run_in_its_own_process(tmp_path, tin
 
 # ----- (b) determinism -----------------------------------------------------------------------
 
+
 def test_the_same_emulated_run_twice_gives_the_same_numbers(tmp_path, tiny_data):
     import torch
 
-    runs = [emulated_run(tmp_path, tiny_data, workers=4, batch_size=16, steps=6, strategy="gossip",
-                         strategy_params={"topology": "random_pairs"}, name=f"run{i}") for i in range(2)]
+    runs = [
+        emulated_run(
+            tmp_path,
+            tiny_data,
+            workers=4,
+            batch_size=16,
+            steps=6,
+            strategy="gossip",
+            strategy_params={"topology": "random_pairs"},
+            name=f"run{i}",
+        )
+        for i in range(2)
+    ]
     (first, first_state, _), (second, second_state, _) = runs
     assert first["train_loss"] == second["train_loss"]
     assert first["step_time"] == second["step_time"] and first["wall_time_s"] == second["wall_time_s"]
@@ -207,13 +285,16 @@ def test_n64_runs_and_256_logical_workers_would_fit_in_1_gb(tmp_path, tiny_data)
 
 # ----- (d) the cluster's clock -----------------------------------------------------------------
 
+
 def lenet5_parameters(state: dict) -> int:
     return sum(t.numel() for t in state.values())  # LeNet-5 has no buffers
 
 
-@pytest.mark.parametrize("workers, stragglers", [(2, None), (16, None),
-                                                 (4, {"ranks": [1], "delay_ms": 7, "distribution": "fixed"})],
-                         ids=["n2", "n16-two-nodes", "n4-straggler"])
+@pytest.mark.parametrize(
+    "workers, stragglers",
+    [(2, None), (16, None), (4, {"ranks": [1], "delay_ms": 7, "distribution": "fixed"})],
+    ids=["n2", "n16-two-nodes", "n4-straggler"],
+)
 def test_an_emulated_step_takes_the_performance_models_time(tmp_path, tiny_data, workers, stragglers):
     """allreduce on h100_ib400 (8 GPUs a node: N=16 all-reduces across two nodes): every
     step's emulated seconds are the model's step, compute (batch / rate) + the all-reduce of
@@ -224,13 +305,18 @@ def test_an_emulated_step_takes_the_performance_models_time(tmp_path, tiny_data,
     from dtstudy.strategies.specs import SPECS
 
     batch = 8
-    metrics, state, _ = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=batch, steps=6,
-                                     stragglers=stragglers)
+    metrics, state, _ = emulated_run(
+        tmp_path, tiny_data, workers=workers, batch_size=batch, steps=6, stragglers=stragglers
+    )
     cluster = emulated_cluster(metrics["config"])
-    workload = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch,
-                        compute_s=batch / RATE)
-    step = SPECS["allreduce"].model_step(workload, cluster.machine, workers, metrics["strategy_params"],
-                                         Stragglers.from_config(metrics["config"]["stragglers"]))
+    workload = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch, compute_s=batch / RATE)
+    step = SPECS["allreduce"].model_step(
+        workload,
+        cluster.machine,
+        workers,
+        metrics["strategy_params"],
+        Stragglers.from_config(metrics["config"]["stragglers"]),
+    )
     for worker in metrics["step_time_per_worker"]:
         assert worker["total_s"] == pytest.approx(step.step_s, rel=1e-9)
     assert metrics["throughput"] == pytest.approx(step.throughput, rel=1e-9)
@@ -253,12 +339,25 @@ def test_an_emulated_onebit_reduce_scatter_step_takes_the_performance_models_tim
     from dtstudy.strategies.specs import SPECS
 
     batch, workers = 8, 16
-    metrics, state, _ = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=batch, steps=6,
-                                     strategy="allreduce_onebit", strategy_params={"exchange": "reduce_scatter"})
+    metrics, state, _ = emulated_run(
+        tmp_path,
+        tiny_data,
+        workers=workers,
+        batch_size=batch,
+        steps=6,
+        strategy="allreduce_onebit",
+        strategy_params={"exchange": "reduce_scatter"},
+    )
     cluster = emulated_cluster(metrics["config"])
     tensors, groups = calibration.counts_for_onebit(layer_profiles.load("lenet5", "test"))
-    workload = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch,
-                        compute_s=batch / RATE, tensors=tensors, column_groups=groups)
+    workload = Workload(
+        parameters=lenet5_parameters(state),
+        bytes_per_parameter=4,
+        batch=batch,
+        compute_s=batch / RATE,
+        tensors=tensors,
+        column_groups=groups,
+    )
     step = SPECS["allreduce_onebit"].model_step(workload, cluster.machine, workers, metrics["strategy_params"])
     assert step.exposed_s > 0.1 * step.step_s  # the exchange weighs more than the tolerance
     for worker in metrics["step_time_per_worker"]:
@@ -294,10 +393,12 @@ def _emulated_and_modelled(metrics, state, batch, rate, **workload):
     params = dict(metrics["strategy_params"])
     if "shards" in params:
         params["placement"] = cluster.placement(metrics["strategy"])
-    model = Workload(parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch, compute_s=batch / rate,
-                     **workload)
-    step = SPECS[metrics["strategy"]].model_step(model, cluster.machine, metrics["workers"], params,
-                                                 Stragglers.from_config(metrics["config"]["stragglers"]))
+    model = Workload(
+        parameters=lenet5_parameters(state), bytes_per_parameter=4, batch=batch, compute_s=batch / rate, **workload
+    )
+    step = SPECS[metrics["strategy"]].model_step(
+        model, cluster.machine, metrics["workers"], params, Stragglers.from_config(metrics["config"]["stragglers"])
+    )
     return statistics.median(worker["total_s"] for worker in metrics["step_time_per_worker"]), step
 
 
@@ -315,20 +416,34 @@ def test_every_strategys_emulated_step_is_its_model_step(tmp_path, tiny_data, st
     from dtstudy.projection import calibration, layer_profiles
 
     batch, rate = 8, 100_000.0
-    metrics, state, out = emulated_run(tmp_path, tiny_data, workers=16, batch_size=batch, steps=12,
-                                       strategy=strategy, strategy_params=STEADY_STATE_KNOBS.get(strategy),
-                                       emulate={"hardware": _without_kernels(tmp_path), "images_per_s": rate})
+    metrics, state, out = emulated_run(
+        tmp_path,
+        tiny_data,
+        workers=16,
+        batch_size=batch,
+        steps=12,
+        strategy=strategy,
+        strategy_params=STEADY_STATE_KNOBS.get(strategy),
+        emulate={"hardware": _without_kernels(tmp_path), "images_per_s": rate},
+    )
     tensors, groups = calibration.counts_for_onebit(layer_profiles.load("lenet5", "test"))
     emulated, step = _emulated_and_modelled(
-        metrics, state, batch, rate, tensors=tensors, column_groups=groups,
+        metrics,
+        state,
+        batch,
+        rate,
+        tensors=tensors,
+        column_groups=groups,
         matrices=calibration.as_matrices(calibration.matrices_from_checkpoint(out / "model.pt")),
-        linear=calibration.linear_from_checkpoint(out / "model.pt"))
+        linear=calibration.linear_from_checkpoint(out / "model.pt"),
+    )
     if strategy != "no_exchange":  # the ceiling: nothing but compute, on both clocks
         assert step.step_s > 1.05 * step.compute_s  # the exchange weighs more than the tolerance
     assert emulated == pytest.approx(step.step_s, rel=0.02)
 
 
 # ----- the emulated group on its own: the clock's order, a deadlock ------------------------------
+
 
 class FixedCosts:
     """Every collective 1 s; a message from rank 1 5 s (a slow link), from the others 0.5 s."""
@@ -463,6 +578,7 @@ def test_workers_that_all_wait_are_a_deadlock_not_a_hang():
 
 # ----- (f) the parameter servers: shards as threads, arrivals in the cluster's order -------------
 
+
 def round_robin_staleness_mean(workers: int, steps: int) -> float:
     """ps_async's mean staleness when N equal workers push in turn: the first round reads
     version 0 (staleness 0, 1, ..., N-1), every later push finds the N-1 others' updates
@@ -491,8 +607,10 @@ def compute_step_s(real: dict) -> list[float]:
     run makes itself, and the round trip through this machine's loopback (a few ms, alike for
     every worker) the emulated clock replaces by the profile's links."""
     steps = real["steps"]
-    return [worker["compute_s"] - delay / steps
-            for worker, delay in zip(real["step_time_per_worker"], real["stragglers"]["injected_delay_s"])]
+    return [
+        worker["compute_s"] - delay / steps
+        for worker, delay in zip(real["step_time_per_worker"], real["stragglers"]["injected_delay_s"])
+    ]
 
 
 # every worker sleeps an exponential 30 ms on average a step, the same draws in both runs: the
@@ -512,18 +630,29 @@ def test_emulated_staleness_matches_the_real_runs(tmp_path, tiny_data, strategy)
     loaded machine, pushed in bursts that no pace makes (ssp: 2.12 real, 2.92 emulated)."""
     steps, batch, workers = 28, 16, 4  # 28: the tiny study's epoch at N=4
     timing = {"stragglers": EVERY_WORKER_SLOW, "steady_state_skip": 0}  # compute_step_s wants every step's mean
-    real, _, _ = train_run(tmp_path, tiny_data, workers=workers, batch_size=batch, steps=steps, strategy=strategy,
-                           **timing)
-    emulated, _, _ = emulated_run(tmp_path, tiny_data, workers=workers, batch_size=batch, steps=steps,
-                                  strategy=strategy, run_class=replaying(compute_step_s(real)), **timing)
+    real, _, _ = train_run(
+        tmp_path, tiny_data, workers=workers, batch_size=batch, steps=steps, strategy=strategy, **timing
+    )
+    emulated, _, _ = emulated_run(
+        tmp_path,
+        tiny_data,
+        workers=workers,
+        batch_size=batch,
+        steps=steps,
+        strategy=strategy,
+        run_class=replaying(compute_step_s(real)),
+        **timing,
+    )
     real_ps, emulated_ps = real["strategy_metrics"], emulated["strategy_metrics"]
     assert emulated["steps"] == real["steps"] == steps
     assert emulated["stragglers"]["injected_delay_s"] == real["stragglers"]["injected_delay_s"]
     assert emulated_ps["gradients_applied"] == real_ps["gradients_applied"] == workers * steps
     # the delays spread the pushes: far from the round-robin histogram of equal workers
     assert real_ps["staleness"]["0"] > 2 * workers
-    assert emulated_ps["staleness_mean"] == pytest.approx(real_ps["staleness_mean"], rel=0.15), \
-        (emulated_ps["staleness"], real_ps["staleness"])
+    assert emulated_ps["staleness_mean"] == pytest.approx(real_ps["staleness_mean"], rel=0.15), (
+        emulated_ps["staleness"],
+        real_ps["staleness"],
+    )
     assert emulated["emulation"]["extra_processes"] == 1  # one node: one shard
 
 
@@ -541,7 +670,9 @@ def test_equal_emulated_workers_push_in_turn_as_the_theory_says(tmp_path, tiny_d
     assert ps["staleness"] == {"0": 1, "1": 1, "2": 1, "3": 4 * steps - 3}
     assert ps["staleness_mean"] == pytest.approx(round_robin_staleness_mean(4, steps))
     assert ps["clock_ahead_max"] <= 1 and 0 < ps["shard_busy_fraction"] < 1
-    assert metrics["wall_time_s"] == metrics["emulation"]["wall_time_s"] > steps * metrics["emulation"]["step_compute_s"]
+    assert (
+        metrics["wall_time_s"] == metrics["emulation"]["wall_time_s"] > steps * metrics["emulation"]["step_compute_s"]
+    )
     environment = metrics["environment"]
     assert (environment["processes"], environment["concurrent_ranks"], environment["oversubscribed"]) == (5, 1, False)
 
@@ -556,8 +687,16 @@ def test_ps_backup_drops_the_stragglers_pushes(tmp_path, tiny_data, knobs):
     are dropped while they train (its later ones, once the others are done, are applied on
     their own); the host never sleeps."""
     steps = 12
-    metrics, _, _ = emulated_run(tmp_path, tiny_data, workers=4, batch_size=16, steps=steps, strategy="ps_backup",
-                                 strategy_params=knobs, stragglers=STRAGGLER)
+    metrics, _, _ = emulated_run(
+        tmp_path,
+        tiny_data,
+        workers=4,
+        batch_size=16,
+        steps=steps,
+        strategy="ps_backup",
+        strategy_params=knobs,
+        stragglers=STRAGGLER,
+    )
     ps = metrics["strategy_metrics"]
     assert ps["backups"] == 1 and metrics["lr_schedule"]["update_batch"] == 3 * 16
     dropped = ps["dropped_by_worker"]
@@ -570,22 +709,39 @@ def test_ps_backup_drops_the_stragglers_pushes(tmp_path, tiny_data, knobs):
 def test_ssp_holds_its_bound_on_the_emulated_clock(tmp_path, tiny_data):
     """With the same straggler, ps_async's fast workers run ever further ahead of it; ssp's
     (staleness s=2) wait for it: no answered push is more than s clocks ahead."""
-    runs = {name: emulated_run(tmp_path, tiny_data, workers=4, batch_size=16, steps=12, strategy=name,
-                               strategy_params=knobs, stragglers=STRAGGLER)[0]["strategy_metrics"]
-            for name, knobs in [("ps_async", {}), ("ssp", {"staleness": 2})]}
+    runs = {
+        name: emulated_run(
+            tmp_path,
+            tiny_data,
+            workers=4,
+            batch_size=16,
+            steps=12,
+            strategy=name,
+            strategy_params=knobs,
+            stragglers=STRAGGLER,
+        )[0]["strategy_metrics"]
+        for name, knobs in [("ps_async", {}), ("ssp", {"staleness": 2})]
+    }
     assert runs["ssp"]["clock_ahead_max"] == 2
     assert runs["ps_async"]["clock_ahead_max"] > 2
 
 
 LATE_BY_2_MS = {"ranks": [1], "delay_ms": 2, "distribution": "fixed"}  # 2.5 steps' compute
-PS_STEPS = [("ps_sync", 1, None), ("ps_sync", 2, LATE_BY_2_MS), ("ps_backup", 2, None), ("ps_async", 1, None),
-            ("ssp", 2, LATE_BY_2_MS)]
+PS_STEPS = [
+    ("ps_sync", 1, None),
+    ("ps_sync", 2, LATE_BY_2_MS),
+    ("ps_backup", 2, None),
+    ("ps_async", 1, None),
+    ("ssp", 2, LATE_BY_2_MS),
+]
 
 
-@pytest.mark.parametrize("strategy, shards, stragglers", PS_STEPS,
-                         ids=[f"{s}-s{k}{'-late' if late else ''}" for s, k, late in PS_STEPS])
-def test_an_emulated_parameter_server_step_takes_the_performance_models_time(tmp_path, tiny_data, strategy, shards,
-                                                                            stragglers):
+@pytest.mark.parametrize(
+    "strategy, shards, stragglers", PS_STEPS, ids=[f"{s}-s{k}{'-late' if late else ''}" for s, k, late in PS_STEPS]
+)
+def test_an_emulated_parameter_server_step_takes_the_performance_models_time(
+    tmp_path, tiny_data, strategy, shards, stragglers
+):
     """N=16 on two nodes of h100_ib400, colocated shards: each worker's emulated step (the shards'
     serve loops running, their work and messages on the cluster's clock) is the model's step
     within 2%. Measured: ps_sync 0.994 of it (1 shard) and 0.999 (2 shards, rank 1 late by
@@ -595,8 +751,16 @@ def test_an_emulated_parameter_server_step_takes_the_performance_models_time(tmp
     early gradients after the wait for the late one, ps_async's shard no wait for its answers,
     and SSP as ps_sync."""
     batch = 8
-    metrics, state, _ = emulated_run(tmp_path, tiny_data, workers=16, batch_size=batch, steps=12,
-                                     strategy=strategy, strategy_params={"shards": shards}, stragglers=stragglers)
+    metrics, state, _ = emulated_run(
+        tmp_path,
+        tiny_data,
+        workers=16,
+        batch_size=batch,
+        steps=12,
+        strategy=strategy,
+        strategy_params={"shards": shards},
+        stragglers=stragglers,
+    )
     emulated, step = _emulated_and_modelled(metrics, state, batch, RATE)
     assert step.step_s > 1.05 * step.compute_s  # the exchange and the shard weigh more than the tolerance
     assert emulated == pytest.approx(step.step_s, rel=0.02)
@@ -616,9 +780,20 @@ def test_n64_ps_async_runs_with_a_shard_per_node(tmp_path, tiny_data):
 def test_the_same_emulated_parameter_server_run_twice_gives_the_same_numbers(tmp_path, tiny_data):
     import torch
 
-    runs = [emulated_run(tmp_path, tiny_data, workers=4, batch_size=16, steps=8, strategy="ps_backup",
-                         strategy_params={"backup": 1}, stragglers={**STRAGGLER, "distribution": "exponential"},
-                         name=f"run{i}") for i in range(2)]
+    runs = [
+        emulated_run(
+            tmp_path,
+            tiny_data,
+            workers=4,
+            batch_size=16,
+            steps=8,
+            strategy="ps_backup",
+            strategy_params={"backup": 1},
+            stragglers={**STRAGGLER, "distribution": "exponential"},
+            name=f"run{i}",
+        )
+        for i in range(2)
+    ]
     (first, first_state, _), (second, second_state, _) = runs
     assert first["train_loss"] == second["train_loss"] and first["wall_time_s"] == second["wall_time_s"]
     assert first["strategy_metrics"]["dropped_by_worker"] == second["strategy_metrics"]["dropped_by_worker"]
@@ -627,8 +802,10 @@ def test_the_same_emulated_parameter_server_run_twice_gives_the_same_numbers(tmp
         assert torch.equal(first_state[name], second_state[name]), name
 
 
-@pytest.mark.parametrize("strategy, knobs", [("ps_async", {"shards": 3}), ("ssp", {"staleness": 2}),
-                                           ("ps_backup", {"backup": 1}), ("gossip", {})])
+@pytest.mark.parametrize(
+    "strategy, knobs",
+    [("ps_async", {"shards": 3}), ("ssp", {"staleness": 2}), ("ps_backup", {"backup": 1}), ("gossip", {})],
+)
 def test_the_baton_keeps_no_stale_answer(tmp_path, tiny_data, monkeypatch, strategy, knobs):
     """The scheduler keeps each waiting thread's answer (when may it go on?) until the group
     touches it (a message to its mailbox, its collective complete). In verify mode every pass
@@ -637,8 +814,16 @@ def test_the_baton_keeps_no_stale_answer(tmp_path, tiny_data, monkeypatch, strat
     from dtstudy.emulation import scheduler
 
     monkeypatch.setattr(scheduler, "VERIFY", True)
-    metrics, _, _ = emulated_run(tmp_path, tiny_data, workers=8, batch_size=8, steps=6, strategy=strategy,
-                                 strategy_params=knobs, stragglers={**STRAGGLER, "distribution": "exponential"})
+    metrics, _, _ = emulated_run(
+        tmp_path,
+        tiny_data,
+        workers=8,
+        batch_size=8,
+        steps=6,
+        strategy=strategy,
+        strategy_params=knobs,
+        stragglers={**STRAGGLER, "distribution": "exponential"},
+    )
     assert metrics["steps"] == 6
 
 
@@ -649,23 +834,34 @@ def test_a_message_not_touched_is_caught(tmp_path, tiny_data, monkeypatch):
 
     monkeypatch.setattr(scheduler, "VERIFY", True)
     touch = scheduler.BatonScheduler.touch
-    monkeypatch.setattr(scheduler.BatonScheduler, "touch",
-                        lambda self, ranks: None if len(ranks) == 1 else touch(self, ranks))
+    monkeypatch.setattr(
+        scheduler.BatonScheduler, "touch", lambda self, ranks: None if len(ranks) == 1 else touch(self, ranks)
+    )
     with pytest.raises(LogicalWorkerFailed, match="went stale"):
         emulated_run(tmp_path, tiny_data, workers=4, batch_size=8, steps=4, strategy="ps_async")
 
 
 # ----- (e) config errors ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, key, allowed", [
-    ({"launcher": {"cluster": "simulate"}}, "launcher.cluster", "emulate"),
-    ({"launcher": {"cluster": "emulate"}, "emulate": {"hardware": "no_such_gpu", "images_per_s": RATE}},
-     "emulate.hardware", "h100_ib400"),
-    ({"launcher": {"cluster": "emulate"}, "emulate": {"hardware": "this_machine", "images_per_s": RATE}},
-     "emulate.hardware", "intra_node gives its links"),
-    ({"launcher": {"cluster": "emulate"}, "emulate": {"images_per_s": 0}}, "emulate.images_per_s", ">"),
-    ({"launcher": {"cluster": "emulate"}}, "emulate.images_per_s", "training rate of model 'lenet5'"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, key, allowed",
+    [
+        ({"launcher": {"cluster": "simulate"}}, "launcher.cluster", "emulate"),
+        (
+            {"launcher": {"cluster": "emulate"}, "emulate": {"hardware": "no_such_gpu", "images_per_s": RATE}},
+            "emulate.hardware",
+            "h100_ib400",
+        ),
+        (
+            {"launcher": {"cluster": "emulate"}, "emulate": {"hardware": "this_machine", "images_per_s": RATE}},
+            "emulate.hardware",
+            "intra_node gives its links",
+        ),
+        ({"launcher": {"cluster": "emulate"}, "emulate": {"images_per_s": 0}}, "emulate.images_per_s", ">"),
+        ({"launcher": {"cluster": "emulate"}}, "emulate.images_per_s", "training rate of model 'lenet5'"),
+    ],
+)
 def test_bad_emulate_settings_name_the_key(overrides, key, allowed):
     with pytest.raises(ConfigError) as caught:
         validated(tiny_study(**overrides))
@@ -679,8 +875,11 @@ def test_every_strategy_is_emulated_and_a_spec_can_still_refuse(monkeypatch):
     from dtstudy.strategies.specs import SPECS
 
     assert [name for name, spec in SPECS.items() if spec.not_emulated_because] == []
-    validated(tiny_study(strategies=["ps_sync", "ps_backup", "ps_async", "ssp"], launcher={"cluster": "emulate"},
-                         emulate=EMULATE))
+    validated(
+        tiny_study(
+            strategies=["ps_sync", "ps_backup", "ps_async", "ssp"], launcher={"cluster": "emulate"}, emulate=EMULATE
+        )
+    )
     monkeypatch.setattr(SPECS["ssp"], "not_emulated_because", "a reason")
     with pytest.raises(ConfigError, match=r"strategies\[1\].*'ssp' is not yet emulated.*a reason"):
         validated(tiny_study(strategies=["allreduce", "ssp"], launcher={"cluster": "emulate"}, emulate=EMULATE))

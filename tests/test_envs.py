@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import yaml
-
 from conftest import REPO
 
 
 def test_conda_env_pins_equal_pip_requirements():
     requirements = [
-        line.strip() for line in (REPO / "envs/requirements.txt").read_text().splitlines()
+        line.strip()
+        for line in (REPO / "envs/requirements.txt").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     conda = yaml.safe_load((REPO / "envs/study.yaml").read_text())

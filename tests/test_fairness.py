@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import dataset_config, in_workers, tiny_study, validated
 from PIL import Image
 
-from conftest import dataset_config, in_workers, tiny_study, validated
 from dtstudy.data import feed
 from dtstudy.data.loading import load_split
 from dtstudy.data.prepare import prepare
@@ -45,8 +45,9 @@ def same_image_tree(tmp_path_factory) -> Path:
             if (root / name / f"{i:02d}.JPEG") != first:
                 shutil.copyfile(first, root / name / f"{i:02d}.JPEG")
     out = tmp_path_factory.mktemp("prepared")
-    prepare(dataset_config(name="imagefolder", root=str(root), val_fraction=0.15, test_fraction=0.15,
-                           image_size=SIZE), out)
+    prepare(
+        dataset_config(name="imagefolder", root=str(root), val_fraction=0.15, test_fraction=0.15, image_size=SIZE), out
+    )
     return out
 
 
@@ -85,16 +86,34 @@ def run_and_record(tmp_path: Path, data: Path, loader_workers: int, name: str) -
     from dtstudy.config.study_config import run_config
     from dtstudy.runspec import RunSpec
 
-    study = validated(tiny_study(
-        dataset={"name": "imagefolder", "root": json.loads((data / "meta.json").read_text())["root"],
-                 "subset": None, "val_fraction": 0.15, "test_fraction": 0.15, "image_size": SIZE},
-        loader={"workers": loader_workers, "train_augment": "random_resized_crop_flip"},
-        model="resnet18", strategies=["local_sgd"], workers=[2], strategy_params={"local_sgd": {"period": 2}},
-        train={"epochs": 2, "batch_size": BATCH}))
+    study = validated(
+        tiny_study(
+            dataset={
+                "name": "imagefolder",
+                "root": json.loads((data / "meta.json").read_text())["root"],
+                "subset": None,
+                "val_fraction": 0.15,
+                "test_fraction": 0.15,
+                "image_size": SIZE,
+            },
+            loader={"workers": loader_workers, "train_augment": "random_resized_crop_flip"},
+            model="resnet18",
+            strategies=["local_sgd"],
+            workers=[2],
+            strategy_params={"local_sgd": {"period": 2}},
+            train={"epochs": 2, "batch_size": BATCH},
+        )
+    )
     out = tmp_path / name
     out.mkdir()
-    spec = RunSpec(strategy="local_sgd", workers=2, seed=SEED, config=run_config(study, "local_sgd"),
-                   data_dir=str(data), out_dir=str(out / "run"))
+    spec = RunSpec(
+        strategy="local_sgd",
+        workers=2,
+        seed=SEED,
+        config=run_config(study, "local_sgd"),
+        data_dir=str(data),
+        out_dir=str(out / "run"),
+    )
     in_workers(out, 2, _record_a_worker, spec, str(out))
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
 
@@ -120,9 +139,13 @@ def test_each_rank_draws_its_own_augmentation_reproducibly(recorded_runs, same_i
     # each epoch the two ranks see every image once (24 images, 3 steps of 4 each): another epoch, other crops
     steps = len(rank0) // 2
     assert 2 * steps * BATCH == len(load_split(same_image_tree, "train"))
-    crops = [{tuple(image.flatten().tolist()) for image in torch.cat(rank0[e * steps:(e + 1) * steps]
-                                                                      + rank1[e * steps:(e + 1) * steps])}
-             for e in range(2)]
+    crops = [
+        {
+            tuple(image.flatten().tolist())
+            for image in torch.cat(rank0[e * steps : (e + 1) * steps] + rank1[e * steps : (e + 1) * steps])
+        }
+        for e in range(2)
+    ]
     assert crops[0] != crops[1]
     for rank in range(2):
         assert len(workers[rank]["trained"]) == len(inline[rank]["trained"])
@@ -131,7 +154,8 @@ def test_each_rank_draws_its_own_augmentation_reproducibly(recorded_runs, same_i
 
 
 def test_an_averaged_models_batch_norm_statistics_come_from_training_batches_alike_on_every_rank(
-        recorded_runs, same_image_tree):
+    recorded_runs, same_image_tree
+):
     """The averaged model's BatchNorm statistics are recomputed on the first images of the
     training split as the training pipeline augments them (not under evaluation's Resize +
     CenterCrop): the same batches on both ranks, at every recomputation, and on a re-run."""
@@ -145,7 +169,9 @@ def test_an_averaged_models_batch_norm_statistics_come_from_training_batches_ali
     # not evaluation's transform, which gives every copy of the image the same pixels
     centre = ResizeCenterCrop(SIZE)
     evaluation = centre.apply(decode_torchvision(Path(train.root) / train.samples[0][0]), centre.plan(0, 0))
-    evaluation = (evaluation.float() / 255 - torch.tensor(train.mean).view(3, 1, 1)) / torch.tensor(train.std).view(3, 1, 1)
+    evaluation = (evaluation.float() / 255 - torch.tensor(train.mean).view(3, 1, 1)) / torch.tensor(train.std).view(
+        3, 1, 1
+    )
     assert not any(torch.allclose(image, evaluation, atol=1e-4) for image in recomputed[0])
     for run in (inline, workers):
         for rank in range(2):
@@ -156,8 +182,14 @@ def test_an_averaged_models_batch_norm_statistics_come_from_training_batches_ali
     from dtstudy.data.augment import BATCH_NORM, Draws
 
     first = list(range(len(recomputed[0])))
-    as_trained = torch.cat([inputs for inputs, _ in train.batches(
-        [first[i:i + BATCH] for i in range(0, len(first), BATCH)], Draws(SEED, purpose=BATCH_NORM))])
+    as_trained = torch.cat(
+        [
+            inputs
+            for inputs, _ in train.batches(
+                [first[i : i + BATCH] for i in range(0, len(first), BATCH)], Draws(SEED, purpose=BATCH_NORM)
+            )
+        ]
+    )
     assert torch.equal(recomputed[0], as_trained)
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import assert_same_parameters, read_json, tiny_study
-from dtstudy.common.run_folder import METRICS, MLFLOW_RUN, MODEL
 from test_pool import training_runs, wait_for_output
+
+from dtstudy.common.run_folder import METRICS, MLFLOW_RUN, MODEL
 
 FAIL_WITHIN_S = 60  # a lost process must end its run within this; the job's limit is timeout_min
 TIMEOUT_MIN = 60  # the runs' time limit: the bound above is far below it
@@ -37,15 +37,38 @@ def launch(tmp_path: Path, data_dir: Path, strategy: str, name: str = "run", tra
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     init_store(uri, "distributed-training-study")
-    study = tiny_study(strategies=[strategy], workers=[2], tracking={"uri": uri},
-                       launcher={**TASKS, **(launcher or {})},
-                       train={"epochs": 200, "batch_size": 16, "log_every": 10, **(train or {})}, **config)
+    study = tiny_study(
+        strategies=[strategy],
+        workers=[2],
+        tracking={"uri": uri},
+        launcher={**TASKS, **(launcher or {})},
+        train={"epochs": 200, "batch_size": 16, "log_every": 10, **(train or {})},
+        **config,
+    )
     config_path = tmp_path / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(study))
     out = tmp_path / name
-    command = [sys.executable, "-u", "-m", "dtstudy", "train", "--config", str(config_path), "--strategy", strategy,
-               "--workers", "2", "--seed", "0", "--data", str(data_dir), "--out", str(out),
-               "--job-dir", str(tmp_path / f"{name}-job")]
+    command = [
+        sys.executable,
+        "-u",
+        "-m",
+        "dtstudy",
+        "train",
+        "--config",
+        str(config_path),
+        "--strategy",
+        strategy,
+        "--workers",
+        "2",
+        "--seed",
+        "0",
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--job-dir",
+        str(tmp_path / f"{name}-job"),
+    ]
     return command, out, uri
 
 
@@ -91,17 +114,20 @@ def wait_for_failure(launcher: subprocess.Popen, killed_at: float) -> tuple[floa
     return time.monotonic() - killed_at, launcher.stderr.read()
 
 
-@pytest.mark.parametrize("strategy, victim", [
-    ("ps_sync", 1),  # a worker: the shard waits for its push, the other worker for the shard
-    ("allreduce", 1),
-    ("ps_sync", 2),  # the parameter-server shard
-    # one of each other family: its waits differ (a shard's receive from any source, local
-    # steps between averagings, point-to-point gossip, a compressed all-gather)
-    ("ps_async", 1),
-    ("local_sgd", 1),
-    ("gossip", 1),
-    ("allreduce_onebit", 1),
-])
+@pytest.mark.parametrize(
+    "strategy, victim",
+    [
+        ("ps_sync", 1),  # a worker: the shard waits for its push, the other worker for the shard
+        ("allreduce", 1),
+        ("ps_sync", 2),  # the parameter-server shard
+        # one of each other family: its waits differ (a shard's receive from any source, local
+        # steps between averagings, point-to-point gossip, a compressed all-gather)
+        ("ps_async", 1),
+        ("local_sgd", 1),
+        ("gossip", 1),
+        ("allreduce_onebit", 1),
+    ],
+)
 def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, strategy, victim):
     command, out, uri = launch(tmp_path, tiny_data, strategy)
     launcher = start(command)
@@ -192,11 +218,13 @@ def test_a_process_failing_of_its_own_error_names_no_peer_and_ends_soon(tmp_path
 def test_a_slurm_job_ends_all_its_tasks_when_one_fails():
     """srun --kill-on-bad-exit: a task that exits non-zero (a lost peer seen, an error) ends
     the job's other tasks at once, on every node."""
-    from dtstudy.launch.launcher import job_parameters
     from test_launcher import spec_for
 
+    from dtstudy.launch.launcher import job_parameters
+
     assert job_parameters(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}))["slurm_srun_args"] == [
-        "--kill-on-bad-exit=1"]
+        "--kill-on-bad-exit=1"
+    ]
 
 
 def test_a_frozen_process_is_named_and_its_run_ends(tmp_path, tiny_data):
@@ -223,8 +251,15 @@ def test_a_frozen_process_is_named_and_its_run_ends(tmp_path, tiny_data):
 
 # ----- crash, rerun, resume ------------------------------------------------------------------
 
-CHECKPOINTED = {"max_steps": 120, "batch_size": 32, "lr_scaling": "none", "base_lr": 0.1, "log_every": 5,
-                "preempt_check_every": 5, "checkpoint_every_min": 0.002}  # a checkpoint every 5 steps
+CHECKPOINTED = {
+    "max_steps": 120,
+    "batch_size": 32,
+    "lr_scaling": "none",
+    "base_lr": 0.1,
+    "log_every": 5,
+    "preempt_check_every": 5,
+    "checkpoint_every_min": 0.002,
+}  # a checkpoint every 5 steps
 SLOW = {"ranks": [1], "delay_ms": 30, "distribution": "uniform", "seed": 3}  # ~4 s of training
 
 
@@ -236,8 +271,9 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_
     import torch
 
     where = {"local_processes": processes}
-    reference_command, reference_out, _ = launch(tmp_path, tiny_data, "allreduce", "reference",
-                                                 train=CHECKPOINTED, launcher=where, stragglers=SLOW)
+    reference_command, reference_out, _ = launch(
+        tmp_path, tiny_data, "allreduce", "reference", train=CHECKPOINTED, launcher=where, stragglers=SLOW
+    )
     command, out, uri = launch(tmp_path, tiny_data, "allreduce", train=CHECKPOINTED, launcher=where, stragglers=SLOW)
     launcher = start(command)
     seen = wait_for_output(launcher, r"checkpoint at step (1\d|[2-9]\d)\b")
@@ -268,8 +304,11 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_
     assert metrics["train_loss"] == expected["train_loss"]
     assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in expected["val"]]
     assert metrics["stragglers"] == expected["stragglers"]
-    assert_same_parameters(torch.load(out / MODEL, weights_only=True)["state_dict"],
-                           torch.load(reference_out / MODEL, weights_only=True)["state_dict"], atol=1e-7)
+    assert_same_parameters(
+        torch.load(out / MODEL, weights_only=True)["state_dict"],
+        torch.load(reference_out / MODEL, weights_only=True)["state_dict"],
+        atol=1e-7,
+    )
     assert not (out / "resume").exists()  # done: nothing left to resume
     assert {run.info.status for run in training_runs(uri)} == {"FINISHED"}
 
@@ -284,8 +323,9 @@ def _write_metrics(uri: str, writer: int) -> None:
     from dtstudy.tracking import mlflow_store
 
     mlflow_store.client_for.cache_clear()  # a forked child opens its own database engine
-    record = mlflow_store.start_training_run(uri, "distributed-training-study", f"writer-{writer}",
-                                         {"writer": str(writer)}, {"writer": writer})
+    record = mlflow_store.start_training_run(
+        uri, "distributed-training-study", f"writer-{writer}", {"writer": str(writer)}, {"writer": writer}
+    )
     for call in range(CALLS):
         points = [("train_loss", float(writer), call * POINTS + i, int(time.time() * 1000)) for i in range(POINTS)]
         mlflow_store.log_metric_points(uri, record["run_id"], points)

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch.multiprocessing as mp
-
 from conftest import run_snakemake, tiny_study
-from dtstudy.gloo_loops import GLOO_LOOP_THREAD
+
 from dtstudy.common.ports import free_port
+from dtstudy.gloo_loops import GLOO_LOOP_THREAD
 
 
 def _threads_priority() -> list[tuple[str, int, int]]:
@@ -44,8 +44,10 @@ def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_priority(
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = free_port()
-    processes = [context.Process(target=_join_and_report, args=(rank, world, workers, priority, port, queue))
-                 for rank in range(world)]
+    processes = [
+        context.Process(target=_join_and_report, args=(rank, world, workers, priority, port, queue))
+        for rank in range(world)
+    ]
     for process in processes:
         process.start()
     reports = sorted(queue.get() for _ in processes)
@@ -66,8 +68,15 @@ def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_priority(
 
 @pytest.mark.parametrize("priority", [7, "idle"])
 def test_the_communication_benchmark_measures_with_the_runs_loop_priority(tmp_path, priority):
-    result = run_snakemake(tmp_path, tiny_study(launcher={"gloo_loop_nice": priority}), "--dry-run", "--printshellcmds",
-                           "--cores", "2", timeout=300)
+    result = run_snakemake(
+        tmp_path,
+        tiny_study(launcher={"gloo_loop_nice": priority}),
+        "--dry-run",
+        "--printshellcmds",
+        "--cores",
+        "2",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     commbench = [line for line in result.stdout.splitlines() if "project commbench" in line]
     assert len(commbench) == 1 and f"--gloo-loop-nice {priority}" in commbench[0], commbench

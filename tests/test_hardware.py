@@ -12,8 +12,8 @@ import sys
 import jsonschema
 import pytest
 import yaml
-
 from conftest import REPO, tiny_study
+
 from dtstudy import checks
 from dtstudy.config.study_config import validate_schema
 from dtstudy.errors import ConfigError
@@ -22,8 +22,11 @@ from dtstudy.strategies.specs import knob_defaults
 
 HARDWARE_README = REPO / "config" / "hardware" / "README.md"
 SHIPPED = sorted(hardware.PROFILES_DIR.glob("*.yaml"))
-GOOD = {"gpus_per_node": 4, "intra_node": {"bandwidth_gbyte_s": 12, "latency_us": 10},
-        "inter_node": {"bandwidth_gbit_s": 56, "latency_us": 2}}
+GOOD = {
+    "gpus_per_node": 4,
+    "intra_node": {"bandwidth_gbyte_s": 12, "latency_us": 10},
+    "inter_node": {"bandwidth_gbit_s": 56, "latency_us": 2},
+}
 
 
 def write_profile(tmp_path, **changes) -> str:
@@ -60,7 +63,8 @@ def test_the_schema_is_a_valid_draft_2020_12_schema_with_every_key_described():
 
 def test_the_schema_and_the_model_agree_on_the_allreduce_algorithms(monkeypatch):
     assert sorted(hardware.profile_schema()["properties"]["allreduce_algorithm"]["enum"]) == sorted(
-        hardware.ALLREDUCE_ALGORITHMS)
+        hardware.ALLREDUCE_ALGORITHMS
+    )
     monkeypatch.setattr(hardware, "ALLREDUCE_ALGORITHMS", {"ring": None})
     hardware._schema.cache_clear()
     try:
@@ -75,52 +79,141 @@ def test_the_schema_and_the_model_agree_on_the_allreduce_algorithms(monkeypatch)
 
 # (changes to a good profile, the key named, the value as the message shows it, what is allowed)
 BAD = [
-    pytest.param({"gpus_per_node": 4.0}, "gpus_per_node", "4.0 is not an integer", "allowed: an integer >= 1",
-                 id="wrong_type_whole_float"),
-    pytest.param({"gpus_per_node": True}, "gpus_per_node", "True is not an integer", "allowed: an integer >= 1",
-                 id="wrong_type_bool"),
-    pytest.param({"overlap": "0.5"}, "overlap", "'0.5' is not a number", "allowed: a number in [0, 1]",
-                 id="wrong_type_string"),
-    pytest.param({"inter_node": 10}, "inter_node", "10 is not a mapping", "allowed: a mapping with bandwidth_gbit_s",
-                 id="wrong_type_link"),
-    pytest.param({"gpus_per_node": 0}, "gpus_per_node", "0 is less than the minimum of 1", "allowed: an integer >= 1",
-                 id="out_of_range"),
-    pytest.param({"inter_node": {"bandwidth_gbit_s": -25}}, "inter_node.bandwidth_gbit_s", "-25",
-                 "allowed: a number > 0", id="out_of_range_link"),
-    pytest.param({"intra_node": {"bandwidth_gbyte_s": 12, "payload_fraction": 1.5}}, "intra_node.payload_fraction",
-                 "1.5", "allowed: a number in (0, 1]", id="out_of_range_payload_fraction"),
-    pytest.param({"ps_request_us": -5}, "ps_request_us", "-5", "allowed: a number >= 0 or 'measured'",
-                 id="out_of_range_ps_request"),
-    pytest.param({"nodes": 16}, "nodes", "unknown key 'nodes'", "allowed: allreduce_algorithm, compression_gbyte_s,",
-                 id="unknown_key"),
-    pytest.param({"inter_node": {"bandwidth_gbit_s": 56, "latncy_us": 2}}, "inter_node.latncy_us",
-                 "unknown key 'latncy_us'", "allowed: bandwidth_gbit_s, latency_us, payload_fraction",
-                 id="misspelt_link_key"),
-    pytest.param({"inter_node": {"bandwith_gbit_s": 56}}, "inter_node.bandwith_gbit_s", "unknown key 'bandwith_gbit_s'",
-                 "allowed: bandwidth_gbit_s, latency_us, payload_fraction", id="misspelt_required_link_key"),
-    pytest.param({"inter_node": {"bandwidth_gbyte_s": 7}}, "inter_node.bandwidth_gbyte_s",
-                 "unknown key 'bandwidth_gbyte_s'", "allowed: bandwidth_gbit_s, latency_us, payload_fraction",
-                 id="inter_node_in_gbyte"),
-    pytest.param({"inter_node": None}, "inter_node", "is missing", "allowed: a mapping with bandwidth_gbit_s",
-                 id="missing_key"),
-    pytest.param({"intra_node": {"bandwidth_gbit_s": 96, "bandwidth_gbyte_s": 12}}, "intra_node",
-                 "{'bandwidth_gbit_s': 96, 'bandwidth_gbyte_s': 12} is not allowed",
-                 "allowed: 'measured' or a mapping with bandwidth_gbit_s or a mapping with bandwidth_gbyte_s, "
-                 "only one of them", id="both_units"),
-    pytest.param({"intra_node": "measure"}, "intra_node", "'measure' is not allowed",
-                 "allowed: 'measured' or a mapping with", id="misspelt_measured"),
-    pytest.param({"allreduce_algorithm": "tree"}, "allreduce_algorithm", "'tree'", "['hierarchical', 'ring']",
-                 id="bad_enum"),
-    pytest.param({"strategy_params": {"ps_sync": {"placement": "everywhere"}}}, "strategy_params.ps_sync.placement",
-                 "'everywhere'", "['colocated', 'dedicated']", id="bad_enum_placement"),
-    pytest.param({"strategy_params": {"allreduce": {"placement": "colocated"}}}, "strategy_params.allreduce.placement",
-                 "unknown knob for strategy 'allreduce'", "allowed: bucket_cap_mb", id="placement_without_shards"),
-    pytest.param({"strategy_params": {"ps_sync": {"shards": 2.0}}}, "strategy_params.ps_sync.shards",
-                 "2.0 is not an integer", "allowed: an integer >= 1", id="knob_of_wrong_type"),
-    pytest.param({"strategy_params": {"allreduse": {}}}, "strategy_params.allreduse", "unknown strategy 'allreduse'",
-                 "allowed: allreduce, allreduce_bf16,", id="unknown_strategy"),
-    pytest.param({"stragglers": {"fraction": 0.1, "distribution": "gamma"}}, "stragglers.distribution", "'gamma'",
-                 "['fixed', 'uniform', 'exponential']", id="bad_enum_stragglers"),
+    pytest.param(
+        {"gpus_per_node": 4.0},
+        "gpus_per_node",
+        "4.0 is not an integer",
+        "allowed: an integer >= 1",
+        id="wrong_type_whole_float",
+    ),
+    pytest.param(
+        {"gpus_per_node": True},
+        "gpus_per_node",
+        "True is not an integer",
+        "allowed: an integer >= 1",
+        id="wrong_type_bool",
+    ),
+    pytest.param(
+        {"overlap": "0.5"}, "overlap", "'0.5' is not a number", "allowed: a number in [0, 1]", id="wrong_type_string"
+    ),
+    pytest.param(
+        {"inter_node": 10},
+        "inter_node",
+        "10 is not a mapping",
+        "allowed: a mapping with bandwidth_gbit_s",
+        id="wrong_type_link",
+    ),
+    pytest.param(
+        {"gpus_per_node": 0},
+        "gpus_per_node",
+        "0 is less than the minimum of 1",
+        "allowed: an integer >= 1",
+        id="out_of_range",
+    ),
+    pytest.param(
+        {"inter_node": {"bandwidth_gbit_s": -25}},
+        "inter_node.bandwidth_gbit_s",
+        "-25",
+        "allowed: a number > 0",
+        id="out_of_range_link",
+    ),
+    pytest.param(
+        {"intra_node": {"bandwidth_gbyte_s": 12, "payload_fraction": 1.5}},
+        "intra_node.payload_fraction",
+        "1.5",
+        "allowed: a number in (0, 1]",
+        id="out_of_range_payload_fraction",
+    ),
+    pytest.param(
+        {"ps_request_us": -5},
+        "ps_request_us",
+        "-5",
+        "allowed: a number >= 0 or 'measured'",
+        id="out_of_range_ps_request",
+    ),
+    pytest.param(
+        {"nodes": 16},
+        "nodes",
+        "unknown key 'nodes'",
+        "allowed: allreduce_algorithm, compression_gbyte_s,",
+        id="unknown_key",
+    ),
+    pytest.param(
+        {"inter_node": {"bandwidth_gbit_s": 56, "latncy_us": 2}},
+        "inter_node.latncy_us",
+        "unknown key 'latncy_us'",
+        "allowed: bandwidth_gbit_s, latency_us, payload_fraction",
+        id="misspelt_link_key",
+    ),
+    pytest.param(
+        {"inter_node": {"bandwith_gbit_s": 56}},
+        "inter_node.bandwith_gbit_s",
+        "unknown key 'bandwith_gbit_s'",
+        "allowed: bandwidth_gbit_s, latency_us, payload_fraction",
+        id="misspelt_required_link_key",
+    ),
+    pytest.param(
+        {"inter_node": {"bandwidth_gbyte_s": 7}},
+        "inter_node.bandwidth_gbyte_s",
+        "unknown key 'bandwidth_gbyte_s'",
+        "allowed: bandwidth_gbit_s, latency_us, payload_fraction",
+        id="inter_node_in_gbyte",
+    ),
+    pytest.param(
+        {"inter_node": None}, "inter_node", "is missing", "allowed: a mapping with bandwidth_gbit_s", id="missing_key"
+    ),
+    pytest.param(
+        {"intra_node": {"bandwidth_gbit_s": 96, "bandwidth_gbyte_s": 12}},
+        "intra_node",
+        "{'bandwidth_gbit_s': 96, 'bandwidth_gbyte_s': 12} is not allowed",
+        "allowed: 'measured' or a mapping with bandwidth_gbit_s or a mapping with bandwidth_gbyte_s, only one of them",
+        id="both_units",
+    ),
+    pytest.param(
+        {"intra_node": "measure"},
+        "intra_node",
+        "'measure' is not allowed",
+        "allowed: 'measured' or a mapping with",
+        id="misspelt_measured",
+    ),
+    pytest.param(
+        {"allreduce_algorithm": "tree"}, "allreduce_algorithm", "'tree'", "['hierarchical', 'ring']", id="bad_enum"
+    ),
+    pytest.param(
+        {"strategy_params": {"ps_sync": {"placement": "everywhere"}}},
+        "strategy_params.ps_sync.placement",
+        "'everywhere'",
+        "['colocated', 'dedicated']",
+        id="bad_enum_placement",
+    ),
+    pytest.param(
+        {"strategy_params": {"allreduce": {"placement": "colocated"}}},
+        "strategy_params.allreduce.placement",
+        "unknown knob for strategy 'allreduce'",
+        "allowed: bucket_cap_mb",
+        id="placement_without_shards",
+    ),
+    pytest.param(
+        {"strategy_params": {"ps_sync": {"shards": 2.0}}},
+        "strategy_params.ps_sync.shards",
+        "2.0 is not an integer",
+        "allowed: an integer >= 1",
+        id="knob_of_wrong_type",
+    ),
+    pytest.param(
+        {"strategy_params": {"allreduse": {}}},
+        "strategy_params.allreduse",
+        "unknown strategy 'allreduse'",
+        "allowed: allreduce, allreduce_bf16,",
+        id="unknown_strategy",
+    ),
+    pytest.param(
+        {"stragglers": {"fraction": 0.1, "distribution": "gamma"}},
+        "stragglers.distribution",
+        "'gamma'",
+        "['fixed', 'uniform', 'exponential']",
+        id="bad_enum_stragglers",
+    ),
 ]
 
 
@@ -142,13 +235,16 @@ def test_several_bad_values_are_each_a_line(tmp_path):
     assert str(err.value).splitlines() == [
         f"invalid hardware profile {path}:",
         f"  hardware profile {path}: key 'gpus_per_node': 0 is less than the minimum of 1; allowed: an integer >= 1",
-        f"  hardware profile {path}: key 'overlap': 2 is greater than the maximum of 1; allowed: a number in [0, 1]"]
+        f"  hardware profile {path}: key 'overlap': 2 is greater than the maximum of 1; allowed: a number in [0, 1]",
+    ]
 
 
 def test_a_profile_that_is_no_mapping_is_refused(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- gpus_per_node: 4\n")
-    with pytest.raises(ConfigError, match=r"list\.yaml: key '<top level>': \[.*\] is not a mapping; allowed: a mapping"):
+    with pytest.raises(
+        ConfigError, match=r"list\.yaml: key '<top level>': \[.*\] is not a mapping; allowed: a mapping"
+    ):
         hardware.load_profile(str(path))
 
 
@@ -179,9 +275,11 @@ def test_a_bad_profile_stops_the_study_at_its_check_without_torch(tmp_path):
     config = validate_schema(tiny_study(projection={"hardware": ["this_machine", path]}))
     with pytest.raises(ConfigError, match=r"key 'inter_node\.payload_fracton': unknown key"):
         checks.check_config(config, check_data=False)
-    code = ("import sys; from dtstudy.projection import hardware; "
-            "hardware.check_study_profiles(['this_machine', 'minotauro_k80', 'h100_ib400'], ['allreduce', 'ps_sync']); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from dtstudy.projection import hardware; "
+        "hardware.check_study_profiles(['this_machine', 'minotauro_k80', 'h100_ib400'], ['allreduce', 'ps_sync']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr
 
@@ -190,8 +288,13 @@ def test_a_bad_profile_stops_the_study_at_its_check_without_torch(tmp_path):
 
 
 def test_the_code_takes_its_defaults_from_the_schema(monkeypatch):
-    profile = {"name": "p", "gpus_per_node": 4, "inter_node": {"bandwidth_gbit_s": 8},
-               "intra_node": {"bandwidth_gbyte_s": 1}, "strategy_params": {}}
+    profile = {
+        "name": "p",
+        "gpus_per_node": 4,
+        "inter_node": {"bandwidth_gbit_s": 8},
+        "intra_node": {"bandwidth_gbyte_s": 1},
+        "strategy_params": {},
+    }
     machine, source, _ = hardware.machine_from_profile(profile)
     assert (machine.overlap, machine.allreduce_algorithm, machine.ps_request_s) == (0.0, "hierarchical", 0.0)
     assert (machine.inter.latency_s, machine.inter.bandwidth) == (0.0, 1e9)  # latency 0, payload_fraction 1
@@ -239,20 +342,25 @@ def schema_keys() -> dict[str, dict[str, object]]:
     profile_schema = hardware.profile_schema()
     link = profile_schema["$defs"]["link"]["properties"]
     assert profile_schema["properties"]["inter_node"]["properties"].keys() <= link.keys()
-    return {"Keys": {key: part.get("default") for key, part in profile_schema["properties"].items()},
-            "A link's keys": {key: part.get("default") for key, part in link.items()},
-            "The knob only a profile has": {"placement": profile_schema["$defs"]["placement"]["default"]}}
+    return {
+        "Keys": {key: part.get("default") for key, part in profile_schema["properties"].items()},
+        "A link's keys": {key: part.get("default") for key, part in link.items()},
+        "The knob only a profile has": {"placement": profile_schema["$defs"]["placement"]["default"]},
+    }
 
 
 def test_the_key_tables_of_the_readme_follow_the_schema():
     assert documented_keys(HARDWARE_README.read_text()) == schema_keys()
 
 
-@pytest.mark.parametrize("before, after", [
-    ("| `overlap` | number in [0, 1] | `0.0` |", "| `overlap` | number in [0, 1] | `0.5` |"),  # a wrong default
-    ("| `latency_us` | number ≥ 0, µs | `0` |", "| `latncy_us` | number ≥ 0, µs | `0` |"),  # a misspelt key
-    ("| `server_gbyte_s` |", "| `server_gbytes` |"),
-])
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("| `overlap` | number in [0, 1] | `0.0` |", "| `overlap` | number in [0, 1] | `0.5` |"),  # a wrong default
+        ("| `latency_us` | number ≥ 0, µs | `0` |", "| `latncy_us` | number ≥ 0, µs | `0` |"),  # a misspelt key
+        ("| `server_gbyte_s` |", "| `server_gbytes` |"),
+    ],
+)
 def test_the_readme_check_fails_on_a_wrong_table(before, after):
     text = HARDWARE_README.read_text()
     assert before in text

@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_same_parameters, in_workers, read_json, tiny_study, validated
+
 from dtstudy.config.study_config import run_config
 from dtstudy.perfmodel import steps
 from dtstudy.perfmodel.machine import Link, Machine, Workload
@@ -52,8 +52,14 @@ def runs(tmp_path_factory, tiny_data):
         if key not in done:
             folder = tmp_path_factory.mktemp(f"{strategy}-n{workers}")
             config = run_config(study, strategy)
-            spec = RunSpec(strategy=strategy, workers=workers, seed=3, config=config, data_dir=str(tiny_data),
-                           out_dir=str(folder / "run"))
+            spec = RunSpec(
+                strategy=strategy,
+                workers=workers,
+                seed=3,
+                config=config,
+                data_dir=str(tiny_data),
+                out_dir=str(folder / "run"),
+            )
             saved = registry.STRATEGIES[strategy]
             registry.STRATEGIES[strategy] = implementation or saved
             try:
@@ -61,8 +67,7 @@ def runs(tmp_path_factory, tiny_data):
                 in_workers(folder / "group", workers, _train, spec)
             finally:
                 registry.STRATEGIES[strategy] = saved
-            done[key] = (torch.load(spec.folder.model, weights_only=True)["state_dict"],
-                         read_json(spec.folder.metrics))
+            done[key] = (torch.load(spec.folder.model, weights_only=True)["state_dict"], read_json(spec.folder.metrics))
         return done[key]
 
     return run
@@ -119,7 +124,7 @@ class _Head(torch.nn.Module):
         torch.manual_seed(0)
         self.conv = torch.nn.Conv2d(1, 2, 3)
         layers = {"body": torch.nn.Linear(2 * 26 * 26, 8), "head": torch.nn.Linear(8, 4)}
-        for name in (("head", "body") if swapped else ("body", "head")):
+        for name in ("head", "body") if swapped else ("body", "head"):
             setattr(self, name, layers[name])
 
     def forward(self, x):
@@ -136,8 +141,14 @@ def _one_step(ctx, swapped: bool) -> None:
         return
     strategy.backward(torch.nn.functional.cross_entropy(module(inputs), labels))
     strategy.update(0.1)
-    assert [tuple(p.shape) for p in strategy.eval_model().parameters()] == [(2, 1, 3, 3), (2,), (8, 1352), (8,),
-                                                                          (4, 8), (4,)]
+    assert [tuple(p.shape) for p in strategy.eval_model().parameters()] == [
+        (2, 1, 3, 3),
+        (2,),
+        (8, 1352),
+        (8,),
+        (4, 8),
+        (4,),
+    ]
 
 
 @pytest.mark.parametrize("swapped", [False, True])
@@ -178,12 +189,15 @@ def test_hybrid_step_by_hand():
     assert step.throughput == pytest.approx(4 * 32 / step.step_s)
     # N=8, two nodes: inside each node as above (3 others), and across: an all-gather brings
     # the 4 other node's messages through the NIC, an all-to-all sends 4 x 4 of them
-    gathers = sum(3 * a.latency_s + 3 * each / a.bandwidth + b.latency_s + 4 * each / b.bandwidth
-                  for each in (32 * 400 * 4, 256 * 15 * 4, 256 * 11 * 4))
+    gathers = sum(
+        3 * a.latency_s + 3 * each / a.bandwidth + b.latency_s + 4 * each / b.bandwidth
+        for each in (32 * 400 * 4, 256 * 15 * 4, 256 * 11 * 4)
+    )
     to_rows = 3 * a.latency_s + 3 * 256 / a.bandwidth + 4 * b.latency_s + 16 * 256 / b.bandwidth  # 32x2 floats
     gradient = 6 * a.latency_s + 1.5 * other / a.bandwidth + 2 * b.latency_s + other / b.bandwidth
     assert specs.model_step("hybrid", workload, MACHINE, 8).step_s == pytest.approx(
-        0.01 + gradient + 2 * (gathers + to_rows), rel=1e-12)
+        0.01 + gradient + 2 * (gathers + to_rows), rel=1e-12
+    )
     assert specs.model_step("hybrid", workload, MACHINE, 1).step_s == 0.01  # trains unwrapped
 
 
@@ -198,9 +212,18 @@ def test_hybrid_step_needs_the_fully_connected_layers():
     assert profiled.fully_connected == LENET_LINEAR and profiled.linear_parameters == LENET_LINEAR_PARAMETERS
 
 
-@pytest.mark.parametrize("name, workers, pays", [("vgg16", 8, True), ("resnet50", 8, True), ("resnet50", 64, False),
-                                                ("alexnet_small", 2, True), ("alexnet_small", 4, True),
-                                                ("lenet5", 2, True), ("lenet5", 4, False)])
+@pytest.mark.parametrize(
+    "name, workers, pays",
+    [
+        ("vgg16", 8, True),
+        ("resnet50", 8, True),
+        ("resnet50", 64, False),
+        ("alexnet_small", 2, True),
+        ("alexnet_small", 4, True),
+        ("lenet5", 2, True),
+        ("lenet5", 4, False),
+    ],
+)
 def test_where_hybrid_pays_in_bytes(name, workers, pays):
     """Bytes per step against allreduce's at b=32 on the shipped profiles: VGG-16's and
     alexnet_small's fully connected layers (89% and 93% of their values) make the activations
@@ -213,8 +236,11 @@ def test_where_hybrid_pays_in_bytes(name, workers, pays):
     hybrid = steps.hybrid_bytes_per_step(profile.linear, 32, workers, parameters - linear, 4)
     allreduce = 2 * (workers - 1) / workers * parameters * 4
     assert (hybrid < allreduce) is pays
-    assert math.isclose(linear / parameters, {"vgg16": 0.894, "resnet50": 0.080, "alexnet_small": 0.932,
-                                              "lenet5": 0.958}[name], abs_tol=1e-3)
+    assert math.isclose(
+        linear / parameters,
+        {"vgg16": 0.894, "resnet50": 0.080, "alexnet_small": 0.932, "lenet5": 0.958}[name],
+        abs_tol=1e-3,
+    )
     if name == "alexnet_small":  # docs/strategies.md: about a ninth of allreduce's at N=2, a sixth at N=4
         assert round(allreduce / hybrid) == {2: 9, 4: 6}[workers]
 
@@ -225,11 +251,21 @@ def _fake_run(folder, strategy, workers, throughput, bytes_per_step):
     folder.mkdir(parents=True)
     step = 64 * workers / throughput
     comm = 0.0005 if workers > 1 else 0.0
-    (folder / "metrics.json").write_text(json.dumps({
-        "strategy": strategy, "workers": workers, "seed": 0, "throughput": throughput,
-        "step_time": {"total_s": step, "compute_s": step - comm, "comm_s": comm, "data_s": 0.0},
-        "bytes_per_step": bytes_per_step, "per_worker_batch": 64, "environment": {"oversubscribed": False},
-        "strategy_params": {}}))
+    (folder / "metrics.json").write_text(
+        json.dumps(
+            {
+                "strategy": strategy,
+                "workers": workers,
+                "seed": 0,
+                "throughput": throughput,
+                "step_time": {"total_s": step, "compute_s": step - comm, "comm_s": comm, "data_s": 0.0},
+                "bytes_per_step": bytes_per_step,
+                "per_worker_batch": 64,
+                "environment": {"oversubscribed": False},
+                "strategy_params": {},
+            }
+        )
+    )
     return str(folder / "metrics.json")
 
 
@@ -242,31 +278,57 @@ def test_the_project_rule_projects_hybrid(tmp_path):
     from dtstudy.projection import calibration, project
     from dtstudy.training.models import build_model
 
-    metrics = [_fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0),
-               _fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, LENET_PARAMETERS * 4.0)]
-    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-             "kernels_s_per_byte": {"server_pass": 5e-11}, "jitter": {"skew_fraction": 0.0},
-             "compute_scale": {"1": 1.0, "2": 1.0},
-             "cpu_share": {"1": 1.0, "2": 1.0}}
+    metrics = [
+        _fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0),
+        _fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, LENET_PARAMETERS * 4.0),
+    ]
+    bench = {
+        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+        "kernels_s_per_byte": {"server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.0},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["allreduce", "hybrid"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [1, 2, 64], "hardware": "this_machine"}}
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
-                             str(tmp_path / "p.md"), str(tmp_path / "p.png"))
-    assert {(r["strategy"], r["workers"]) for r in rows} == {(s, n) for s in ("allreduce", "hybrid") for n in (1, 2, 64)}
+    config = {
+        "model": "lenet5",
+        "strategies": ["allreduce", "hybrid"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2, 64], "hardware": "this_machine"},
+    }
+    rows = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        config,
+        str(tmp_path / "p.csv"),
+        str(tmp_path / "p.md"),
+        str(tmp_path / "p.png"),
+    )
+    assert {(r["strategy"], r["workers"]) for r in rows} == {
+        (s, n) for s in ("allreduce", "hybrid") for n in (1, 2, 64)
+    }
     exchange = {r["strategy"]: r["step_exchange_s"] for r in rows if r["workers"] == 2}
     # the other layers' 10288 bytes all-reduced by 2 (2 alphas, all the bytes once), and twice
     # (forward, backward) the gathers of 64x400, 128x60 and 128x42 floats and the all-to-all of 64x5
     activations = 4 * 1e-4 + (64 * 400 + 128 * 60 + 128 * 42 + 64 * 5) * 4 / 2e9
     assert exchange["hybrid"] == pytest.approx(2e-4 + 10288 / 2e9 + 2 * activations, rel=1e-9)
-    assert "the fully connected layers, (inputs, outputs): [[400, 120], [120, 84], [84, 10]] (the layer profile)" \
+    assert (
+        "the fully connected layers, (inputs, outputs): [[400, 120], [120, 84], [84, 10]] (the layer profile)"
         in (tmp_path / "p.md").read_text()
+    )
 
     torch.save({"state_dict": build_model("lenet5", 3, 10, 32, {}).state_dict()}, tmp_path / "a1" / "model.pt")
     assert calibration.linear_from_checkpoint(tmp_path / "a1" / "model.pt") == ((576, 120), (120, 84), (84, 10))
     metrics[1] = _fake_run(tmp_path / "b2", "allreduce", 2, 14000.0, 83126 * 4.0)
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
-                             str(tmp_path / "p.md"), str(tmp_path / "p.png"))
+    rows = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        config,
+        str(tmp_path / "p.csv"),
+        str(tmp_path / "p.md"),
+        str(tmp_path / "p.png"),
+    )
     assert "[[576, 120], [120, 84], [84, 10]] (the 2-d weights of a run's model.pt)" in (tmp_path / "p.md").read_text()
     assert all(r["throughput"] > 0 for r in rows if r["strategy"] == "hybrid")
 
@@ -282,8 +344,11 @@ def test_the_project_command_needs_a_layer_profile_for_hybrid(tmp_path):
     from dtstudy.errors import ConfigError
     from dtstudy.projection import project
 
-    measured = {"model": {"name": "my_resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
-                "per_worker_batch": 64, "throughput": {1: 52.4, 8: 378}}
+    measured = {
+        "model": {"name": "my_resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
+        "per_worker_batch": 64,
+        "throughput": {1: 52.4, 8: 378},
+    }
     hardware = {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50}}
     (tmp_path / "H.yaml").write_text(yaml.safe_dump(hardware))
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import dataset_config, read_json, tiny_study, validated
 from PIL import Image
 
-from conftest import dataset_config, read_json, tiny_study, validated
 from dtstudy.data import feed as feed_module
 from dtstudy.data.augment import Draws, ResizeCenterCrop
 from dtstudy.data.checks import check_loader
@@ -64,8 +64,9 @@ def messy_tree(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def prepared(messy_tree, tmp_path_factory) -> Path:
-    cfg = dataset_config(name="imagefolder", root=str(messy_tree), val_fraction=0.2, test_fraction=0.25,
-                         image_size=SIZE)
+    cfg = dataset_config(
+        name="imagefolder", root=str(messy_tree), val_fraction=0.2, test_fraction=0.25, image_size=SIZE
+    )
     out = tmp_path_factory.mktemp("prepared")
     prepare(cfg, out)
     return out
@@ -120,6 +121,7 @@ def test_nvjpeg_path_on_the_cpu_gives_the_torchvision_decoders_pixels(prepared, 
     """nvJPEG's batch path (crop drawn from the JPEG header in the worker, decode_jpeg on the
     batch, crop after) run on the CPU: the same pixels as decoding first, for the same seed;
     the grayscale, CMYK and PNG files take the workers' CPU path inside the same batch."""
+
     def pixels(decoder: str, seed: int) -> torch.Tensor:
         data = load_split(prepared, split, loader_config(workers=0, decoder=decoder))
         return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))], Draws(seed))])
@@ -134,6 +136,7 @@ def test_dali_cpu_decodes_only_the_crops_region_and_gives_the_torchvision_decode
     """DALI's fused decode-and-crop (training split) in the training process and in worker
     processes: the same pixels as decoding the whole file first, for the same seed; the
     grayscale, CMYK and PNG files take the workers' CPU path inside the same batch."""
+
     def pixels(decoder: str, seed: int) -> torch.Tensor:
         data = load_split(prepared, "train", loader_config(workers=workers, decoder=decoder))
         return torch.cat([inputs for inputs, _ in data.batches([range(0, 6), range(6, len(data))], Draws(seed))])
@@ -159,7 +162,7 @@ def test_dali_cpu_decodes_the_region_alone(tmp_path):
     plans = [plan for _, _, plan in items]
     regions = decoder._decode_regions([data for _, data, _ in items], plans)
     for region, (top, left, h, w, _) in zip(regions, (plan.tolist() for plan in plans)):
-        assert torch.equal(region, whole[:, top:top + h, left:left + w])
+        assert torch.equal(region, whole[:, top : top + h, left : left + w])
     assert len({tuple(region.shape) for region in regions}) > 1  # control: the plans differ
     # evaluation's transform reads the whole image: the file is decoded whole, as torchvision does
     assert decoder.load(data, ResizeCenterCrop(SIZE))[0] == "pixels"
@@ -206,8 +209,11 @@ def test_augmentation_on_the_training_split_only(prepared):
     crop = ResizeCenterCrop(SIZE)
     expected = crop.apply(decode_torchvision(path), crop.plan(0, 0))
     normalised = next(val.batches([[0]]))[0][0]
-    assert torch.allclose(normalised, (expected.float() / 255 - torch.tensor(val.mean).view(3, 1, 1))
-                          / torch.tensor(val.std).view(3, 1, 1), atol=1e-5)
+    assert torch.allclose(
+        normalised,
+        (expected.float() / 255 - torch.tensor(val.mean).view(3, 1, 1)) / torch.tensor(val.std).view(3, 1, 1),
+        atol=1e-5,
+    )
     # controls: the check sees a training split without augmentation, and one that augments val
     assert not two_passes_differ(load_split(prepared, "train", loader_config(workers=0, train_augment="center_crop")))
     planted = load_split(prepared, "val", loader)
@@ -293,30 +299,43 @@ def test_a_gpu_run_tested_without_a_gpu_says_so(capsys):
     assert capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("decoder, shard_mb", [("torchvision", None), ("dali_cpu", 0.008)],
-                         ids=["files", "dali_from_shards"])
-def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path, decoder,
-                                                                               shard_mb):
+@pytest.mark.parametrize(
+    "decoder, shard_mb", [("torchvision", None), ("dali_cpu", 0.008)], ids=["files", "dali_from_shards"]
+)
+def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path, decoder, shard_mb):
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
     from dtstudy.runspec import RunSpec
     from dtstudy.training.evaluate import evaluate_run
 
-    study = validated(tiny_study(
-        dataset={"name": "imagefolder", "root": str(messy_tree), "subset": None, "val_fraction": 0.2,
-                 "test_fraction": 0.25, "image_size": SIZE, "shard_mb": shard_mb},
-        loader={"workers": 1, "decoder": decoder},
-        workers=[2],
-        train={"batch_size": 4, "epochs": 2, "log_every": 2, "steady_state_skip": 1, "precision": "bf16"},
-    ))
+    study = validated(
+        tiny_study(
+            dataset={
+                "name": "imagefolder",
+                "root": str(messy_tree),
+                "subset": None,
+                "val_fraction": 0.2,
+                "test_fraction": 0.25,
+                "image_size": SIZE,
+                "shard_mb": shard_mb,
+            },
+            loader={"workers": 1, "decoder": decoder},
+            workers=[2],
+            train={"batch_size": 4, "epochs": 2, "log_every": 2, "steady_state_skip": 1, "precision": "bf16"},
+        )
+    )
     data = tmp_path / "data"
     meta = prepare(study["dataset"], data)
     assert meta["skipped_images"] == 0 and sum(meta["sizes"].values()) == 36  # every file kept
     assert (meta["shards"] is None) == (shard_mb is None) and (data / "shards.json").exists() == (shard_mb is not None)
     spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(data), str(tmp_path / "run"))
     metrics = run_training_job(spec, tmp_path / "run" / "submitit")
-    assert metrics["config"]["loader"] == {"workers": 1, "decoder": decoder,
-                                           "train_augment": "random_resized_crop_flip", "prefetch": 2}
+    assert metrics["config"]["loader"] == {
+        "workers": 1,
+        "decoder": decoder,
+        "train_augment": "random_resized_crop_flip",
+        "prefetch": 2,
+    }
     assert metrics["steps"] == 2 * (meta["sizes"]["train"] // (2 * 4))
     assert metrics["compute"]["precision"] == "bf16" and metrics["compute"]["autocast_dtype"] == "bfloat16"
     assert [entry["images"] for entry in metrics["val"]] == [meta["sizes"]["val"]] * 2  # every val image

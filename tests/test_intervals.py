@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO
+
 from dtstudy.common import intervals
 
 WORKFLOW = str(REPO / "workflow")
@@ -64,12 +64,20 @@ def test_bootstrap_intervals_are_the_same_in_another_process_and_bracket_the_med
     exec(INTERVALS_OF, namespace)
     seeded_here = namespace["intervals_of"](groups, other)
     hashed_here = namespace["intervals_of"](groups, other, seed=hash("x") % 2**32)
-    script = (INTERVALS_OF + "import json, sys\ngroups, other = json.loads(sys.argv[1])\n"
-              "print(json.dumps([intervals_of(groups, other), intervals_of(groups, other, seed=hash('x') % 2**32)]))")
+    script = (
+        INTERVALS_OF + "import json, sys\ngroups, other = json.loads(sys.argv[1])\n"
+        "print(json.dumps([intervals_of(groups, other), intervals_of(groups, other, seed=hash('x') % 2**32)]))"
+    )
     other_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # unset here: a random one
     data = json.dumps([[[float(v) for v in g] for g in groups], [[float(v) for v in g] for g in other]])
-    done = subprocess.run([sys.executable, "-c", script, data], capture_output=True, text=True, cwd=WORKFLOW,
-                          timeout=120, env={**os.environ, "PYTHONPATH": WORKFLOW, "PYTHONHASHSEED": other_seed})
+    done = subprocess.run(
+        [sys.executable, "-c", script, data],
+        capture_output=True,
+        text=True,
+        cwd=WORKFLOW,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": WORKFLOW, "PYTHONHASHSEED": other_seed},
+    )
     assert done.returncode == 0, done.stderr
     seeded, hashed = json.loads(done.stdout)
     assert seeded == seeded_here
@@ -90,8 +98,11 @@ def test_bootstrap_interval_covers_the_true_median_about_95_percent_of_the_time(
     studies = [[list(rng.normal(100, 8, 15)) for _ in range(2)] for _ in range(2000)]
 
     def coverage(level):
-        return float(np.mean([intervals.median_interval(groups, resamples=500, level=level).contains(100.0)
-                              for groups in studies]))
+        return float(
+            np.mean(
+                [intervals.median_interval(groups, resamples=500, level=level).contains(100.0) for groups in studies]
+            )
+        )
 
     def about_95(share):
         return 0.93 <= share <= 0.98

@@ -36,10 +36,16 @@ def _reads_cluster(node: ast.AST) -> bool:
     if isinstance(node, ast.Subscript):
         return isinstance(node.slice, ast.Constant) and node.slice.value == "cluster"
     if isinstance(node, ast.Call):
-        return (isinstance(node.func, ast.Attribute) and node.func.attr == "get" and bool(node.args)
-                and isinstance(node.args[0], ast.Constant) and node.args[0].value == "cluster")
+        return (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and bool(node.args)
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value == "cluster"
+        )
     return (isinstance(node, ast.Attribute) and node.attr == "cluster") or (
-        isinstance(node, ast.Name) and node.id == "cluster")
+        isinstance(node, ast.Name) and node.id == "cluster"
+    )
 
 
 def _is_text(node: ast.AST) -> bool:
@@ -65,7 +71,8 @@ def python_comparisons(source: str) -> list[int]:
 _CLUSTER = r"""(?:\[\s*['"]cluster['"]\s*\]|\.get\(\s*['"]cluster['"][^)]*\)|\bcluster\b)"""
 _TEXT = r"""(?:['"][\w-]*['"]|[(\[{]\s*['"])"""
 _SNAKEMAKE_COMPARISON = re.compile(
-    rf"{_CLUSTER}\s*(?:==|!=|\bnot\s+in\b|\bin\b)\s*{_TEXT}|['\"][\w-]*['\"]\s*(?:==|!=)\s*[^\s#]*{_CLUSTER}")
+    rf"{_CLUSTER}\s*(?:==|!=|\bnot\s+in\b|\bin\b)\s*{_TEXT}|['\"][\w-]*['\"]\s*(?:==|!=)\s*[^\s#]*{_CLUSTER}"
+)
 
 
 def snakemake_comparisons(source: str) -> list[int]:
@@ -87,28 +94,33 @@ def test_no_module_but_the_selection_compares_launcher_cluster_with_a_string():
     sources = workflow_sources()
     assert SELECTION in sources and ROOT / "workflow" / "rules" / "common.smk" in sources
     assert len([path for path in sources if path.suffix == ".py"]) > 100, "the walk found no package: vacuous"
-    found = {str(path.relative_to(ROOT)): lines for path in sources if path != SELECTION
-             and (lines := comparisons(path))}
+    found = {
+        str(path.relative_to(ROOT)): lines for path in sources if path != SELECTION and (lines := comparisons(path))
+    }
     assert not found, f"launcher.cluster compared with a string outside {SELECTION.name} (ask the backend): {found}"
 
 
 def test_the_comparison_finder_finds_each_form_and_nothing_else():
     """The check above can fail: every way of comparing is found, a lookup or a record is not."""
-    planted = "\n".join([
-        'a = config["launcher"]["cluster"] == "local"',
-        'b = "slurm" != launcher["cluster"]',
-        'c = job_env.cluster == "slurm"',
-        'd = cluster in ("local", "emulate")',
-        'e = config["launcher"].get("cluster") != "emulate"',
-        'f = (launcher["cluster"]\n     == "slurm")',
-        'match launcher["cluster"]:\n    case "local":\n        pass',
-    ])
+    planted = "\n".join(
+        [
+            'a = config["launcher"]["cluster"] == "local"',
+            'b = "slurm" != launcher["cluster"]',
+            'c = job_env.cluster == "slurm"',
+            'd = cluster in ("local", "emulate")',
+            'e = config["launcher"].get("cluster") != "emulate"',
+            'f = (launcher["cluster"]\n     == "slurm")',
+            'match launcher["cluster"]:\n    case "local":\n        pass',
+        ]
+    )
     assert python_comparisons(planted) == [1, 2, 3, 4, 5, 6, 8]
     innocent = 'b = BACKENDS[config["launcher"]["cluster"]]\nr = {"cluster": "emulate"}\nm = self.cluster.machine\n'
     assert python_comparisons(innocent) == []
-    rules = ('TRAIN_HERE = config["launcher"]["cluster"] == "local"\n# launcher.cluster: emulate\n'
-             'if "slurm" == config["launcher"]["cluster"]:\n'
-             'X = config["launcher"]["cluster"] in ["local", "slurm"]\nB = BACKENDS[config["launcher"]["cluster"]]\n')
+    rules = (
+        'TRAIN_HERE = config["launcher"]["cluster"] == "local"\n# launcher.cluster: emulate\n'
+        'if "slurm" == config["launcher"]["cluster"]:\n'
+        'X = config["launcher"]["cluster"] in ["local", "slurm"]\nB = BACKENDS[config["launcher"]["cluster"]]\n'
+    )
     assert snakemake_comparisons(rules) == [1, 3, 4]
 
 
@@ -130,8 +142,11 @@ def test_the_backends_are_the_schemas_kinds_each_spelled_once():
 
 @pytest.mark.parametrize("value", ["pbs", "SLURM", None])
 def test_an_unknown_kind_is_named_with_the_key_and_the_allowed_kinds(value):
-    with pytest.raises(ConfigError, match=rf"config key 'launcher.cluster': {re.escape(repr(value))} is not a "
-                                          r"launch backend; allowed: local, slurm, emulate"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"config key 'launcher.cluster': {re.escape(repr(value))} is not a "
+        r"launch backend; allowed: local, slurm, emulate",
+    ):
         launch_backend({"launcher": {"cluster": value}})
 
 
@@ -145,35 +160,45 @@ def test_an_unknown_kind_is_refused_when_the_config_is_read_before_any_work():
         run_config(config, "allreduce")
 
 
-@pytest.mark.parametrize("kind, workers, gpus_per_node, workers_per_node, nodes", [
-    ("local", 8, 4, None, 1),  # this machine is the one node, whatever the per-node keys say
-    ("local", 8, 0, 2, 1),
-    ("slurm", 8, 4, None, 2),  # the fewest nodes that hold the N workers
-    ("slurm", 9, 4, None, 3),
-    ("slurm", 8, 0, 2, 4),  # CPU workers: workers_per_node
-    ("slurm", 8, 0, None, 1),  # neither: all N on one node
-    ("emulate", 64, 4, None, 16),  # the emulated cluster's nodes, as a SLURM job's
-    ("emulate", 64, 0, None, 1),
-])
+@pytest.mark.parametrize(
+    "kind, workers, gpus_per_node, workers_per_node, nodes",
+    [
+        ("local", 8, 4, None, 1),  # this machine is the one node, whatever the per-node keys say
+        ("local", 8, 0, 2, 1),
+        ("slurm", 8, 4, None, 2),  # the fewest nodes that hold the N workers
+        ("slurm", 9, 4, None, 3),
+        ("slurm", 8, 0, 2, 4),  # CPU workers: workers_per_node
+        ("slurm", 8, 0, None, 1),  # neither: all N on one node
+        ("emulate", 64, 4, None, 16),  # the emulated cluster's nodes, as a SLURM job's
+        ("emulate", 64, 0, None, 1),
+    ],
+)
 def test_nodes_per_run_of_each_kind(kind, workers, gpus_per_node, workers_per_node, nodes):
     section = launcher(cluster=kind, gpus_per_node=gpus_per_node, workers_per_node=workers_per_node)
     assert BACKENDS[kind].nodes(section, workers) == nodes
-    study = validated(tiny_study(launcher=section, workers=[workers], train={"batch_size": 8},
-                                 emulate={"images_per_s": 1000.0}))
+    study = validated(
+        tiny_study(launcher=section, workers=[workers], train={"batch_size": 8}, emulate={"images_per_s": 1000.0})
+    )
     spec = RunSpec("allreduce", workers, 0, run_config(study, "allreduce"), "data", "out")
     assert spec.nodes() == spec.layout().nodes == nodes
 
 
 def test_only_slurm_resubmits_and_as_often_as_max_resubmits_says():
     assert {kind: backend.max_resubmits(launcher(max_resubmits=3)) for kind, backend in BACKENDS.items()} == {
-        "local": 0, "slurm": 3, "emulate": 0}
+        "local": 0,
+        "slurm": 3,
+        "emulate": 0,
+    }
     assert BACKENDS["slurm"].max_resubmits(launcher(max_resubmits=0)) == 0
 
 
 def test_what_each_kind_means_for_a_run():
     local, slurm, emulate = BACKENDS["local"], BACKENDS["slurm"], BACKENDS["emulate"]
     assert (local.processes_on_this_machine, slurm.processes_on_this_machine, emulate.processes_on_this_machine) == (
-        True, False, False)
+        True,
+        False,
+        False,
+    )
     assert [b.emulated for b in (local, slurm, emulate)] == [False, False, True]
     assert [b.spans_nodes for b in (local, slurm, emulate)] == [False, True, True]
     # the master task picks the rendezvous port on its node on SLURM; the launcher picks it locally
@@ -188,8 +213,11 @@ def test_the_keys_each_kind_reads_alone_are_logged_for_its_runs_only():
     from dtstudy.tracking.logged_params import applicable_config
 
     def logged(kind: str) -> set[str]:
-        return set(applicable_config({"launcher": launcher(cluster=kind), "dataset": {"name": "synthetic"},
-                                      "model": "lenet5"})["launcher"])
+        return set(
+            applicable_config(
+                {"launcher": launcher(cluster=kind), "dataset": {"name": "synthetic"}, "model": "lenet5"}
+            )["launcher"]
+        )
 
     assert "local_processes" in logged("local") and "max_resubmits" not in logged("local")
     assert {"max_resubmits", "gpus_per_node", "partition"} <= logged("slurm")
@@ -222,8 +250,11 @@ def test_only_slurm_records_its_job_for_a_later_launcher(tmp_path):
     BACKENDS["local"].record_job(tmp_path, job, "run", "sha")
     assert not (tmp_path / ACTIVE_JOB_FILE).exists()
     BACKENDS["slurm"].record_job(tmp_path, job, "run", "sha")
-    assert json.loads((tmp_path / ACTIVE_JOB_FILE).read_text()) == {"job_id": "41", "run_name": "run",
-                                                                    "config_sha256": "sha"}
+    assert json.loads((tmp_path / ACTIVE_JOB_FILE).read_text()) == {
+        "job_id": "41",
+        "run_name": "run",
+        "config_sha256": "sha",
+    }
     assert BACKENDS["local"].running_job(tmp_path, "run", "sha") is None  # a local job ends with its launcher
     BACKENDS["local"].forget_job(tmp_path)
     assert (tmp_path / ACTIVE_JOB_FILE).exists()
@@ -233,10 +264,13 @@ def test_only_slurm_records_its_job_for_a_later_launcher(tmp_path):
 
 def test_the_backends_stay_light():
     """The Snakefile's parse and the login node's launcher ask them: no torch, MLflow or submitit."""
-    code = ("import sys, json; import dtstudy.launch_backends.registry; "
-            "print(json.dumps(sorted(m for m in ('torch', 'mlflow', 'submitit') if m in sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT / "workflow")
+    code = (
+        "import sys, json; import dtstudy.launch_backends.registry; "
+        "print(json.dumps(sorted(m for m in ('torch', 'mlflow', 'submitit') if m in sys.modules)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT / "workflow"
+    )
     assert result.returncode == 0 and json.loads(result.stdout) == [], result.stdout + result.stderr
 
 
@@ -248,11 +282,15 @@ class FakeJob:
 
     def __init__(self, spec: RunSpec, folder: Path, job_id: str, loses_a_rank: bool):
         self.spec, self.job_id, self.state = spec, job_id, "FAILED" if loses_a_rank else "COMPLETED"
-        self.paths = type("Paths", (), {"folder": folder, "stdout": folder / f"{job_id}_0_log.out",
-                                         "stderr": folder / f"{job_id}_0_log.err"})()
+        self.paths = type(
+            "Paths",
+            (),
+            {"folder": folder, "stdout": folder / f"{job_id}_0_log.out", "stderr": folder / f"{job_id}_0_log.err"},
+        )()
         if loses_a_rank:
-            lost_rank_path(folder, job_id).write_text(json.dumps({"rank": 1, "why": "its process is gone",
-                                                                  "log": "1.err"}))
+            lost_rank_path(folder, job_id).write_text(
+                json.dumps({"rank": 1, "why": "its process is gone", "log": "1.err"})
+            )
 
     def done(self, force_check: bool = False) -> bool:
         return True
@@ -301,10 +339,13 @@ def test_a_slurm_job_that_lost_a_rank_is_resubmitted_and_the_new_one_waited_on(t
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
-@pytest.mark.parametrize("keys, refused", [
-    ({"cluster": "slurm", "max_resubmits": 1}, "launcher.max_resubmits is 1 and it was resubmitted 1 times"),
-    ({"cluster": "local", "local_processes": "tasks", "max_resubmits": 3}, None),  # never resubmitted locally
-])
+@pytest.mark.parametrize(
+    "keys, refused",
+    [
+        ({"cluster": "slurm", "max_resubmits": 1}, "launcher.max_resubmits is 1 and it was resubmitted 1 times"),
+        ({"cluster": "local", "local_processes": "tasks", "max_resubmits": 3}, None),  # never resubmitted locally
+    ],
+)
 def test_a_job_that_lost_a_rank_again_fails_the_run_saying_why(tmp_path, monkeypatch, keys, refused):
     from dtstudy.launch.launcher import TrainingJobFailed, run_training_job
 

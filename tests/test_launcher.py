@@ -3,28 +3,50 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny_study, validated
-from dtstudy.errors import ConfigError
+
 from dtstudy.config.study_config import run_config
+from dtstudy.errors import ConfigError
 from dtstudy.launch.launcher import job_parameters
 from dtstudy.runspec import RunSpec
 
 
 def spec_for(workers, launcher, strategy="allreduce", strategy_params=None):
-    study = validated(tiny_study(workers=[workers], strategies=[strategy], launcher=launcher,
-                                 strategy_params={strategy: strategy_params or {}}, train={"batch_size": 8}))
+    study = validated(
+        tiny_study(
+            workers=[workers],
+            strategies=[strategy],
+            launcher=launcher,
+            strategy_params={strategy: strategy_params or {}},
+            train={"batch_size": 8},
+        )
+    )
     return RunSpec(strategy, workers, 0, run_config(study, strategy), "data", "out")
 
 
 def test_local_job_runs_every_process_on_this_machine():
     assert job_parameters(spec_for(4, {"cluster": "local", "timeout_min": 30})) == {
-        "name": "allreduce-n4-seed0", "timeout_min": 30, "nodes": 1, "tasks_per_node": 4, "signal_delay_s": 120}
+        "name": "allreduce-n4-seed0",
+        "timeout_min": 30,
+        "nodes": 1,
+        "tasks_per_node": 4,
+        "signal_delay_s": 120,
+    }
 
 
 def test_slurm_job_with_8_workers_on_4_gpu_nodes():
-    parameters = job_parameters(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4, "partition": "gpu",
-                                             "account": "proj", "additional_parameters": {"overcommit": True}}))
+    parameters = job_parameters(
+        spec_for(
+            8,
+            {
+                "cluster": "slurm",
+                "gpus_per_node": 4,
+                "partition": "gpu",
+                "account": "proj",
+                "additional_parameters": {"overcommit": True},
+            },
+        )
+    )
     assert (parameters["nodes"], parameters["tasks_per_node"], parameters["gpus_per_node"]) == (2, 4, 4)
     assert parameters["slurm_partition"] == "gpu" and parameters["slurm_account"] == "proj"
     assert parameters["slurm_additional_parameters"] == {"overcommit": True}
@@ -104,8 +126,9 @@ def test_a_local_run_sees_the_gpus_its_launcher_sees(tmp_path, tiny_data, monkey
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    metrics, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=4,
-                              launcher={"local_processes": processes})
+    metrics, _, _ = train_run(
+        tmp_path, tiny_data, workers=1, batch_size=32, steps=4, launcher={"local_processes": processes}
+    )
     assert metrics["environment"]["cuda_visible_devices"] == visible
 
 
@@ -126,15 +149,20 @@ def test_an_n1_job_asks_for_one_gpu_and_an_n8_job_for_the_gpus_of_its_two_nodes(
     assert {"#SBATCH --gpus-per-node=1", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"} <= one
     eight = sbatch_lines(spec_for(8, {"cluster": "slurm", "gpus_per_node": 4}), tmp_path)
     assert {"#SBATCH --gpus-per-node=4", "#SBATCH --nodes=2"} <= eight  # the control: a full node's
-    shards = sbatch_lines(spec_for(2, {"cluster": "slurm", "gpus_per_node": 4}, strategy="ps_sync",
-                                   strategy_params={"shards": 2}), tmp_path)
+    shards = sbatch_lines(
+        spec_for(2, {"cluster": "slurm", "gpus_per_node": 4}, strategy="ps_sync", strategy_params={"shards": 2}),
+        tmp_path,
+    )
     assert {"#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=4"} <= shards  # 2 workers + 2 CPU shards
 
 
 def test_a_gres_site_gets_gres_and_a_predicted_time_limit_replaces_timeout_min(tmp_path):
     pytest.importorskip("submitit")
-    lines = sbatch_lines(spec_for(1, {"cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres",
-                                      "timeout_min": 720}), tmp_path, time_limit_min=386)
+    lines = sbatch_lines(
+        spec_for(1, {"cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres", "timeout_min": 720}),
+        tmp_path,
+        time_limit_min=386,
+    )
     assert {"#SBATCH --gres=gpu:1", "#SBATCH --time=386"} <= lines
     assert not any(line.startswith("#SBATCH --gpus-per-node") for line in lines)
     default = sbatch_lines(spec_for(1, {"cluster": "slurm", "gpus_per_node": 4, "timeout_min": 720}), tmp_path)
@@ -150,12 +178,30 @@ def test_an_evaluation_on_a_gpu_cluster_asks_for_one_gpu_where_the_runs_train():
     def evaluation_job_resources(config: dict) -> dict:  # as the rules ask (common.smk)
         return launch_backend(config).evaluation_resources(config["launcher"])
 
-    gpu_cluster = validated(tiny_study(launcher={
-        "cluster": "slurm", "gpus_per_node": 4, "gpu_request": "gres", "cpus_per_task": 6, "mem_gb": 250,
-        "partition": "gpu", "account": "proj", "qos": "high", "constraint": "h100"}))
+    gpu_cluster = validated(
+        tiny_study(
+            launcher={
+                "cluster": "slurm",
+                "gpus_per_node": 4,
+                "gpu_request": "gres",
+                "cpus_per_task": 6,
+                "mem_gb": 250,
+                "partition": "gpu",
+                "account": "proj",
+                "qos": "high",
+                "constraint": "h100",
+            }
+        )
+    )
     assert evaluation_job_resources(gpu_cluster) == {
-        "gres": "gpu:1", "cpus_per_task": 6, "mem_mb": 64000, "slurm_partition": "gpu", "slurm_account": "proj",
-        "qos": "high", "constraint": "h100"}
+        "gres": "gpu:1",
+        "cpus_per_task": 6,
+        "mem_mb": 64000,
+        "slurm_partition": "gpu",
+        "slurm_account": "proj",
+        "qos": "high",
+        "constraint": "h100",
+    }
     defaults = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 4}))
     assert evaluation_job_resources(defaults) == {"gpu": 1, "cpus_per_task": defaults["launcher"]["cpus_per_task"]}
     cpu_cluster = validated(tiny_study(launcher={"cluster": "slurm", "gpus_per_node": 0, "partition": "cpu"}))
@@ -182,9 +228,13 @@ def test_only_a_job_that_lost_a_process_or_its_node_and_has_a_checkpoint_is_resu
 
     assert lost_process(EndedJob(tmp_path, "FAILED")) is None  # e.g. an error in the training code
     assert lost_process(EndedJob(tmp_path, "NODE_FAIL")) == "its node failed (SLURM state NODE_FAIL)"
-    lost_rank_path(tmp_path, "7").write_text(json.dumps({"rank": 1, "why": "its process 9 on vm is gone",
-                                                         "log": "7_1_log.err"}))
-    assert lost_process(EndedJob(tmp_path, "FAILED")) == "rank 1 was lost (its process 9 on vm is gone); its log: 7_1_log.err"
+    lost_rank_path(tmp_path, "7").write_text(
+        json.dumps({"rank": 1, "why": "its process 9 on vm is gone", "log": "7_1_log.err"})
+    )
+    assert (
+        lost_process(EndedJob(tmp_path, "FAILED"))
+        == "rank 1 was lost (its process 9 on vm is gone); its log: 7_1_log.err"
+    )
 
     spec = replace(spec_for(2, {"cluster": "slurm", "max_resubmits": 2}), out_dir=str(tmp_path / "run"))
     assert "rank0.pt, rank1.pt missing" in resubmission_refused(spec, 0, 2)
@@ -195,8 +245,12 @@ def test_only_a_job_that_lost_a_process_or_its_node_and_has_a_checkpoint_is_resu
     assert resubmission_refused(spec, 0, 2) is None and resubmission_refused(spec, 1, 2) is None
     assert "launcher.max_resubmits is 2 and it was resubmitted 2 times" in resubmission_refused(spec, 2, 2)
     assert "launcher.max_resubmits is 0" in resubmission_refused(spec, 0, 0)
-    assert resubmission_refused(replace(spec, config={**spec.config, "launcher": {
-        **spec.config["launcher"], "cluster": "local"}}), 0, 2) == ""
+    assert (
+        resubmission_refused(
+            replace(spec, config={**spec.config, "launcher": {**spec.config["launcher"], "cluster": "local"}}), 0, 2
+        )
+        == ""
+    )
 
 
 class _FakeSlurmJob:
@@ -220,15 +274,19 @@ class _FakeSlurmJob:
         self.states[self.job_id] = "CANCELLED"
 
 
-@pytest.mark.parametrize("state, same_config, waited_on", [
-    ("RUNNING", True, True),  # the lost launcher's job trains on: wait for it
-    ("PENDING", True, True),
-    ("COMPLETED", True, False),  # ended while no launcher waited: the record goes, the run is submitted
-    ("FAILED", True, False),
-    ("RUNNING", False, False),  # another config: cancelled, then submitted afresh
-])
-def test_a_launcher_waits_only_for_a_running_job_of_its_own_config(tmp_path, monkeypatch, state, same_config,
-                                                                  waited_on):
+@pytest.mark.parametrize(
+    "state, same_config, waited_on",
+    [
+        ("RUNNING", True, True),  # the lost launcher's job trains on: wait for it
+        ("PENDING", True, True),
+        ("COMPLETED", True, False),  # ended while no launcher waited: the record goes, the run is submitted
+        ("FAILED", True, False),
+        ("RUNNING", False, False),  # another config: cancelled, then submitted afresh
+    ],
+)
+def test_a_launcher_waits_only_for_a_running_job_of_its_own_config(
+    tmp_path, monkeypatch, state, same_config, waited_on
+):
     import json
 
     import submitit
@@ -242,8 +300,9 @@ def test_a_launcher_waits_only_for_a_running_job_of_its_own_config(tmp_path, mon
     spec = spec_for(2, {"cluster": "slurm", "timeout_min": 30})
     assert running_job(spec, tmp_path) is None  # no record: nothing to wait for
     other = spec_for(2, {"cluster": "slurm", "timeout_min": 90})  # an operational key: the same numbers
-    edited = RunSpec(spec.strategy, 2, 0, {**spec.config, "train": {**spec.config["train"], "base_lr": 0.07}},
-                     "data", "out")
+    edited = RunSpec(
+        spec.strategy, 2, 0, {**spec.config, "train": {**spec.config["train"], "base_lr": 0.07}}, "data", "out"
+    )
     recorded = other if same_config else edited
     assert (results_sha256(recorded.config) == results_sha256(spec.config)) == same_config
     record = {"job_id": "41", "config_sha256": results_sha256(recorded.config)}

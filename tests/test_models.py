@@ -10,9 +10,15 @@ from dtstudy.training.models import build_model, inference_layout
 
 @pytest.mark.parametrize(
     "name, channels, size, options",
-    [("lenet5", 1, 28, {}), ("lenet5", 3, 32, {}), ("resnet18", 1, 28, {"small_input": True}),
-     ("resnet18", 3, 64, {"small_input": False}), ("resnet50", 3, 32, {"small_input": True}),
-     ("alexnet_small", 3, 32, {}), ("alexnet_small", 1, 64, {})],
+    [
+        ("lenet5", 1, 28, {}),
+        ("lenet5", 3, 32, {}),
+        ("resnet18", 1, 28, {"small_input": True}),
+        ("resnet18", 3, 64, {"small_input": False}),
+        ("resnet50", 3, 32, {"small_input": True}),
+        ("alexnet_small", 3, 32, {}),
+        ("alexnet_small", 1, 64, {}),
+    ],
 )
 def test_forward_shape(name, channels, size, options):
     model = build_model(name, channels, 7, size, options)
@@ -81,10 +87,14 @@ def test_alexnet_small_is_mostly_fully_connected_and_wants_a_side_divisible_by_8
 
 def test_a_model_that_cannot_take_the_data_sets_images_is_refused_before_any_work():
     from conftest import tiny_study, validated
+
     from dtstudy.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="config key 'model': 'alexnet_small' needs images whose side is a "
-                                          "multiple of 8, and dataset 'fashion_mnist' gives 28x28"):
+    with pytest.raises(
+        ConfigError,
+        match="config key 'model': 'alexnet_small' needs images whose side is a "
+        "multiple of 8, and dataset 'fashion_mnist' gives 28x28",
+    ):
         validated(tiny_study(model="alexnet_small"))
     validated(tiny_study(model="alexnet_small", dataset={"name": "synthetic", "image_size": 32, "subset": None}))
     validated(tiny_study(model="lenet5"))  # the control: the same data for a model that takes it
@@ -94,8 +104,11 @@ def _last_batch_norms(model: torch.nn.Module) -> list[torch.nn.BatchNorm2d]:
     """The BatchNorm that ends each residual block's branch (bn3 of a Bottleneck, bn2 of a BasicBlock)."""
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
-    return [block.bn3 if isinstance(block, Bottleneck) else block.bn2
-            for block in model.modules() if isinstance(block, (BasicBlock, Bottleneck))]
+    return [
+        block.bn3 if isinstance(block, Bottleneck) else block.bn2
+        for block in model.modules()
+        if isinstance(block, (BasicBlock, Bottleneck))
+    ]
 
 
 @pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16)])

@@ -12,8 +12,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtstudy.strategies.compressed.onebit_codec import (chunk_groups, chunk_layout, compress_chunk, decompress_chunk,
-                                            decompress_messages, group_index, quantization_groups, reduce_chunk)
+from dtstudy.strategies.compressed.onebit_codec import (
+    chunk_groups,
+    chunk_layout,
+    compress_chunk,
+    decompress_chunk,
+    decompress_messages,
+    group_index,
+    quantization_groups,
+    reduce_chunk,
+)
 
 LENET5 = [(6, 1, 5, 5), (6,), (16, 6, 5, 5), (16,), (120, 400), (120,), (84, 120), (84,), (10, 84), (10,)]
 BUCKETS = {
@@ -29,7 +37,9 @@ def _values(shapes, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     parts = []
     for shape in shapes:
-        part = torch.randn(torch.Size(shape).numel(), generator=generator) * 10 ** torch.randint(-3, 2, (1,), generator=generator)
+        part = torch.randn(torch.Size(shape).numel(), generator=generator) * 10 ** torch.randint(
+            -3, 2, (1,), generator=generator
+        )
         part[: part.numel() // 7] = 0.0
         parts.append(part)
     return torch.cat(parts)
@@ -59,8 +69,10 @@ def test_layout_sends_and_decodes_what_the_per_chunk_functions_do(bucket, quanti
     assert torch.equal(messages, torch.cat([m for m, _ in reference]))
     assert torch.equal(decoded, torch.cat([d for _, d in reference]))
     # the all-gathered messages: each chunk's from its owner, here from other values than ours
-    others = [compress_chunk(v, g, quantizer, _index(g))[0] for v, g
-              in zip(_values(shapes, seed=100 + workers).split(layout.sizes), layout.groups)]
+    others = [
+        compress_chunk(v, g, quantizer, _index(g))[0]
+        for v, g in zip(_values(shapes, seed=100 + workers).split(layout.sizes), layout.groups)
+    ]
     gathered = torch.cat(others)
     expected = torch.cat([decompress_chunk(m, g, quantizer, _index(g)) for m, g in zip(others, layout.groups)])
     assert torch.equal(layout.decompress(gathered), expected)
@@ -87,12 +99,14 @@ def test_owner_decodes_every_workers_message_of_its_chunk_at_once(quantizer, wor
             groups, size, mine = layout.groups[owner], layout.sizes[owner], layout.message_bytes[owner]
             index = _index(groups)
             rows = [compress_chunk(values[owner], groups, quantizer, index)[0] for values in workers_values]
-            received = torch.cat([torch.zeros(1, dtype=torch.uint8), *rows])[1:]  # unaligned, as a row of a buffer may be
+            received = torch.cat([torch.zeros(1, dtype=torch.uint8), *rows])[
+                1:
+            ]  # unaligned, as a row of a buffer may be
             decoded = decompress_messages(received.view(workers, mine), groups, quantizer, index)
             each = [decompress_chunk(m, groups, quantizer, index) for m in rows]
             assert torch.equal(decoded, torch.stack(each))
             start = sum(layout.sizes[:owner])
-            server = residual[start:start + size]
+            server = residual[start : start + size]
             message, lost, error = reduce_chunk(received.view(workers, mine), server, groups, quantizer, index)
             corrected = torch.stack(each).sum(0) / workers + server
             expected_message, expected_decoded = compress_chunk(corrected, groups, quantizer, index)
@@ -120,7 +134,7 @@ def _ops_per_bucket(quantizer: str, workers: int) -> Counter:
     index, residual = _index(groups), torch.zeros(layout.sizes[owner])
     with _CountOps() as counted:
         messages, _ = layout.compress(values)
-        received = messages[sum(layout.message_bytes[:owner]):][:mine].repeat(workers)
+        received = messages[sum(layout.message_bytes[:owner]) :][:mine].repeat(workers)
         reduce_chunk(received.view(workers, mine), residual, groups, quantizer, index)
         layout.decompress(messages)
     return counted.ops

@@ -10,14 +10,14 @@ average (docs/strategies.md, `allreduce_onebit`)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
+from conftest import dataset_config, tiny_study, train_run, validated
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from conftest import dataset_config, tiny_study, train_run, validated
 from dtstudy.config.study_config import run_config
 from dtstudy.data.loading import load_split
 from dtstudy.training.lr_schedule import make_schedule
@@ -73,8 +73,9 @@ def simulate(rule: Rule, data_dir, train: dict, seed: int, workers: int = WORKER
     torch.manual_seed(seed)
     model = build_model("lenet5", train_set.channels, train_set.num_classes, train_set.images.shape[-1])
     params = list(model.parameters())
-    samplers = [DistributedSampler(train_set, num_replicas=workers, rank=r, shuffle=True, seed=seed)
-                for r in range(workers)]
+    samplers = [
+        DistributedSampler(train_set, num_replicas=workers, rank=r, shuffle=True, seed=seed) for r in range(workers)
+    ]
     batches = [BatchSampler(s, train["batch_size"], drop_last=True) for s in samplers]
     schedule = make_schedule(train, workers * train["batch_size"], len(batches[0]))
     beta, decay, nesterov = train["momentum"], train["weight_decay"], train["nesterov"]
@@ -149,8 +150,13 @@ def _share_apart(model: torch.nn.Module, state: dict, rounding: float = 1e-6) ->
 
 
 # ----- the strategy is the reference, step by step -------------------------------------------------
-DEFAULT_RECIPE = {"base_lr": 0.2, "lr_scaling": "linear", "warmup_epochs": 0.3, "momentum": 0.9,
-                  "weight_decay": 5.0e-4}  # config/config.yaml's train section
+DEFAULT_RECIPE = {
+    "base_lr": 0.2,
+    "lr_scaling": "linear",
+    "warmup_epochs": 0.3,
+    "momentum": 0.9,
+    "weight_decay": 5.0e-4,
+}  # config/config.yaml's train section
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -164,12 +170,16 @@ def test_onebit_steps_as_the_seide_reference(tmp_path, tiny_data, nesterov):
     most entries: the old placement (gradient compressed, momentum after) and the scaled sign
     (per tensor), by about 1e-2."""
     recipe = {**DEFAULT_RECIPE, "nesterov": nesterov}
-    _, state, _ = train_run(tmp_path, tiny_data, workers=WORKERS, batch_size=32, steps=None,
-                            strategy="allreduce_onebit", **recipe)
-    study = validated(tiny_study(strategies=["allreduce_onebit"], workers=[WORKERS],
-                                 train={"batch_size": 32, **recipe}))
+    _, state, _ = train_run(
+        tmp_path, tiny_data, workers=WORKERS, batch_size=32, steps=None, strategy="allreduce_onebit", **recipe
+    )
+    study = validated(
+        tiny_study(strategies=["allreduce_onebit"], workers=[WORKERS], train={"batch_size": 32, **recipe})
+    )
     train = run_config(study, "allreduce_onebit")["train"]
-    models = {name: simulate(RULES[name], tiny_data, train, seed=0) for name in ("seide", "gradient_first", "karimireddy")}
+    models = {
+        name: simulate(RULES[name], tiny_data, train, seed=0) for name in ("seide", "gradient_first", "karimireddy")
+    }
     apart = {name: _share_apart(model, state) for name, model in models.items()}
     furthest = {name: _max_difference(model, state) for name, model in models.items()}
     print(f"nesterov {nesterov}: entries beyond 1e-6 {apart}, furthest {furthest}")
@@ -186,8 +196,8 @@ SEEDS = (0, 1)  # config/config.yaml's
 def default_study(tmp_path_factory):
     """config/config.yaml's data set (all of Fashion-MNIST) and train section, at N=4."""
     import yaml
-
     from conftest import REPO
+
     from dtstudy.data.prepare import prepare
 
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -213,14 +223,30 @@ def test_onebit_accuracy_against_both_references(tmp_path, default_study):
     are written apart from the strategy and from each other. About 6 min on 2 shared cores."""
     data, train = default_study
     accuracy = {name: [top1(simulate(rule, data, train, seed), data) for seed in SEEDS] for name, rule in RULES.items()}
-    recipe = {key: train[key] for key in ("epochs", "base_lr", "lr_scaling", "warmup_epochs", "momentum",
-                                          "weight_decay", "nesterov")}
-    runs = [train_run(tmp_path, data, workers=WORKERS, batch_size=train["batch_size"], steps=None, seed=seed,
-                      strategy="allreduce_onebit", **recipe)[0] for seed in SEEDS]
+    recipe = {
+        key: train[key]
+        for key in ("epochs", "base_lr", "lr_scaling", "warmup_epochs", "momentum", "weight_decay", "nesterov")
+    }
+    runs = [
+        train_run(
+            tmp_path,
+            data,
+            workers=WORKERS,
+            batch_size=train["batch_size"],
+            steps=None,
+            seed=seed,
+            strategy="allreduce_onebit",
+            **recipe,
+        )[0]
+        for seed in SEEDS
+    ]
     accuracy["strategy"] = [run["final_val_top1"] for run in runs]
     mean = {name: sum(values) / len(values) for name, values in accuracy.items()}
-    print({name: [round(v, 4) for v in values] for name, values in accuracy.items()},
-          "quantization_error", [round(run["strategy_metrics"]["quantization_error"], 3) for run in runs])
+    print(
+        {name: [round(v, 4) for v in values] for name, values in accuracy.items()},
+        "quantization_error",
+        [round(run["strategy_metrics"]["quantization_error"], 3) for run in runs],
+    )
     for reference in ("karimireddy", "seide"):
         assert mean["strategy"] == pytest.approx(mean[reference], abs=0.05), accuracy
     assert mean["gradient_first"] < min(mean["strategy"], mean["karimireddy"], mean["seide"]) - 0.05, accuracy
@@ -267,8 +293,10 @@ def _check_momentum_resume(ctx, exchange):
         with torch.no_grad():
             for p, value in zip(resumed.model.parameters(), parameters):
                 p.copy_(value)
-        resumed.load_state_dict({key: value for key, value in saved.items() if key not in drop}
-                                | {key: [torch.zeros_like(v) for v in saved[key]] for key in drop})
+        resumed.load_state_dict(
+            {key: value for key, value in saved.items() if key not in drop}
+            | {key: [torch.zeros_like(v) for v in saved[key]] for key in drop}
+        )
         assert torch.equal(step(resumed, resumed_module), fourth) == (not drop), drop
 
 

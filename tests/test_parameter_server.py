@@ -4,23 +4,22 @@ training path, the staleness record, and the knob checks."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-
 import io
 import itertools
 import math
+import os
 import random
+import signal
+import threading
 
 import pytest
 import torch
-
 from conftest import assert_same_parameters, tiny_study, train_run, validated
+
 from dtstudy.errors import ConfigError
-from dtstudy.strategies.registry import STRATEGIES
 from dtstudy.strategies.parameter_server.protocol import split_contiguous
 from dtstudy.strategies.parameter_server.shard import ShardServer, UpdatePolicy
+from dtstudy.strategies.registry import STRATEGIES
 
 STEPS = 12
 TEST_DEADLINE_S = 240  # a hung exchange must not stall the suite until gloo's own timeout
@@ -44,8 +43,9 @@ def run(tmp_path_factory, tiny_data):
         key = (strategy, workers, batch_size, tuple(sorted(knobs.items())))
         if key not in done:
             folder = tmp_path_factory.mktemp(strategy)
-            done[key] = train_run(folder, tiny_data, workers, batch_size, steps=STEPS, strategy=strategy,
-                                  strategy_params=knobs)
+            done[key] = train_run(
+                folder, tiny_data, workers, batch_size, steps=STEPS, strategy=strategy, strategy_params=knobs
+            )
         metrics, parameters, _ = done[key]
         return metrics, parameters
 
@@ -101,7 +101,8 @@ def test_ps_async_records_staleness(run):
     assert sum(histogram.values()) == shard_metrics["updates"]
     assert max(histogram) > 0 and shard_metrics["staleness_max"] == max(histogram)
     assert shard_metrics["staleness_mean"] == pytest.approx(
-        sum(value * count for value, count in histogram.items()) / shard_metrics["updates"])
+        sum(value * count for value, count in histogram.items()) / shard_metrics["updates"]
+    )
     # every gradient is its own update, so the parameters leave the synchronous path
     with pytest.raises(AssertionError):
         assert_same_parameters(parameters, run("ps_sync", shards=1)[1], atol=1e-5)
@@ -115,15 +116,24 @@ def test_ssp_with_a_straggler_reaches_but_never_exceeds_its_clock_bound(tmp_path
     """Ho et al. 2013: the fast worker runs up to s clocks ahead of the straggler, never more;
     the version staleness stays within (N-1)(2s+1). ps_async, unbounded, runs further ahead."""
     s = 2
-    ssp = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ssp", strategy_params={"staleness": s},
-                    stragglers=SLOW_RANK_1)[0]["strategy_metrics"]
+    ssp = train_run(
+        tmp_path,
+        tiny_data,
+        2,
+        32,
+        steps=STEPS,
+        strategy="ssp",
+        strategy_params={"staleness": s},
+        stragglers=SLOW_RANK_1,
+    )[0]["strategy_metrics"]
     assert ssp["updates"] == 2 * STEPS and ssp["dropped_gradients"] == 0
     assert ssp["clock_ahead_max"] == s  # reached: the fast worker waited at s clocks ahead
     assert max(int(ahead) for ahead in ssp["clock_ahead"]) == s
     assert 0 < ssp["staleness_max"] <= (2 - 1) * (2 * s + 1)
 
-    unbounded = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_async",
-                          stragglers=SLOW_RANK_1)[0]["strategy_metrics"]
+    unbounded = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_async", stragglers=SLOW_RANK_1)[0][
+        "strategy_metrics"
+    ]
     assert unbounded["clock_ahead_max"] > s + 2
 
 
@@ -131,10 +141,10 @@ def test_ssp_without_staleness_equals_ps_sync_with_the_linear_rule(tmp_path, tin
     """ssp with s=0, momentum 0 and the linear rule equals ps_sync: at s=0 every clock is a
     barrier, and N updates of batch b at the rate of b are one update of N b at its rate
     (docs/strategies.md, "Equivalences the tests check")."""
-    sync_metrics, sync, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_sync",
-                                      **PLAIN_SGD_LINEAR)
-    ssp_metrics, ssp, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ssp",
-                                    strategy_params={"staleness": 0}, **PLAIN_SGD_LINEAR)
+    sync_metrics, sync, _ = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_sync", **PLAIN_SGD_LINEAR)
+    ssp_metrics, ssp, _ = train_run(
+        tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ssp", strategy_params={"staleness": 0}, **PLAIN_SGD_LINEAR
+    )
     assert_same_parameters(ssp, sync, atol=1e-5)
     # each ssp update is one worker's batch, at that batch's rate: half ps_sync's
     assert (ssp_metrics["lr_schedule"]["update_batch"], sync_metrics["lr_schedule"]["update_batch"]) == (32, 64)
@@ -148,8 +158,16 @@ def test_ps_backup_drops_only_pushes_whose_version_was_updated(tmp_path, tiny_da
     pushes are dropped while the fast worker updates the versions it read; once the fast worker
     is done (it waits at the evaluation), the straggler reads fresh versions and its gradients
     count. A worker's own step counter would drop all of the straggler's pushes."""
-    metrics = train_run(tmp_path, tiny_data, 2, 32, steps=STEPS, strategy="ps_backup",
-                        strategy_params={"backup": 1}, stragglers=SLOW_RANK_1)[0]
+    metrics = train_run(
+        tmp_path,
+        tiny_data,
+        2,
+        32,
+        steps=STEPS,
+        strategy="ps_backup",
+        strategy_params={"backup": 1},
+        stragglers=SLOW_RANK_1,
+    )[0]
     shard_metrics = metrics["strategy_metrics"]
     fast, slow = shard_metrics["dropped_by_worker"]
     assert fast == 0  # never dropped for a version it read fresh
@@ -284,6 +302,7 @@ def test_a_restored_shard_goes_on_as_if_it_had_never_stopped():
     loaded into a fresh shard: the same pushes then give the same replies, parameters and
     record as the shard that went on. The control: without the optimizer's state (momentum)
     the parameters part."""
+
     def shard(bound):
         made = ScriptedShard(2, UpdatePolicy.asynchronous(bound, staleness_lr=True))
         made.start(torch.zeros(3), momentum=0.9)
@@ -379,8 +398,9 @@ def test_async_shards_drop_nesterov_with_the_last_of_the_momentum(monkeypatch):
     from dtstudy.training.loop import make_optimizer_factory
 
     built = []
-    monkeypatch.setattr(ParameterServer, "setup",
-                        lambda self, model, make: built.append(make([torch.zeros(1, requires_grad=True)])))
+    monkeypatch.setattr(
+        ParameterServer, "setup", lambda self, model, make: built.append(make([torch.zeros(1, requires_grad=True)]))
+    )
     train = {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}
     for workers in (4, 20):
         strategy = object.__new__(STRATEGIES["ps_async"])
@@ -405,8 +425,15 @@ def test_async_pushes_carry_the_rate_factor():
     assert pushed == [pytest.approx(0.1)]
 
 
-def _async_updates_on_a_quadratic(implicit_momentum: bool, workers: int, step: float, monkeypatch,
-                                  updates: int = 400, problems: int = 1000, seed: int = 0) -> float:
+def _async_updates_on_a_quadratic(
+    implicit_momentum: bool,
+    workers: int,
+    step: float,
+    monkeypatch,
+    updates: int = 400,
+    problems: int = 1000,
+    seed: int = 0,
+) -> float:
     """Mean x^2 after `updates` asynchronous updates of f(x) = x^2 / 2 (curvature 1), from x = 1,
     on `problems` independent copies. The update is the shard's: the optimizer ps_async builds
     (its explicit momentum) and the rate each push carries (`step` x its rate factor). Each
@@ -462,8 +489,12 @@ def test_implicit_momentum_keeps_asynchronous_updates_stable_where_uncounted_the
 
 def test_registry_and_knob_defaults():
     asynchronous = {"shards": None, "staleness_lr": True, "momentum": None, "implicit_momentum": True}
-    defaults = {"ps_sync": {"shards": None}, "ps_backup": {"shards": None, "backup": None, "backup_fraction": None},
-                "ps_async": asynchronous, "ssp": {**asynchronous, "staleness": 2}}
+    defaults = {
+        "ps_sync": {"shards": None},
+        "ps_backup": {"shards": None, "backup": None, "backup_fraction": None},
+        "ps_async": asynchronous,
+        "ssp": {**asynchronous, "staleness": 2},
+    }
     for name, knobs in defaults.items():
         assert STRATEGIES[name].check_params({}, workers=2) == knobs
         assert STRATEGIES[name].extra_processes({**knobs, "shards": 3}, workers=2) == 3
@@ -473,14 +504,17 @@ def test_registry_and_knob_defaults():
     assert STRATEGIES["ps_backup"].spec.quorum(4, defaults["ps_backup"]) == 3
 
 
-@pytest.mark.parametrize("launcher, workers, knob, shards", [
-    ({"cluster": "local"}, 4, None, 1),  # one machine: one shard
-    ({"cluster": "slurm", "gpus_per_node": 4}, 8, None, 2),  # 2 nodes of 4 GPUs: one shard on each
-    ({"cluster": "slurm", "gpus_per_node": 4}, 2, None, 1),
-    ({"cluster": "slurm", "gpus_per_node": 0}, 4, None, 1),  # CPU workers, all on one node
-    ({"cluster": "slurm", "workers_per_node": 2, "gpus_per_node": 0}, 6, None, 3),  # CPU workers
-    ({"cluster": "slurm", "gpus_per_node": 4}, 8, 3, 3),  # the knob, when set, wins
-])
+@pytest.mark.parametrize(
+    "launcher, workers, knob, shards",
+    [
+        ({"cluster": "local"}, 4, None, 1),  # one machine: one shard
+        ({"cluster": "slurm", "gpus_per_node": 4}, 8, None, 2),  # 2 nodes of 4 GPUs: one shard on each
+        ({"cluster": "slurm", "gpus_per_node": 4}, 2, None, 1),
+        ({"cluster": "slurm", "gpus_per_node": 0}, 4, None, 1),  # CPU workers, all on one node
+        ({"cluster": "slurm", "workers_per_node": 2, "gpus_per_node": 0}, 6, None, 3),  # CPU workers
+        ({"cluster": "slurm", "gpus_per_node": 4}, 8, 3, 3),  # the knob, when set, wins
+    ],
+)
 def test_shards_default_to_one_per_node_of_the_run(launcher, workers, knob, shards):
     """`shards: null` (the default) is one shard per node of the run's job: the run's knobs,
     its processes and its task layout (shards spread one per node) all say so, and the
@@ -490,8 +524,15 @@ def test_shards_default_to_one_per_node_of_the_run(launcher, workers, knob, shar
     from dtstudy.runspec import RunSpec
 
     knobs = {} if knob is None else {"shards": knob}
-    study = validated(tiny_study(strategies=["ps_async"], workers=[workers], launcher=launcher,
-                                 strategy_params={"ps_async": knobs}, train={"batch_size": 8}))
+    study = validated(
+        tiny_study(
+            strategies=["ps_async"],
+            workers=[workers],
+            launcher=launcher,
+            strategy_params={"ps_async": knobs},
+            train={"batch_size": 8},
+        )
+    )
     spec = RunSpec("ps_async", workers, 0, run_config(study, "ps_async"), "data", "out")
     assert spec.strategy_params()["shards"] == shards
     assert spec.processes() == workers + shards
@@ -533,11 +574,23 @@ def test_bad_knobs_are_rejected_before_any_job(strategy, knobs, workers, words):
 
 
 def test_good_knobs_pass():
-    validated(tiny_study(strategies=["ps_backup", "ssp"], workers=[2, 4],
-                         strategy_params={"ps_backup": {"backup": 1, "shards": 2}, "ssp": {"staleness": 0}}))
-    validated(tiny_study(strategies=["ssp", "ps_async"], workers=[2],
-                         strategy_params={"ssp": {"staleness": None, "momentum": 0.5},
-                                          "ps_async": {"staleness_lr": True, "momentum": 0}}))
+    validated(
+        tiny_study(
+            strategies=["ps_backup", "ssp"],
+            workers=[2, 4],
+            strategy_params={"ps_backup": {"backup": 1, "shards": 2}, "ssp": {"staleness": 0}},
+        )
+    )
+    validated(
+        tiny_study(
+            strategies=["ssp", "ps_async"],
+            workers=[2],
+            strategy_params={
+                "ssp": {"staleness": None, "momentum": 0.5},
+                "ps_async": {"staleness_lr": True, "momentum": 0},
+            },
+        )
+    )
     # N=1 has nobody to back up: it runs as ps_sync, so the default k=1 fits workers [1, 2, 4]
     validated(tiny_study(strategies=["ps_backup"], workers=[1, 2, 4]))
 
@@ -552,10 +605,12 @@ def test_parameters_split_over_shards_in_balanced_contiguous_ranges(shards):
     owned = split_contiguous(LENET5_SIZES, shards)
     total = sum(LENET5_SIZES)
     assert [sum(end - start for _, start, end in pieces) for pieces in owned] == [
-        total // shards + (s < total % shards) for s in range(shards)]
+        total // shards + (s < total % shards) for s in range(shards)
+    ]
     first_value = [sum(LENET5_SIZES[:index]) for index in range(len(LENET5_SIZES))]
-    flat_ranges = [(first_value[index] + start, first_value[index] + end)
-                   for pieces in owned for index, start, end in pieces]
+    flat_ranges = [
+        (first_value[index] + start, first_value[index] + end) for pieces in owned for index, start, end in pieces
+    ]
     # in order, each piece where the previous ended, from 0 to M: every value exactly once
     assert [begin for begin, _ in flat_ranges] == [0] + [end for _, end in flat_ranges[:-1]]
     assert flat_ranges[-1][1] == total
@@ -583,8 +638,11 @@ def test_a_push_packs_and_a_reply_unpacks_every_piece_of_split_parameters(monkey
     from dtstudy.strategies.parameter_server.protocol import TAG_GRADIENT, TAG_PARAMETERS, TAG_VERSION
 
     torch.manual_seed(0)
-    parameters = [torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)),
-                  torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 4).t())]
+    parameters = [
+        torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)),
+        torch.nn.Parameter(torch.randn(5)),
+        torch.nn.Parameter(torch.randn(3, 4).t()),
+    ]
     assert [p.is_contiguous() for p in parameters] == [False, True, False]
     gradients = [torch.randn_like(p) for p in parameters]
     for parameter, gradient in zip(parameters, gradients[:1] + [None] + gradients[2:]):
@@ -594,8 +652,10 @@ def test_a_push_packs_and_a_reply_unpacks_every_piece_of_split_parameters(monkey
     done = SimpleNamespace(wait=lambda: None)
     for shards in (1, 2, 5, 7):
         owned = split_contiguous([p.numel() for p in parameters], shards)
-        slices = [ps.ShardSlice(2 + shard, [(parameters[i], start, end) for i, start, end in pieces])
-                  for shard, pieces in enumerate(owned)]
+        slices = [
+            ps.ShardSlice(2 + shard, [(parameters[i], start, end) for i, start, end in pieces])
+            for shard, pieces in enumerate(owned)
+        ]
         client = ps.ShardClient(slices, None)
         sent, bounds = [], [0]
         for piece in slices:
@@ -611,7 +671,7 @@ def test_a_push_packs_and_a_reply_unpacks_every_piece_of_split_parameters(monkey
                 tensor.copy_(torch.tensor([1.0, -1.0, 0.0]))
             elif tag == TAG_PARAMETERS:
                 shard = src - 2
-                tensor.copy_(replied[bounds[shard]:bounds[shard + 1]])
+                tensor.copy_(replied[bounds[shard] : bounds[shard + 1]])
             return done
 
         monkeypatch.setattr(ps.dist, "isend", isend)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, read_json, tiny_study
 from mlflow import MlflowClient
 
-from conftest import REPO, read_json, tiny_study
 from dtstudy.common.run_folder import METRICS, MLFLOW_RUN
 
 FAIL_FAST_S = 30  # a lost rank must end its run well inside this (the job's time limit is 60 min)
@@ -30,16 +30,41 @@ def start_launcher(tmp_path: Path, data_dir: Path, strategy: str, epochs: int = 
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     init_store(uri, "distributed-training-study")
-    study = tiny_study(strategies=[strategy], workers=[2], tracking={"uri": uri},
-                       train={"epochs": epochs, "batch_size": 16, "log_every": 10}, **config)
+    study = tiny_study(
+        strategies=[strategy],
+        workers=[2],
+        tracking={"uri": uri},
+        train={"epochs": epochs, "batch_size": 16, "log_every": 10},
+        **config,
+    )
     config_path = tmp_path / "study.yaml"
     config_path.write_text(yaml.safe_dump(study))
     out = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-u", "-m", "dtstudy", "train", "--config", str(config_path), "--strategy", strategy,
-         "--workers", "2", "--seed", "0", "--data", str(data_dir), "--out", str(out),
-         "--job-dir", str(tmp_path / "job")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "dtstudy",
+            "train",
+            "--config",
+            str(config_path),
+            "--strategy",
+            strategy,
+            "--workers",
+            "2",
+            "--seed",
+            "0",
+            "--data",
+            str(data_dir),
+            "--out",
+            str(out),
+            "--job-dir",
+            str(tmp_path / "job"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     return launcher, out, uri
 
@@ -60,8 +85,9 @@ def training_runs(uri: str, view="ACTIVE_ONLY"):
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("distributed-training-study")
-    return client.search_runs([experiment.experiment_id], "tags.`dtstudy.kind` = 'training'",
-                              run_view_type=getattr(ViewType, view))
+    return client.search_runs(
+        [experiment.experiment_id], "tags.`dtstudy.kind` = 'training'", run_view_type=getattr(ViewType, view)
+    )
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "ps_sync"])
@@ -94,8 +120,7 @@ def test_a_killed_worker_fails_its_run_in_seconds_and_names_the_rank(tmp_path, t
 def test_mlflow_shows_a_run_while_it_trains_and_a_rerun_supersedes_it(tmp_path, tiny_data):
     # 6 epochs, checked after the 2nd: the 4 left keep it training while the test looks (with
     # 3 epochs the last one sometimes ended before the check, on a fast hour of CI's machine)
-    launcher, out, uri = start_launcher(tmp_path, tiny_data, "allreduce", epochs=6,
-                                        dataset={"subset": 2000})
+    launcher, out, uri = start_launcher(tmp_path, tiny_data, "allreduce", epochs=6, dataset={"subset": 2000})
     wait_for_output(launcher, r"epoch 2/6 done")
     [run] = training_runs(uri)
     assert run.info.status == "RUNNING"  # visible while it trains ...
@@ -176,8 +201,11 @@ def test_the_pool_address_names_the_folder_by_identity_and_the_interpreter_by_it
         os.close(held)
     # `python` and `python3` of one environment compute the same address
     names = [name for name in ("python", "python3") if shutil.which(name)]
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'workflow')!r}); " \
-           f"from dtstudy.launch.pool.client import pool_address; print(pool_address({str(study)!r}))"
-    addresses = {subprocess.run([name, "-c", code], capture_output=True, text=True, check=True).stdout
-                 for name in names}
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'workflow')!r}); "
+        f"from dtstudy.launch.pool.client import pool_address; print(pool_address({str(study)!r}))"
+    )
+    addresses = {
+        subprocess.run([name, "-c", code], capture_output=True, text=True, check=True).stdout for name in names
+    }
     assert len(names) == 2 and len(addresses) == 1, addresses

@@ -10,15 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import in_workers, tiny_study, train_run, validated
 from torch import nn
 
-from conftest import in_workers, tiny_study, train_run, validated
-
+from dtstudy.common.timing import HostClock, StepTimer
 from dtstudy.errors import ConfigError
 from dtstudy.strategies.base import CommMeter, DistContext, Strategy
 from dtstudy.strategies.registry import get_strategy
 from dtstudy.strategies.specs import SPECS
-from dtstudy.common.timing import HostClock, StepTimer
 from dtstudy.training.compute import Compute
 from dtstudy.training.loop import make_criterion, make_optimizer_factory, timed_step
 from dtstudy.training.measurements import WorkerLog
@@ -32,13 +31,21 @@ def worker_run(strategy, model, compute: Compute, timer: StepTimer | None = None
     """What dtstudy.training.loop.timed_step reads of a WorkerRun."""
     module = strategy.setup(compute.place(model), make_optimizer_factory(TRAIN))
     strategy.grad_scaler = compute.grad_scaler
-    return SimpleNamespace(ctx=strategy.ctx, strategy=strategy, module=module, criterion=make_criterion(TRAIN),
-                           compute=compute, straggler=NO_STRAGGLERS, timer=timer or StepTimer(HostClock()))
+    return SimpleNamespace(
+        ctx=strategy.ctx,
+        strategy=strategy,
+        module=module,
+        criterion=make_criterion(TRAIN),
+        compute=compute,
+        straggler=NO_STRAGGLERS,
+        timer=timer or StepTimer(HostClock()),
+    )
 
 
 def cpu_context(workers: int = 1) -> DistContext:
-    return DistContext(rank=0, world_size=workers, workers=workers, local_rank=0, device=torch.device("cpu"),
-                       backend="gloo")
+    return DistContext(
+        rank=0, world_size=workers, workers=workers, local_rank=0, device=torch.device("cpu"), backend="gloo"
+    )
 
 
 def batch(seed: int = 0, size: int = 16):
@@ -48,6 +55,7 @@ def batch(seed: int = 0, size: int = 16):
 
 # ----- precision -------------------------------------------------------------------------
 
+
 def forward_dtypes(precision: str) -> set[torch.dtype]:
     """The dtypes LeNet-5's convolutions and linear layers compute in during a training step."""
     torch.manual_seed(0)
@@ -56,7 +64,11 @@ def forward_dtypes(precision: str) -> set[torch.dtype]:
     for layer in model.modules():
         if isinstance(layer, (nn.Conv2d, nn.Linear)):
             layer.register_forward_hook(lambda _m, _i, output: seen.add(output.dtype))
-    run = worker_run(get_strategy("no_exchange")(cpu_context(), {"steps": 10}), model, Compute(precision, "contiguous", torch.device("cpu")))
+    run = worker_run(
+        get_strategy("no_exchange")(cpu_context(), {"steps": 10}),
+        model,
+        Compute(precision, "contiguous", torch.device("cpu")),
+    )
     timed_step(run, iter([batch()]), 0.1, WorkerLog(rank=0).record)
     return seen
 
@@ -76,8 +88,11 @@ class SkipsTheScaler(get_strategy("no_exchange")):
 
 def after_one_fp16_step(strategy_class, inputs, labels) -> dict:
     torch.manual_seed(0)
-    run = worker_run(strategy_class(cpu_context(), {"steps": 10}), build_model("lenet5", 1, 10, 28),
-                     Compute("fp16", "contiguous", torch.device("cpu")))
+    run = worker_run(
+        strategy_class(cpu_context(), {"steps": 10}),
+        build_model("lenet5", 1, 10, 28),
+        Compute("fp16", "contiguous", torch.device("cpu")),
+    )
     timed_step(run, iter([(inputs, labels)]), 0.1, WorkerLog(rank=0).record)
     return {name: p.detach().clone() for name, p in run.module.named_parameters()}
 
@@ -113,8 +128,15 @@ def test_fp16_is_refused_where_a_strategy_cannot_step_through_the_scaler():
     # reach the shards (parameter servers) or an error-feedback memory (PowerSGD, 1-bit)
     refused = {name for name, spec in SPECS.items() if spec.no_fp16_because}
     assert {"ps_sync", "ps_backup", "ps_async", "ssp", "allreduce_powersgd", "allreduce_onebit"} <= refused
-    assert not refused & {"allreduce", "allreduce_fp16", "allreduce_bf16", "local_sgd", "easgd", "gossip",
-                          "no_exchange"}
+    assert not refused & {
+        "allreduce",
+        "allreduce_fp16",
+        "allreduce_bf16",
+        "local_sgd",
+        "easgd",
+        "gossip",
+        "no_exchange",
+    }
     with pytest.raises(ConfigError) as error:
         validated(tiny_study(strategies=["allreduce", "ps_sync"], train={"precision": "fp16"}))
     message = str(error.value)
@@ -131,8 +153,13 @@ def test_the_precision_and_layout_are_what_ran_and_what_metrics_json_records(tmp
     not to the last bit (the control: had autocast not run, they would be identical)."""
     bf16, _, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=6, precision="bf16")
     fp32, _, _ = train_run(tmp_path / "fp32", tiny_data, workers=2, batch_size=32, steps=6)
-    assert bf16["compute"] == {"precision": "bf16", "autocast_dtype": "bfloat16", "grad_scaler": None,
-                               "memory_format": "contiguous", "timing_clock": "host"}
+    assert bf16["compute"] == {
+        "precision": "bf16",
+        "autocast_dtype": "bfloat16",
+        "grad_scaler": None,
+        "memory_format": "contiguous",
+        "timing_clock": "host",
+    }
     assert fp32["compute"]["precision"] == "fp32" and fp32["compute"]["autocast_dtype"] is None
     assert bf16["config"]["train"]["precision"] == "bf16"
     assert bf16["train_loss"] != fp32["train_loss"]
@@ -233,6 +260,7 @@ def install_fake_exchange(name: str, strategy, device: FakeDevice, patch: pytest
     from dtstudy.strategies.local import strategy as local
 
     if name == "allreduce":
+
         def hook(state, bucket):  # after the bucket's last gradient: DDP's all-reduce of it
             device.launch(EXCHANGE_S)
             return default_hooks.allreduce_hook(state.ctx.worker_group, bucket)
@@ -240,12 +268,14 @@ def install_fake_exchange(name: str, strategy, device: FakeDevice, patch: pytest
         strategy.comm_hook = lambda: hook
     elif name == "local_sgd":
         real = local.average_over_workers
-        patch.setattr(local, "average_over_workers",
-                      lambda tensors, group: (device.launch(EXCHANGE_S), real(tensors, group))[1])
+        patch.setattr(
+            local, "average_over_workers", lambda tensors, group: (device.launch(EXCHANGE_S), real(tensors, group))[1]
+        )
     elif name == "easgd":
         real_all_reduce = dist.all_reduce
-        patch.setattr(dist, "all_reduce",
-                      lambda tensor, **kw: (device.launch(EXCHANGE_S), real_all_reduce(tensor, **kw))[1])
+        patch.setattr(
+            dist, "all_reduce", lambda tensor, **kw: (device.launch(EXCHANGE_S), real_all_reduce(tensor, **kw))[1]
+        )
     elif name == "gossip":
         patch.setattr(gossip, "gossip_average", lambda parameters, peers, group: (device.launch(EXCHANGE_S), 0)[1])
     elif name == "ps_sync":
@@ -254,8 +284,13 @@ def install_fake_exchange(name: str, strategy, device: FakeDevice, patch: pytest
         raise ValueError(name)
 
 
-PARAMS = {"allreduce": {}, "local_sgd": {"period": 1, "warmup_steps": 1}, "easgd": {"period": 1},
-          "gossip": {}, "ps_sync": {}}
+PARAMS = {
+    "allreduce": {},
+    "local_sgd": {"period": 1, "warmup_steps": 1},
+    "easgd": {"period": 1},
+    "gossip": {},
+    "ps_sync": {},
+}
 STEPS = 4
 
 
@@ -276,8 +311,12 @@ def split_of_steps(name: str, ctx: DistContext, exchange_clock) -> WorkerLog:
     with pytest.MonkeyPatch.context() as patch:
         install_fake_exchange(name, strategy, device, patch)
         torch.manual_seed(0)
-        run = worker_run(strategy, FakeModel(device), Compute("fp32", "contiguous", torch.device("cpu")),
-                         StepTimer(FakeEventClock(device)))
+        run = worker_run(
+            strategy,
+            FakeModel(device),
+            Compute("fp32", "contiguous", torch.device("cpu")),
+            StepTimer(FakeEventClock(device)),
+        )
         strategy.meter.clock = exchange_clock(device)
         log, batches = WorkerLog(rank=0), fake_batches(device)
         for step in range(STEPS):
@@ -335,8 +374,12 @@ def straggler_steps(clock_class) -> WorkerLog:
 
     device = FakeDevice()
     torch.manual_seed(0)
-    run = worker_run(get_strategy("no_exchange")(cpu_context(), {"steps": 10}), FakeModel(device),
-                     Compute("fp32", "contiguous", torch.device("cpu")), StepTimer(clock_class(device)))
+    run = worker_run(
+        get_strategy("no_exchange")(cpu_context(), {"steps": 10}),
+        FakeModel(device),
+        Compute("fp32", "contiguous", torch.device("cpu")),
+        StepTimer(clock_class(device)),
+    )
     stragglers = validated(tiny_study(stragglers={"ranks": [0], "delay_ms": DELAY_S * 1000}))["stragglers"]
     run.straggler = Straggler(stragglers, workers=1, rank=0, run_seed=0)
     log, batches = WorkerLog(rank=0), fake_batches(device)
@@ -352,7 +395,8 @@ def test_a_stragglers_delay_is_on_the_devices_timeline_not_hidden_behind_queued_
     a delay slept on the host only (the planted bug) vanishes behind the work still queued."""
     log = straggler_steps(FakeEventClock)
     assert [step - comm for step, comm in zip(log.step_s, log.comm_s)] == pytest.approx(
-        [FORWARD_S + BACKWARD_S + DELAY_S] * STEPS, abs=1e-12)
+        [FORWARD_S + BACKWARD_S + DELAY_S] * STEPS, abs=1e-12
+    )
     hidden = straggler_steps(HostSleep)
     assert hidden.step_s[1:] == pytest.approx([FORWARD_S + BACKWARD_S] * (STEPS - 1), abs=1e-12)
 
@@ -375,7 +419,7 @@ def test_a_preempted_fp16_run_resumes_with_its_loss_scale(tmp_path, tiny_data):
     here overflows at 65536 around step 16 and again around step 27): a requeued job that
     started a new scaler would skip other steps and end elsewhere (checked by hand by dropping
     the scaler's restore in dtstudy.training.loop.resume_or_start: this test then fails)."""
-    from test_resume import finish, make_spec, preempt_after_progress, SLOW, submit
+    from test_resume import SLOW, finish, make_spec, preempt_after_progress, submit
 
     reference_spec = make_spec(tmp_path / "whole", tiny_data, steps=60, stragglers=SLOW, precision="fp16")
     reference_job = submit(reference_spec)
@@ -405,19 +449,36 @@ def test_the_gpu_compute_check_runs_dry_on_the_cpu(tmp_path):
     import sys
 
     import yaml
-
     from conftest import REPO
 
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "tests/device/compute_check.py", "--dry-run", "--out", str(out),
-                             "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tests/device/compute_check.py",
+            "--dry-run",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads((out / "compute_check.json").read_text())
     assert record["dry_run"] and record["complete"] and record["compute"]["precision"] == record["precision"] == "fp32"
-    assert set(record["checks"]) == {"study_run_started_unpinned", "images_per_s_ratio_at_least_0.95",
-                                     "data_share_under_0.05", "step_parts_sum_to_events_within_0.05",
-                                     "test_pass_on_the_runs_device", "straggler_delay_on_the_device_timeline",
-                                     "n2_exchange_on_the_device_for_every_strategy"}
+    assert set(record["checks"]) == {
+        "study_run_started_unpinned",
+        "images_per_s_ratio_at_least_0.95",
+        "data_share_under_0.05",
+        "step_parts_sum_to_events_within_0.05",
+        "test_pass_on_the_runs_device",
+        "straggler_delay_on_the_device_timeline",
+        "n2_exchange_on_the_device_for_every_strategy",
+    }
     # started as a cluster task starts: a fresh task, nothing pinned, every core the check has
     assert record["start"]["local_processes"] == "tasks" and record["start"]["pinned_cores"] is None
     assert record["checks"]["study_run_started_unpinned"]

@@ -12,23 +12,31 @@ import json
 import shlex
 
 import pytest
-
 from conftest import run_snakemake, tiny_study
+
 from dtstudy import __main__ as cli
 
 #: each sub-command's required arguments, with a value each
 REQUIRED = {
     "commbench": {"--out": "commbench.json"},
-    "study": {"--metrics": "a/metrics.json", "--commbench": "commbench.json", "--out": "p.csv", "--out-md": "p.md",
-              "--plot": "p.png"},
+    "study": {
+        "--metrics": "a/metrics.json",
+        "--commbench": "commbench.json",
+        "--out": "p.csv",
+        "--out-md": "p.md",
+        "--plot": "p.png",
+    },
     "measured": {"--measured": "M.yaml", "--hardware": "H.yaml", "--strategies": "allreduce", "--workers": "1,8"},
 }
 MISSING = [(mode, flag) for mode, flags in REQUIRED.items() for flag in flags]
 
 
 def arguments(mode: str, leave_out: str | None = None) -> list[str]:
-    return ["project", mode, *(word for flag, value in REQUIRED[mode].items() if flag != leave_out
-                               for word in (flag, value))]
+    return [
+        "project",
+        mode,
+        *(word for flag, value in REQUIRED[mode].items() if flag != leave_out for word in (flag, value)),
+    ]
 
 
 @pytest.mark.parametrize("mode, missing", MISSING, ids=[f"{mode}{flag}" for mode, flag in MISSING])
@@ -36,8 +44,10 @@ def test_a_missing_required_argument_is_argparses_error_naming_it(capsys, mode, 
     with pytest.raises(SystemExit) as exited:
         cli.main(arguments(mode, leave_out=missing))
     assert exited.value.code == 2
-    assert (f"python -m dtstudy project {mode}: error: the following arguments are required: {missing}"
-            in capsys.readouterr().err)
+    assert (
+        f"python -m dtstudy project {mode}: error: the following arguments are required: {missing}"
+        in capsys.readouterr().err
+    )
     # the control: with it, the same line parses into that sub-command
     parsed = cli.build_parser().parse_args(arguments(mode))
     assert parsed.func.__name__ == f"cmd_project_{mode}"

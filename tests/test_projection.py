@@ -24,22 +24,23 @@ from fractions import Fraction
 
 import pytest
 import yaml
-
 from conftest import REPO, read_json
 
-from dtstudy.projection import calibration, hardware, layer_profiles, project
-from dtstudy.perfmodel import collectives, steps, waits
-from dtstudy.strategies import spec as strategy_spec, specs
-from dtstudy.strategies.parameter_server.spec import PS_REQUEST_BYTES
 from dtstudy.errors import ConfigError
+from dtstudy.perfmodel import collectives, steps, waits
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, LayerProfile, Link, Machine, Stragglers, Workload
+from dtstudy.projection import calibration, hardware, layer_profiles, project
+from dtstudy.strategies import spec as strategy_spec
+from dtstudy.strategies import specs
+from dtstudy.strategies.parameter_server.spec import PS_REQUEST_BYTES
 
 WORKFLOW = str(REPO / "workflow")
 
 # 1e6 parameters (4 MB of gradients), batch 10, 0.1 s of compute; 4 GPUs per node;
 # inside: 10 us, 1 GB/s; between nodes: 100 us, 100 MB/s
-W = Workload(parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1,
-             measured_share={"allreduce_powersgd": 0.1})
+W = Workload(
+    parameters=1_000_000, bytes_per_parameter=4, batch=10, compute_s=0.1, measured_share={"allreduce_powersgd": 0.1}
+)
 MACHINE = Machine(gpus_per_node=4, intra=Link(1e-5, 1e9), inter=Link(1e-4, 1e8))
 
 
@@ -74,7 +75,9 @@ def test_allreduce_hand_computed():
     assert s.throughput == pytest.approx(80 / (0.1 + ALLREDUCE_8), rel=1e-9)
     assert step_time("allreduce", 1).throughput == pytest.approx(100.0)  # unwrapped: compute alone
     # overlap: a quarter of the compute (0.025 s) hides that much of the exchange
-    overlapped = specs.model_step("allreduce", W, Machine(4, MACHINE.intra, MACHINE.inter, overlap=0.25), 8, knobs("allreduce"))
+    overlapped = specs.model_step(
+        "allreduce", W, Machine(4, MACHINE.intra, MACHINE.inter, overlap=0.25), 8, knobs("allreduce")
+    )
     assert overlapped.exposed_s == pytest.approx(ALLREDUCE_8 - 0.025, rel=1e-9)
     # 2 buckets of 2 MiB: twice the latency terms
     two = step_time("allreduce", 8, bucket_cap_mb=2)
@@ -90,20 +93,39 @@ def test_flat_ring_allreduce_hand_computed():
     assert flat_8 != pytest.approx(ALLREDUCE_8, rel=1e-3)  # the two algorithms differ here
     # 64 GPUs, 16 nodes: 126 steps, 30 across; twice the messages with 2 MiB buckets
     flat_64 = 96 * 1e-5 + 30 * 1e-4
-    assert collectives.allreduce_time(4e6, 64, ring, messages=2) == pytest.approx(2 * flat_64 + 126 / 64 * 4e6 / 1e8, rel=1e-9)
+    assert collectives.allreduce_time(4e6, 64, ring, messages=2) == pytest.approx(
+        2 * flat_64 + 126 / 64 * 4e6 / 1e8, rel=1e-9
+    )
     # one node, or one GPU per node: both algorithms are the same plain ring
-    assert collectives.allreduce_time(4e6, 4, ring) == pytest.approx(collectives.allreduce_time(4e6, 4, MACHINE), rel=1e-12)
+    assert collectives.allreduce_time(4e6, 4, ring) == pytest.approx(
+        collectives.allreduce_time(4e6, 4, MACHINE), rel=1e-12
+    )
     one_each = Machine(1, MACHINE.intra, MACHINE.inter)
-    assert collectives.allreduce_time(4e6, 8, dataclasses.replace(one_each, allreduce_algorithm="ring")) == pytest.approx(
-        collectives.allreduce_time(4e6, 8, one_each), rel=1e-12)
+    assert collectives.allreduce_time(
+        4e6, 8, dataclasses.replace(one_each, allreduce_algorithm="ring")
+    ) == pytest.approx(collectives.allreduce_time(4e6, 8, one_each), rel=1e-12)
     # what a profile says, checked
-    machine, source, _ = hardware.machine_from_profile({"name": "p", "gpus_per_node": 4, "allreduce_algorithm": "ring",
-                                                        "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 5},
-                                                        "intra_node": {"bandwidth_gbyte_s": 10, "latency_us": 5}})
+    machine, source, _ = hardware.machine_from_profile(
+        {
+            "name": "p",
+            "gpus_per_node": 4,
+            "allreduce_algorithm": "ring",
+            "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 5},
+            "intra_node": {"bandwidth_gbyte_s": 10, "latency_us": 5},
+        }
+    )
     assert machine.allreduce_algorithm == "ring" and source["allreduce_algorithm"] == "profile"
-    with pytest.raises(ConfigError, match=r"key 'allreduce_algorithm': 'tree' is not one of \['hierarchical', 'ring'\]"):
-        hardware.machine_from_profile({"name": "p", "gpus_per_node": 4, "allreduce_algorithm": "tree",
-                                       "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 5}})
+    with pytest.raises(
+        ConfigError, match=r"key 'allreduce_algorithm': 'tree' is not one of \['hierarchical', 'ring'\]"
+    ):
+        hardware.machine_from_profile(
+            {
+                "name": "p",
+                "gpus_per_node": 4,
+                "allreduce_algorithm": "tree",
+                "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 5},
+            }
+        )
 
 
 def test_half_precision_hand_computed():
@@ -128,7 +150,8 @@ def test_powersgd_hand_computed():
     shaped = dataclasses.replace(W, measured_share={}, matrices=((1000, 1000),))
     for rank, sent in ((2, 0.004), (4, 0.008)):
         assert step_time("allreduce_powersgd", 4, workload=shaped, rank=rank).exchange_s == pytest.approx(
-            1.8e-4 + 1.5 * sent * 4e6 / 1e9, rel=1e-9)
+            1.8e-4 + 1.5 * sent * 4e6 / 1e9, rel=1e-9
+        )
     measured = dataclasses.replace(W, matrices=((1000, 1000),))
     assert step_time("allreduce_powersgd", 4, workload=measured).exchange_s == pytest.approx(1.8e-4 + 6e-4, rel=1e-9)
     with pytest.raises(ValueError, match="matrices"):
@@ -148,7 +171,8 @@ def test_onebit_hand_computed():
     for quantizer, message in (("column", 125_800), ("tensor", 125_012)):
         expected = 3e-5 + 3 * message / 1e9 + 1e-4 + 4 * message / 1e8
         assert step_time("allreduce_onebit", 8, workload=counted, quantizer=quantizer).exchange_s == pytest.approx(
-            expected, rel=1e-9)
+            expected, rel=1e-9
+        )
 
 
 def test_parameter_server_hand_computed():
@@ -166,13 +190,15 @@ def test_parameter_server_hand_computed():
     # dedicated shards are on nodes of their own: from one node of 4 workers, its NIC carries
     # their 4 M (1.6e7 bytes) each way, 1e-4 + 0.16 (not the link inside: 1e-5 + 0.016)
     assert step_time("ps_sync", 4, shards=1, placement="dedicated").exchange_s == pytest.approx(
-        2 * (1e-4 + 0.16), rel=1e-9)
+        2 * (1e-4 + 0.16), rel=1e-9
+    )
     # the shard's work: 8 sums + 4 update passes of its 2e6-byte slice at 0.1 GB/s, 20 ms
     # each; the sums start when the first push arrives, from a worker beside the shard
     # (1e-5 + 2e6/1e9 into the phase), so the phase's rest hides 0.0801 - 0.00201 s of them
     machine = Machine(4, MACHINE.intra, MACHINE.inter, server_bandwidth=1e8)
     assert step_time("ps_sync", 8, machine=machine, shards=2).server_s == pytest.approx(
-        0.16 - (phase - 0.00201) + 0.08, rel=1e-9)
+        0.16 - (phase - 0.00201) + 0.08, rel=1e-9
+    )
     # without stragglers backup workers cost what ps_sync costs
     assert step_time("ps_backup", 8, shards=2).step_s == pytest.approx(sync.step_s, rel=1e-12)
     # the protocol's own cost: once per worker round trip (the workers' run side by side)
@@ -189,13 +215,16 @@ def test_a_shard_sums_the_early_gradients_while_it_waits_for_the_slowest():
     in_phase = (1e-4 + 0.08) - (1e-5 + 2e-3)
     one_late = Stragglers(delay_s=0.05, distribution="fixed", count=1)
     assert step_time("ps_sync", 8, machine=machine, shards=2, stragglers=one_late).server_s == pytest.approx(
-        0.16 - (in_phase + 0.05) + 0.08, rel=1e-9)
+        0.16 - (in_phase + 0.05) + 0.08, rel=1e-9
+    )
     late = Stragglers(delay_s=0.5, distribution="fixed", count=1)  # longer than the 8 sums: one pass left
     assert step_time("ps_sync", 8, machine=machine, shards=2, stragglers=late).server_s == pytest.approx(
-        0.02 + 0.08, rel=1e-9)
+        0.02 + 0.08, rel=1e-9
+    )
     # backup k=1: the update takes the first 7 gradients only (the 8th is dropped unread)
     assert step_time("ps_backup", 8, machine=machine, shards=2, backup=1).server_s == pytest.approx(
-        0.14 - in_phase + 0.08, rel=1e-9)
+        0.14 - in_phase + 0.08, rel=1e-9
+    )
     # a dedicated shard's first push comes across (1e-4 + 4e6/1e8 of its one 4e6-byte slice)
     dedicated = step_time("ps_sync", 8, machine=machine, shards=1, placement="dedicated")
     assert dedicated.server_s == pytest.approx(0.32 - ((1e-4 + 0.32) - (1e-4 + 0.04)) + 0.16, rel=1e-9)
@@ -228,7 +257,8 @@ def test_ps_async_hand_computed():
     # SSP applies each push as ps_async does: without stragglers the same round
     for placement, shards in (("colocated", 2), ("dedicated", 1)):
         assert step_time("ssp", 8, shards=shards, placement=placement).step_s == pytest.approx(
-            step_time("ps_async", 8, shards=shards, placement=placement).step_s, rel=1e-12)
+            step_time("ps_async", 8, shards=shards, placement=placement).step_s, rel=1e-12
+        )
 
 
 def test_local_and_gossip_hand_computed():
@@ -248,8 +278,9 @@ def test_local_and_gossip_hand_computed():
     assert step_time("gossip", 2, machine=timed).exchange_s == pytest.approx(1e-5 + 4e6 / 1e9 + 4e-3, rel=1e-9)
     assert step_time("gossip", 8, machine=timed).exchange_s == pytest.approx(1e-4 + 0.08 + 6e-3, rel=1e-9)
     passes = Machine(4, MACHINE.intra, MACHINE.inter, compression_bandwidth=1e11)
-    assert step_time("gossip", 2, machine=passes).exchange_s == pytest.approx(1e-5 + 4e6 / 1e9 + 11 * 4e6 / 1e11,
-                                                                               rel=1e-9)
+    assert step_time("gossip", 2, machine=passes).exchange_s == pytest.approx(
+        1e-5 + 4e6 / 1e9 + 11 * 4e6 / 1e11, rel=1e-9
+    )
 
 
 def test_registry_matches_the_strategies():
@@ -263,8 +294,9 @@ def test_registry_matches_the_strategies():
     from dtstudy.strategies.parameter_server.strategy import ParameterServer
     from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS
 
-    assert PARAMETER_SERVERS == {n for n, spec in SPECS.items()
-                                 if spec.extra_processes(spec.placed_params(dict(spec.defaults), nodes=1), 1)}
+    assert PARAMETER_SERVERS == {
+        n for n, spec in SPECS.items() if spec.extra_processes(spec.placed_params(dict(spec.defaults), nodes=1), 1)
+    }
     assert PARAMETER_SERVERS == {n for n, cls in STRATEGIES.items() if issubclass(cls, ParameterServer)}
     assert PARAMETER_SERVERS == {"ps_sync", "ps_backup", "ps_async", "ssp"}
 
@@ -282,7 +314,8 @@ def test_wait_free_timeline_hand_computed():
     # two stages on separate links (a sum inside, then a push): the 2nd bucket's sum runs
     # beside the 1st one's push; pushes end at 0.2+0.1+0.3 = 0.6, 0.9, then 0.9 + 0.3 = 1.2
     assert steps.wait_free_exposed([(0.2, 0.1, 0.3), (0.5, 0.1, 0.3), (0.8, 0.1, 0.3)], 1.0) == pytest.approx(
-        0.2, rel=1e-12)
+        0.2, rel=1e-12
+    )
 
 
 # 4 MB of gradients in 3 tensors, in backprop order: half of them ready at a quarter of
@@ -333,7 +366,9 @@ def test_buckets_go_in_backprop_order():
     cap = knobs("allreduce", bucket_cap_mb=0.5)
     forward = LayerProfile("forward", tuple(zip([v for v, _ in reversed(TOY.tensors)], [0.25, 0.5, 1.0])), 0.6)
     backprop = specs.model_step("allreduce", workload, MACHINE, 8, cap).exposed_s
-    reordered = specs.model_step("allreduce", Workload(1_000_000, 4, 10, 0.1, layers=forward), MACHINE, 8, cap).exposed_s
+    reordered = specs.model_step(
+        "allreduce", Workload(1_000_000, 4, 10, 0.1, layers=forward), MACHINE, 8, cap
+    ).exposed_s
     assert reordered == pytest.approx(backprop * 2, rel=1e-9)  # the last bucket holds 2 MB, not 1
 
 
@@ -341,8 +376,10 @@ def test_shipped_profile_matches_the_flop_counter():
     measured = layer_profiles.measure("lenet5")
     shipped = layer_profiles._shipped()["lenet5"]
     assert measured["tensors"] == shipped["tensors"]
-    assert (measured["forward_flops"], measured["backward_flops"]) == (shipped["forward_flops"],
-                                                                      shipped["backward_flops"])
+    assert (measured["forward_flops"], measured["backward_flops"]) == (
+        shipped["forward_flops"],
+        shipped["backward_flops"],
+    )
     assert measured["parameters"] == 61706  # the study's LeNet-5
 
 
@@ -363,11 +400,14 @@ def test_profile_column_groups_are_the_quantisers():
 
 def run_command_without_torch(tmp_path, args):
     """`python -m dtstudy project ...` in a fresh interpreter that must not import torch."""
-    script = ("import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
-              "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)")
+    script = (
+        "import sys; from dtstudy.__main__ import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'the projection imported torch'; sys.exit(rc)"
+    )
     env = {**os.environ, "PYTHONPATH": WORKFLOW}
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -375,15 +415,19 @@ def test_command_with_a_layer_profile(tmp_path):
     m, h = write_inputs(tmp_path)
     fixed = project.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "fixed.csv"))
     # a model named like no shipped profile keeps the fixed overlap, and the table says why
-    assert ("the hardware profile's fixed overlap, 0 of compute: model.layer_profile not given and model.name names "
-            "none: no layer profile of 'my_resnet50' is shipped" in (tmp_path / "fixed.md").read_text())
+    assert (
+        "the hardware profile's fixed overlap, 0 of compute: model.layer_profile not given and model.name names "
+        "none: no layer profile of 'my_resnet50' is shipped" in (tmp_path / "fixed.md").read_text()
+    )
     measured = yaml.safe_load((tmp_path / "M.yaml").read_text())
     measured["model"]["name"] = "resnet50"  # named like a shipped profile: it takes it, and says so
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
     (tmp_path / "named").mkdir()
     named = project.run_command(m, h, "allreduce,ps_sync", "1,8,64", str(tmp_path / "named/projection.csv"))
-    assert ("wait-free backprop on the layer profile 'resnet50' (model.name 'resnet50', a shipped layer profile; "
-            "model.layer_profile not given;" in (tmp_path / "named/projection.md").read_text())
+    assert (
+        "wait-free backprop on the layer profile 'resnet50' (model.name 'resnet50', a shipped layer profile; "
+        "model.layer_profile not given;" in (tmp_path / "named/projection.md").read_text()
+    )
     measured["model"]["layer_profile"] = "resnet50"
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(measured))
     out = tmp_path / "projection.csv"
@@ -399,7 +443,10 @@ def test_command_with_a_layer_profile(tmp_path):
     # test_command_on_a_measurement_file_alone); at N=64 the timeline hides part of the exchange
     assert float(rows[("allreduce", 64)]["step_exchange_s"]) < 0.9 * before[("allreduce", 64)]["step_exchange_s"]
     assert float(rows[("ps_sync", 64)]["throughput"]) == pytest.approx(before[("ps_sync", 64)]["throughput"], rel=1e-5)
-    assert "wait-free backprop on the layer profile 'resnet50' (model.layer_profile;" in (tmp_path / "projection.md").read_text()
+    assert (
+        "wait-free backprop on the layer profile 'resnet50' (model.layer_profile;"
+        in (tmp_path / "projection.md").read_text()
+    )
     # the profile the name names is the one the key names
     for name_row, key_row in zip(named, rows.values()):
         assert name_row["throughput"] == pytest.approx(float(key_row["throughput"]), rel=1e-5)
@@ -443,9 +490,11 @@ def _simulated(distribution, mean, draws, pick, samples=20000, window=1):
 def test_order_statistics_match_simulation(distribution):
     # the (N-k)-th of 6 slow workers (ps_backup k=2) and the slowest mean over windows of 4 steps
     assert waits.expected_order_statistic(distribution, 1.0, 4, 6) == pytest.approx(
-        _simulated(distribution, 1.0, 6, lambda v: v[3]), rel=0.03)
+        _simulated(distribution, 1.0, 6, lambda v: v[3]), rel=0.03
+    )
     assert waits.expected_max_of_window_means(distribution, 1.0, 6, 4) == pytest.approx(
-        _simulated(distribution, 1.0, 6, lambda v: v[-1], samples=8000, window=4), rel=0.03)
+        _simulated(distribution, 1.0, 6, lambda v: v[-1], samples=8000, window=4), rel=0.03
+    )
 
 
 def _max_of_erlang_means(k: int, window: int) -> Fraction:
@@ -475,12 +524,14 @@ def test_stragglers_in_the_step(monkeypatch):
     assert step_time("ps_sync", 8, stragglers=slow, shards=2).step_s == pytest.approx(base + 0.05 * h4)
     # backup k=2: the 6th arrival of 8 = the 2nd of the 4 slow ones: 0.05 (1/4 + 1/3)
     assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup=2).straggler_s == pytest.approx(
-        0.05 * (1 / 4 + 1 / 3))
+        0.05 * (1 / 4 + 1 / 3)
+    )
     # backup k=4: the 4 fast ones make the update
     assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup=4).straggler_s == 0
     # as a share of N: round(0.25 * 8) = 2 backups, the same wait as backup=2
     assert step_time("ps_backup", 8, stragglers=slow, shards=2, backup_fraction=0.25).straggler_s == pytest.approx(
-        0.05 * (1 / 4 + 1 / 3))
+        0.05 * (1 / 4 + 1 / 3)
+    )
     # asynchronous: 4 workers at 0.1802 s, 4 at 0.2302 s, nobody waits for anybody
     rate = 4 / 0.1802 + 4 / 0.2302
     assert step_time("ps_async", 8, stragglers=slow, shards=2).throughput == pytest.approx(10 * rate, rel=1e-9)
@@ -497,9 +548,15 @@ def test_stragglers_in_the_step(monkeypatch):
     expected = 0.05 * float(_max_of_erlang_means(4, 3))
     assert ssp_wait() == pytest.approx(expected, rel=1e-6)
     # control: windows of s steps instead of s + 1 (0.0886791 s) must fail the same check
-    monkeypatch.setattr(specs.SspSpec, "step_model", classmethod(
-        lambda cls, workload, machine, workers, params, stragglers: steps.ps_async_step(
-            cls.name, workload, machine, workers, params, stragglers, window=params["staleness"])))
+    monkeypatch.setattr(
+        specs.SspSpec,
+        "step_model",
+        classmethod(
+            lambda cls, workload, machine, workers, params, stragglers: steps.ps_async_step(
+                cls.name, workload, machine, workers, params, stragglers, window=params["staleness"]
+            )
+        ),
+    )
     assert ssp_wait() == pytest.approx(0.05 * float(_max_of_erlang_means(4, 2)), rel=1e-6)
     assert ssp_wait() != pytest.approx(expected, rel=1e-6)
 
@@ -527,10 +584,16 @@ def test_fit_recovers_alpha_and_beta():
 
 def write_inputs(tmp_path, measured=None, hardware_profile=None):
     # a name of no shipped layer profile: the hardware profile's fixed overlap, as hand-solved
-    m = measured or {"model": {"name": "my_resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
-                     "per_worker_batch": 64, "throughput": {1: 52.4, 8: 378}}
-    h = hardware_profile or {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50},
-                             "strategy_params": {"ps_sync": {"shards": 8, "placement": "colocated"}}}
+    m = measured or {
+        "model": {"name": "my_resnet50", "parameters": 25557032, "bytes_per_parameter": 4},
+        "per_worker_batch": 64,
+        "throughput": {1: 52.4, 8: 378},
+    }
+    h = hardware_profile or {
+        "gpus_per_node": 8,
+        "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50},
+        "strategy_params": {"ps_sync": {"shards": 8, "placement": "colocated"}},
+    }
     (tmp_path / "M.yaml").write_text(yaml.safe_dump(m))
     (tmp_path / "H.yaml").write_text(yaml.safe_dump(h))
     return str(tmp_path / "M.yaml"), str(tmp_path / "H.yaml")
@@ -543,28 +606,46 @@ def run_main(argv):
 
 
 def project_args(m, h, out, strategies="allreduce,ps_sync", workers="1,8,16"):
-    return ["project", "measured", "--measured", m, "--hardware", h, "--strategies", strategies, "--workers", workers,
-            "--out", out]
+    return [
+        "project",
+        "measured",
+        "--measured",
+        m,
+        "--hardware",
+        h,
+        "--strategies",
+        strategies,
+        "--workers",
+        workers,
+        "--out",
+        out,
+    ]
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("no_n1", ["throughput", "N=1", "[8]"]),
-    ("unknown_strategy", ["--strategies", "'allreduse'", "allowed:", "ps_sync"]),
-    ("negative_bandwidth", ["inter_node.bandwidth_gbit_s", "-10", "allowed: a number > 0"]),
-    ("missing_key", ["per_worker_batch", "missing"]),
-    ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "['colocated', 'dedicated']"]),
-    ("bad_period", ["strategy_params.local_sgd.period", "0", "an integer >= 1"]),
-    ("knob_of_wrong_type", ["strategy_params.allreduce.bucket_cap_mb", "'25'", "is not a number"]),
-    ("unknown_knob", ["strategy_params.ps_sync.shard", "unknown knob", "shards", "placement"]),
-    ("bad_stragglers", ["stragglers.distribution", "'gamma'", "'fixed', 'uniform', 'exponential'"]),
-    ("bad_ps_request", ["ps_request_us", "-5", "a number >= 0"]),
-    ("ps_request_measured", ["ps_request_us", "'measured'", "N=1 parameter-server runs"]),
-    ("unknown_layer_profile", ["model.layer_profile", "'resnet5'", "allowed:", "resnet152, resnet50, vgg16"]),
-    ("other_network_profile", ["model.layer_profile", "'vgg16'", "138357544", "model.parameters", "1000"]),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("no_n1", ["throughput", "N=1", "[8]"]),
+        ("unknown_strategy", ["--strategies", "'allreduse'", "allowed:", "ps_sync"]),
+        ("negative_bandwidth", ["inter_node.bandwidth_gbit_s", "-10", "allowed: a number > 0"]),
+        ("missing_key", ["per_worker_batch", "missing"]),
+        ("bad_placement", ["strategy_params.ps_sync.placement", "'everywhere'", "['colocated', 'dedicated']"]),
+        ("bad_period", ["strategy_params.local_sgd.period", "0", "an integer >= 1"]),
+        ("knob_of_wrong_type", ["strategy_params.allreduce.bucket_cap_mb", "'25'", "is not a number"]),
+        ("unknown_knob", ["strategy_params.ps_sync.shard", "unknown knob", "shards", "placement"]),
+        ("bad_stragglers", ["stragglers.distribution", "'gamma'", "'fixed', 'uniform', 'exponential'"]),
+        ("bad_ps_request", ["ps_request_us", "-5", "a number >= 0"]),
+        ("ps_request_measured", ["ps_request_us", "'measured'", "N=1 parameter-server runs"]),
+        ("unknown_layer_profile", ["model.layer_profile", "'resnet5'", "allowed:", "resnet152, resnet50, vgg16"]),
+        ("other_network_profile", ["model.layer_profile", "'vgg16'", "138357544", "model.parameters", "1000"]),
+    ],
+)
 def test_bad_inputs_name_the_key(tmp_path, capsys, case, expected):
-    measured = {"model": {"name": "x", "parameters": 1000, "bytes_per_parameter": 4}, "per_worker_batch": 8,
-                "throughput": {1: 10.0, 8: 70.0}}
+    measured = {
+        "model": {"name": "x", "parameters": 1000, "bytes_per_parameter": 4},
+        "per_worker_batch": 8,
+        "throughput": {1: 10.0, 8: 70.0},
+    }
     profile = {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 10, "latency_us": 50}}
     strategies = "allreduce,ps_sync"
     if case == "no_n1":
@@ -607,8 +688,11 @@ def test_command_projects_the_hardware_files_stragglers(tmp_path):
     """Slow workers on the cluster (H.yaml `stragglers`, the study config's keys): a
     synchronous step waits for the slowest of them; ps_backup with more backups than slow
     workers for none of them, as backup workers were meant to do (Chen et al. 2016)."""
-    profile = {"gpus_per_node": 8, "inter_node": {"bandwidth_gbit_s": 100, "latency_us": 5},
-               "strategy_params": {"ps_sync": {"shards": 32}, "ps_backup": {"shards": 32, "backup": 16}}}
+    profile = {
+        "gpus_per_node": 8,
+        "inter_node": {"bandwidth_gbit_s": 100, "latency_us": 5},
+        "strategy_params": {"ps_sync": {"shards": 32}, "ps_backup": {"shards": 32, "backup": 16}},
+    }
 
     def steps(stragglers):
         folder = tmp_path / str(len(stragglers))
@@ -661,15 +745,26 @@ def test_command_on_a_measurement_file_alone(tmp_path, monkeypatch):
     run_command_without_torch(tmp_path, project_args(m, h, str(out), workers="1,8,16,32,64"))
     with open(out) as handle:
         rows = list(csv.DictReader(handle))
-    assert list(rows[0])[:9] == ["strategy", "workers", "throughput", "efficiency", "speedup", "step_compute_s",
-                                 "step_exchange_s", "bound", "profile"]
+    assert list(rows[0])[:9] == [
+        "strategy",
+        "workers",
+        "throughput",
+        "efficiency",
+        "speedup",
+        "step_compute_s",
+        "step_exchange_s",
+        "bound",
+        "profile",
+    ]
     assert [(r["strategy"], int(r["workers"])) for r in rows] == [
-        (s, n) for s in ("allreduce", "ps_sync") for n in (1, 8, 16, 32, 64)]
+        (s, n) for s in ("allreduce", "ps_sync") for n in (1, 8, 16, 32, 64)
+    ]
     allreduce = {int(r["workers"]): r for r in rows if r["strategy"] == "allreduce"}
     assert float(allreduce[1]["throughput"]) == pytest.approx(52.4)  # the measured N=1
     # intra_node is fitted to N=8: its throughput there is 378 by construction. Checked instead:
     # the fitted link against its hand solution and N=16, which was not fitted, by hand
     assert _fit_and_unfitted_n_misses(rows, (tmp_path / "projection.md").read_text()) == []
+
     # control: a ring all-reduce that moves (p-1)/p of the bytes instead of 2 (p-1)/p (a
     # reduce-scatter without its all-gather). The fit absorbs it at N=8 (still 378 there), so
     # the old check passed; the hand solution does not (half the bandwidth), nor does N=16
@@ -713,20 +808,28 @@ def test_payload_fraction_is_the_share_of_a_line_rate_the_bytes_get():
     exchange's bytes (framing, encoding, the transport's losses): the link is that rate x
     the share, so a ring across 4 nodes of 1 GPU at half of 10 Gbit/s takes twice the
     bandwidth term: 6 x 50 us + 1.5 x 4e6 B / 0.625e9 B/s."""
+
     def machine(inter):
-        return hardware.machine_from_profile({"name": "p", "gpus_per_node": 1, "inter_node": inter,
-                                              "intra_node": {"bandwidth_gbyte_s": 10}})[0]
+        return hardware.machine_from_profile(
+            {"name": "p", "gpus_per_node": 1, "inter_node": inter, "intra_node": {"bandwidth_gbyte_s": 10}}
+        )[0]
 
     half = machine({"bandwidth_gbit_s": 10, "latency_us": 50, "payload_fraction": 0.5})
     assert half.inter.bandwidth == pytest.approx(0.625e9)
     assert collectives.allreduce_time(4e6, 4, half) == pytest.approx(6 * 50e-6 + 1.5 * 4e6 / 0.625e9, rel=1e-12)
     assert machine({"bandwidth_gbit_s": 10, "latency_us": 50}).inter.bandwidth == pytest.approx(1.25e9)  # default 1
     for value in (0, 1.5, "0.9", True):
-        with pytest.raises(ConfigError, match=rf"key 'inter_node\.payload_fraction': {re.escape(repr(value))} is "
-                                              rf"[^;]*; allowed: a number in \(0, 1\]$"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"key 'inter_node\.payload_fraction': {re.escape(repr(value))} is "
+            rf"[^;]*; allowed: a number in \(0, 1\]$",
+        ):
             machine({"bandwidth_gbit_s": 10, "payload_fraction": value})
-    with pytest.raises(ConfigError, match=r"key 'inter_node\.payload_fracton': unknown key 'payload_fracton'; allowed: "
-                                          r"bandwidth_gbit_s, latency_us, payload_fraction$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"key 'inter_node\.payload_fracton': unknown key 'payload_fracton'; allowed: "
+        r"bandwidth_gbit_s, latency_us, payload_fraction$",
+    ):
         machine({"bandwidth_gbit_s": 10, "payload_fracton": 0.9})  # a misspelt key is not ignored
 
 
@@ -749,10 +852,17 @@ def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step, stra
 
     folder.mkdir(parents=True)
     step = 64 * workers / throughput
-    metrics = {"strategy": strategy, "workers": workers, "seed": 0, "throughput": throughput,
-               "step_time": {"total_s": step, "compute_s": step - comm_s, "comm_s": comm_s, "data_s": 0.0},
-               "bytes_per_step": bytes_per_step, "per_worker_batch": 64, "environment": {"oversubscribed": False},
-               "strategy_params": strategy_params or {}}
+    metrics = {
+        "strategy": strategy,
+        "workers": workers,
+        "seed": 0,
+        "throughput": throughput,
+        "step_time": {"total_s": step, "compute_s": step - comm_s, "comm_s": comm_s, "data_s": 0.0},
+        "bytes_per_step": bytes_per_step,
+        "per_worker_batch": 64,
+        "environment": {"oversubscribed": False},
+        "strategy_params": strategy_params or {},
+    }
     (folder / "metrics.json").write_text(json.dumps(metrics))
     return str(folder / "metrics.json")
 
@@ -760,25 +870,43 @@ def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step, stra
 def test_project_rule_on_recorded_runs(tmp_path):
     # what the rule reads: metrics.json files and the benchmark's JSON; 61706 parameters
     ring = 2 * (2 - 1) / 2 * 61706 * 4
-    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
-               fake_run(tmp_path / "g2", "gossip", 2, 13000.0, 0.0008, 61706 * 4)]
-    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-             "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
-             "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    metrics = [
+        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+        fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
+        fake_run(tmp_path / "g2", "gossip", 2, 13000.0, 0.0008, 61706 * 4),
+    ]
+    bench = {
+        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+        "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.05},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
     import json
 
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["allreduce", "gossip"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [1, 2, 64, 1024], "hardware": "this_machine"}}
+    config = {
+        "model": "lenet5",
+        "strategies": ["allreduce", "gossip"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2, 64, 1024], "hardware": "this_machine"},
+    }
     out = tmp_path / "tables/projection.csv"
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(out),
-                                str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
+    rows = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        config,
+        str(out),
+        str(tmp_path / "tables/projection.md"),
+        str(tmp_path / "plots/projection.png"),
+    )
     assert (tmp_path / "plots/projection.png").stat().st_size > 10_000
     with open(out) as handle:
         written = list(csv.DictReader(handle))
     assert [(r["strategy"], int(r["workers"])) for r in written] == [
-        (s, n) for s in ("allreduce", "gossip") for n in (1, 2, 64, 1024)]
+        (s, n) for s in ("allreduce", "gossip") for n in (1, 2, 64, 1024)
+    ]
     first = {(r["strategy"], r["workers"]): r for r in rows}
     # compute = the N=1 step 64/8000 s; allreduce at N=2: + the fitted all-reduce of the
     # 246824-byte gradient over 2 processes (2 x 1e-4 + 246824/2e9) + 5% jitter
@@ -794,8 +922,14 @@ def test_project_rule_on_recorded_runs(tmp_path):
     assert first[("allreduce", 2)]["overlap"] == "wait-free backprop (lenet5)"
     assert "'lenet5' (config key 'model'" in (tmp_path / "tables/projection.md").read_text()
     # a model without a profile keeps the hardware profile's fixed overlap, and says why
-    other = project.run_study(metrics, str(tmp_path / "bench.json"), {**config, "model": "resnet18"}, str(out),
-                                 str(tmp_path / "tables/projection.md"), str(tmp_path / "plots/projection.png"))
+    other = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        {**config, "model": "resnet18"},
+        str(out),
+        str(tmp_path / "tables/projection.md"),
+        str(tmp_path / "plots/projection.png"),
+    )
     assert {r["overlap"] for r in other if r["strategy"] == "allreduce"} == {"fixed 0 of compute"}
     assert "no layer profile of 'resnet18'" in (tmp_path / "tables/projection.md").read_text()
     # a shipped name on another network (LeNet-5 on 3-channel 32x32 images: more parameters)
@@ -816,26 +950,52 @@ def test_project_rule_on_a_study_of_n1_only_takes_powersgd_bytes_from_the_model(
 
     from dtstudy.training.models import build_model
 
-    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "p1", "allreduce_powersgd", 1, 7900.0, 0.0, 0.0)]
+    metrics = [
+        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+        fake_run(tmp_path / "p1", "allreduce_powersgd", 1, 7900.0, 0.0, 0.0),
+    ]
     torch.save({"state_dict": build_model("lenet5", 1, 10, 28, {}).state_dict()}, tmp_path / "a1" / "model.pt")
     assert calibration.matrices_from_checkpoint(tmp_path / "a1" / "model.pt") == [
-        [6, 25], [6, 1], [16, 150], [16, 1], [120, 400], [120, 1], [84, 120], [84, 1], [10, 84], [10, 1]]
+        [6, 25],
+        [6, 1],
+        [16, 150],
+        [16, 1],
+        [120, 400],
+        [120, 1],
+        [84, 120],
+        [84, 1],
+        [10, 84],
+        [10, 1],
+    ]
     # sent: (6+25)2 + (16+150)2 + (120+400)2 + (84+120)2 + (10+84)2 and the 236 bias values whole
     ratio = (62 + 332 + 1040 + 408 + 188 + 236) / 61706
-    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-             "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "allreduce_powersgd": 2e-9, "server_pass": 5e-11},
-             "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    bench = {
+        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+        "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "allreduce_powersgd": 2e-9, "server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.0},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["allreduce", "allreduce_powersgd"], "strategy_params": {},
-              "stragglers": {}, "projection": {"workers": [1, 2], "hardware": "this_machine"}}
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
-                                str(tmp_path / "p.md"), str(tmp_path / "p.png"))
+    config = {
+        "model": "lenet5",
+        "strategies": ["allreduce", "allreduce_powersgd"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2], "hardware": "this_machine"},
+    }
+    rows = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        config,
+        str(tmp_path / "p.csv"),
+        str(tmp_path / "p.md"),
+        str(tmp_path / "p.png"),
+    )
     exchange = {r["strategy"]: r["step_exchange_s"] for r in rows if r["workers"] == 2}
     # three all-reduces (the whole tensors, P, Q) of the ratio's bytes on 2 processes: 3 x (2 x 1e-4) + bytes / 2e9,
     # and the benchmark's PowerSGD kernel (compression's own work) over the gradient's bytes
-    assert exchange["allreduce_powersgd"] == pytest.approx(6e-4 + ratio * 61706 * 4 / 2e9 + 2e-9 * 61706 * 4,
-                                                           rel=1e-6)
+    assert exchange["allreduce_powersgd"] == pytest.approx(6e-4 + ratio * 61706 * 4 / 2e9 + 2e-9 * 61706 * 4, rel=1e-6)
     provenance = re.search(r"- matrices: (.*)", (tmp_path / "p.md").read_text()).group(1)
     assert provenance.startswith("the model's matrices in a run's model.pt, for allreduce_powersgd at its knobs {")
     assert "'rank': 2," in provenance
@@ -851,19 +1011,36 @@ def test_project_rule_calibrates_the_parameter_servers_round_trip_on_their_n1_ru
     one_way = 5e-5 + m / 2e9  # the p2p fit below, one gradient's bytes
     update = (1 + 4) * m * 5e-11  # the shard's passes (1 gradient summed, 4 of SGD) at the server kernel
     modelled = 2 * one_way + update
-    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + PS_REQUEST_BYTES, {"shards": 1})]
-    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-             "kernels_s_per_byte": {"server_pass": 5e-11},
-             "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    metrics = [
+        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+        fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + PS_REQUEST_BYTES, {"shards": 1}),
+        fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + PS_REQUEST_BYTES, {"shards": 1}),
+        fake_run(tmp_path / "s2", "ps_sync", 2, 12000.0, 0.002, m + PS_REQUEST_BYTES, {"shards": 1}),
+    ]
+    bench = {
+        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+        "kernels_s_per_byte": {"server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.0},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["ps_sync", "ps_async"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    config = {
+        "model": "lenet5",
+        "strategies": ["ps_sync", "ps_async"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2], "hardware": "this_machine"},
+    }
     md = tmp_path / "tables/projection.md"
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "tables/p.csv"),
-                                str(md), str(tmp_path / "plots/projection.png"))
+    rows = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        config,
+        str(tmp_path / "tables/p.csv"),
+        str(md),
+        str(tmp_path / "plots/projection.png"),
+    )
     request = 0.001  # the mean of the two runs' 1.2 and 0.8 ms beyond the model
     t_c = 64 / 8000
     # N=2, one shard: each phase takes 2 gradients through the shard's link, one latency (both at once)
@@ -893,8 +1070,12 @@ def test_the_model_size_is_read_only_from_runs_whose_bytes_say_it():
     parameters = 61706
 
     def run(strategy, workers, bytes_per_step, params=None):
-        return {"strategy": strategy, "workers": workers, "bytes_per_step": bytes_per_step,
-                "strategy_params": params or {}}
+        return {
+            "strategy": strategy,
+            "workers": workers,
+            "bytes_per_step": bytes_per_step,
+            "strategy_params": params or {},
+        }
 
     def ring(workers, value_bytes):
         return 2 * (workers - 1) / workers * parameters * value_bytes
@@ -904,25 +1085,52 @@ def test_the_model_size_is_read_only_from_runs_whose_bytes_say_it():
     assert read([run("easgd", 4, ring(4, 4) / 8), run("allreduce", 2, ring(2, 4))]) == parameters
     assert read([run("easgd", 4, ring(4, 4), {"period": 1})]) == parameters
     assert read([run("allreduce_bf16", 4, ring(4, 2))]) == parameters
-    assert read([run("allreduce", 1, 0.0), run("allreduce_powersgd", 4, 0.1 * ring(4, 4)),
-                 run("local_sgd", 4, ring(4, 8) / 8), run("gossip", 4, 2 * parameters * 4)]) is None
+    assert (
+        read(
+            [
+                run("allreduce", 1, 0.0),
+                run("allreduce_powersgd", 4, 0.1 * ring(4, 4)),
+                run("local_sgd", 4, ring(4, 8) / 8),
+                run("gossip", 4, 2 * parameters * 4),
+            ]
+        )
+        is None
+    )
 
 
 def test_a_strategy_whose_bytes_depend_on_shapes_is_calibrated_from_its_own_runs(monkeypatch):
     """needs_matrices, not a name, says which strategies' runs at N > 1 give their byte share."""
     parameters = 61706
     ring = 2 * (4 - 1) / 4 * parameters * 4
-    runs = [{"strategy": strategy, "workers": n, "seed": 0, "throughput": 1000.0, "compute_s": 0.05, "comm_s": comm,
-             "data_s": 0.0, "total_s": 0.06, "bytes_per_step": sent, "per_worker_batch": 64, "strategy_params": {}}
-            for strategy, n, comm, sent in (("allreduce", 1, 0.0, 0.0), ("allreduce_powersgd", 1, 0.0, 0.0),
-                                            ("allreduce_powersgd", 4, 0.01, 0.05 * ring),
-                                            ("allreduce_fp16", 4, 0.01, 0.5 * ring))]
+    runs = [
+        {
+            "strategy": strategy,
+            "workers": n,
+            "seed": 0,
+            "throughput": 1000.0,
+            "compute_s": 0.05,
+            "comm_s": comm,
+            "data_s": 0.0,
+            "total_s": 0.06,
+            "bytes_per_step": sent,
+            "per_worker_batch": 64,
+            "strategy_params": {},
+        }
+        for strategy, n, comm, sent in (
+            ("allreduce", 1, 0.0, 0.0),
+            ("allreduce_powersgd", 1, 0.0, 0.0),
+            ("allreduce_powersgd", 4, 0.01, 0.05 * ring),
+            ("allreduce_fp16", 4, 0.01, 0.5 * ring),
+        )
+    ]
     workload, source = calibration.workload_from_runs(runs, parameters)
     assert workload.measured_share == {"allreduce_powersgd": pytest.approx(0.05)}
     assert "measured bytes_per_step: 0.05 of allreduce's" in source["allreduce_powersgd bytes"]
     monkeypatch.setattr(specs.AllReduceFP16Spec, "needs_matrices", True)
     assert calibration.workload_from_runs(runs, parameters)[0].measured_share == {
-        "allreduce_powersgd": pytest.approx(0.05), "allreduce_fp16": pytest.approx(0.5)}
+        "allreduce_powersgd": pytest.approx(0.05),
+        "allreduce_fp16": pytest.approx(0.5),
+    }
 
 
 def test_project_rule_projects_every_profile_of_the_list(tmp_path):
@@ -933,15 +1141,26 @@ def test_project_rule_projects_every_profile_of_the_list(tmp_path):
     import json
 
     ring = 2 * (2 - 1) / 2 * 61706 * 4
-    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
-               fake_run(tmp_path / "a16", "allreduce", 16, 9000.0, 0.01, 2 * 15 / 16 * 61706 * 4)]
-    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-             "kernels_s_per_byte": {"server_pass": 5e-11},
-             "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    metrics = [
+        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+        fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
+        fake_run(tmp_path / "a16", "allreduce", 16, 9000.0, 0.01, 2 * 15 / 16 * 61706 * 4),
+    ]
+    bench = {
+        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+        "kernels_s_per_byte": {"server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.05},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [1, 2, 16], "hardware": ["this_machine", "h100_ib400"]}}
+    config = {
+        "model": "lenet5",
+        "strategies": ["allreduce"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2, 16], "hardware": ["this_machine", "h100_ib400"]},
+    }
     out, md, png = tmp_path / "p.csv", tmp_path / "p.md", tmp_path / "p.png"
     rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(out), str(md), str(png))
     with open(out) as handle:
@@ -951,7 +1170,9 @@ def test_project_rule_projects_every_profile_of_the_list(tmp_path):
     t_c = 64 / 8000
     # this machine: the benchmark's fit and its 5% jitter; H100: NVLink's 3 us and 450 GB/s at the
     # profile's payload_fraction 0.824 (NCCL's 20.6 of 25 GB/s a link), no jitter
-    assert by[("this_machine", 2)]["throughput"] == pytest.approx(128 / (t_c + 2e-4 + 246824 / 2e9 + 0.05 * t_c), rel=1e-3)
+    assert by[("this_machine", 2)]["throughput"] == pytest.approx(
+        128 / (t_c + 2e-4 + 246824 / 2e9 + 0.05 * t_c), rel=1e-3
+    )
     assert by[("h100_ib400", 2)]["throughput"] == pytest.approx(128 / (t_c + 6e-6 + 246824 / (0.824 * 450e9)), rel=1e-9)
     assert [by[("this_machine", n)]["measured_throughput"] for n in (1, 2, 16)] == [8000.0, 14000.0, ""]
     assert {by[("h100_ib400", n)]["measured_throughput"] for n in (1, 2, 16)} == {""}
@@ -983,7 +1204,7 @@ def test_line_intervals_hand_computed():
     t = stats.t.ppf(0.975, k - 2)  # 4.303
     (a_low, a_high), (b_low, b_high) = calibration.line_intervals(points)
     assert (b_low, b_high) == pytest.approx((slope - t * s / math.sqrt(sxx), slope + t * s / math.sqrt(sxx)))
-    half = t * s * math.sqrt(1 / k + mx ** 2 / sxx)
+    half = t * s * math.sqrt(1 / k + mx**2 / sxx)
     assert (a_low, a_high) == pytest.approx((intercept - half, intercept + half))
     # points on a line leave no spread; two points leave nothing to estimate it from
     exact = calibration.line_intervals([[x, 2 + 3 * x] for x in range(5)])
@@ -997,10 +1218,16 @@ def band_bench(alpha=1e-4, bandwidth=2e9, wobble=(0.0, 0.0, 0.0, 0.0)):
     sizes = [1024, 65536, 1048576, 3145728]
     ring = [[m, 2 * alpha + m / bandwidth + w] for m, w in zip(sizes, wobble)]  # 2 processes: 2 (p-1) = 2
     p2p = [[m, alpha / 2 + m / bandwidth + w] for m, w in zip(sizes, wobble)]
-    return {"processes": 2, "allreduce": ring, "p2p": p2p,
-            "fit": {"allreduce": calibration.fit_allreduce(ring, 2), "p2p": calibration.fit_p2p(p2p)},
-            "kernels_s_per_byte": {"server_pass": 5e-11},
-            "jitter": {"skew_fraction": 0.05}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    return {
+        "processes": 2,
+        "allreduce": ring,
+        "p2p": p2p,
+        "fit": {"allreduce": calibration.fit_allreduce(ring, 2), "p2p": calibration.fit_p2p(p2p)},
+        "kernels_s_per_byte": {"server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.05},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
 
 
 def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_path):
@@ -1013,16 +1240,26 @@ def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_pa
     from scipy import stats
 
     ring_bytes = 2 * (2 - 1) / 2 * 61706 * 4
-    metrics = [fake_run(tmp_path / f"a1_{i}", "allreduce", 1, thr, 0.0, 0.0) for i, thr in enumerate((7600.0, 8000.0, 8400.0))]
-    metrics += [fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring_bytes),
-                fake_run(tmp_path / "a2b", "allreduce", 2, 15000.0, 0.0006, ring_bytes)]
+    metrics = [
+        fake_run(tmp_path / f"a1_{i}", "allreduce", 1, thr, 0.0, 0.0) for i, thr in enumerate((7600.0, 8000.0, 8400.0))
+    ]
+    metrics += [
+        fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring_bytes),
+        fake_run(tmp_path / "a2b", "allreduce", 2, 15000.0, 0.0006, ring_bytes),
+    ]
     bench = band_bench(wobble=(2e-5, -3e-5, 4e-5, -1e-5))
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    config = {
+        "model": "lenet5",
+        "strategies": ["allreduce"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2], "hardware": "this_machine"},
+    }
     md = tmp_path / "p.md"
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"), str(md),
-                                str(tmp_path / "p.png"))
+    rows = project.run_study(
+        metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"), str(md), str(tmp_path / "p.png")
+    )
     by = {r["workers"]: r for r in rows}
     steps = [64 / thr for thr in (7600.0, 8000.0, 8400.0)]
     mean = sum(steps) / 3
@@ -1031,8 +1268,11 @@ def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_pa
     (a_low, a_high), (b_low, b_high) = calibration.line_intervals(bench["allreduce"])
     slow = 2 * (a_high / 2) + 246824 * b_high  # 2 (p-1) alpha + 2 (p-1)/p M / B = intercept + slope M
     fast = 2 * (max(a_low, 0) / 2) + 246824 * b_low
-    assert by[2]["throughput"] == pytest.approx(128 / (1.05 * mean + bench["fit"]["allreduce"]["latency_s"] * 2
-                                                      + 246824 / bench["fit"]["allreduce"]["bandwidth"]), rel=1e-9)
+    assert by[2]["throughput"] == pytest.approx(
+        128
+        / (1.05 * mean + bench["fit"]["allreduce"]["latency_s"] * 2 + 246824 / bench["fit"]["allreduce"]["bandwidth"]),
+        rel=1e-9,
+    )
     assert by[2]["throughput_low"] == pytest.approx(128 / (1.05 * t_high + slow), rel=1e-9)
     assert by[2]["throughput_high"] == pytest.approx(128 / (1.05 * t_low + fast), rel=1e-9)
     assert by[2]["efficiency_low"] == pytest.approx(t_low / (1.05 * t_low + slow), rel=1e-9)
@@ -1043,7 +1283,10 @@ def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_pa
     assert by[1]["efficiency_low"] == pytest.approx(1.0) and by[1]["efficiency_high"] == pytest.approx(1.0)
     # the measured points: the two N=2 runs' mean and range
     assert (by[2]["measured_throughput"], by[2]["measured_throughput_low"], by[2]["measured_throughput_high"]) == (
-        14500.0, 14000.0, 15000.0)
+        14500.0,
+        14000.0,
+        15000.0,
+    )
     text = md.read_text()
     assert f"{by[2]['throughput']:.0f} [{by[2]['throughput_low']:.0f}, {by[2]['throughput_high']:.0f}]" in text
     assert "14500 (14000–15000)" in text
@@ -1053,12 +1296,14 @@ def test_band_is_the_model_at_the_ends_of_t_c_and_the_links_hand_computed(tmp_pa
     assert float(written[2]["efficiency_high"]) == pytest.approx(by[2]["efficiency_high"], rel=1e-5)
     # a GPU profile gives its links: only t_c varies there
     gpu = {**config, "projection": {"workers": [1, 2], "hardware": "h100_ib400"}}
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), gpu, str(tmp_path / "p.csv"), str(md),
-                                str(tmp_path / "p.png"))
+    rows = project.run_study(
+        metrics, str(tmp_path / "bench.json"), gpu, str(tmp_path / "p.csv"), str(md), str(tmp_path / "p.png")
+    )
     nvlink = 6e-6 + 246824 / (0.824 * 450e9)
     two = next(r for r in rows if r["workers"] == 2)
     assert (two["throughput_low"], two["throughput_high"]) == pytest.approx(
-        (128 / (t_high + nvlink), 128 / (t_low + nvlink)), rel=1e-9)
+        (128 / (t_high + nvlink), 128 / (t_low + nvlink)), rel=1e-9
+    )
 
 
 def test_band_of_the_parameter_servers_round_trip(tmp_path):
@@ -1071,30 +1316,65 @@ def test_band_of_the_parameter_servers_round_trip(tmp_path):
     one_way = 5e-5 + m / 2e9
     update = (1 + 4) * m * 5e-11
     modelled = 2 * one_way + update
-    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + PS_REQUEST_BYTES, {"shards": 1}),
-               fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + PS_REQUEST_BYTES, {"shards": 1})]
-    bench = {"fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-             "kernels_s_per_byte": {"server_pass": 5e-11},
-             "jitter": {"skew_fraction": 0.0}, "compute_scale": {"1": 1.0, "2": 1.0}, "cpu_share": {"1": 1.0, "2": 1.0}}
+    metrics = [
+        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+        fake_run(tmp_path / "s1", "ps_sync", 1, 7000.0, modelled + 0.0012, m + PS_REQUEST_BYTES, {"shards": 1}),
+        fake_run(tmp_path / "y1", "ps_async", 1, 7100.0, modelled + 0.0008, m + PS_REQUEST_BYTES, {"shards": 1}),
+    ]
+    bench = {
+        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
+        "kernels_s_per_byte": {"server_pass": 5e-11},
+        "jitter": {"skew_fraction": 0.0},
+        "compute_scale": {"1": 1.0, "2": 1.0},
+        "cpu_share": {"1": 1.0, "2": 1.0},
+    }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    config = {"model": "lenet5", "strategies": ["ps_sync"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [2], "hardware": "this_machine"}}
-    rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, str(tmp_path / "p.csv"),
-                                str(tmp_path / "p.md"), str(tmp_path / "p.png"))
+    config = {
+        "model": "lenet5",
+        "strategies": ["ps_sync"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [2], "hardware": "this_machine"},
+    }
+    rows = project.run_study(
+        metrics,
+        str(tmp_path / "bench.json"),
+        config,
+        str(tmp_path / "p.csv"),
+        str(tmp_path / "p.md"),
+        str(tmp_path / "p.png"),
+    )
     t_c = 64 / 8000
     base = t_c + 2 * (5e-5 + 2 * m / 2e9) + (1 + 4) * m * 5e-11  # the first sum hidden in the phase
     assert rows[0]["throughput"] == pytest.approx(128 / (base + 0.001), rel=1e-9)
     assert (rows[0]["throughput_low"], rows[0]["throughput_high"]) == pytest.approx(
-        (128 / (base + 0.0012), 128 / (base + 0.0008)), rel=1e-9)
+        (128 / (base + 0.0012), 128 / (base + 0.0008)), rel=1e-9
+    )
 
 
 def test_command_has_no_band(tmp_path):
     """A measurement file gives one number per N: no interval to project, the cells stay empty."""
     paths = write_inputs(tmp_path)
     out = tmp_path / "projection.csv"
-    assert run_main(["project", "measured", "--measured", paths[0], "--hardware", paths[1],
-                     "--strategies", "allreduce", "--workers", "1,8,64", "--out", str(out)]) == 0
+    assert (
+        run_main(
+            [
+                "project",
+                "measured",
+                "--measured",
+                paths[0],
+                "--hardware",
+                paths[1],
+                "--strategies",
+                "allreduce",
+                "--workers",
+                "1,8,64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     with open(out) as handle:
         written = list(csv.DictReader(handle))
     assert {r["throughput_low"] for r in written} == {""} and {r["measured_throughput_low"] for r in written} == {""}
@@ -1117,19 +1397,48 @@ def test_project_rule_adds_its_table_and_plot_to_the_mlflow_study_run(tmp_path):
     run_id = mlflow_store.log_study_run(uri, "exp", [], [table])  # ended, as aggregate leaves it
     (tmp_path / "study_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": uri, "experiment": "exp"}))
     ring = 2 * (2 - 1) / 2 * 61706 * 4
-    metrics = [fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-               fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring)]
+    metrics = [
+        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
+        fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, ring),
+    ]
     (tmp_path / "bench.json").write_text(json.dumps(band_bench()))
-    config = {"model": "lenet5", "strategies": ["allreduce"], "strategy_params": {}, "stragglers": {},
-              "projection": {"workers": [1, 2], "hardware": "this_machine"}}
+    config = {
+        "model": "lenet5",
+        "strategies": ["allreduce"],
+        "strategy_params": {},
+        "stragglers": {},
+        "projection": {"workers": [1, 2], "hardware": "this_machine"},
+    }
     out = tmp_path / "results/tables/projection.csv"
-    assert run_main(["project", "study", "--config-json", json.dumps(config), "--metrics", *metrics,
-                     "--commbench", str(tmp_path / "bench.json"), "--out", str(out),
-                     "--out-md", str(out.with_suffix(".md")), "--plot", str(tmp_path / "results/plots/projection.png"),
-                     "--study-run", str(tmp_path / "study_run.json")]) == 0
+    assert (
+        run_main(
+            [
+                "project",
+                "study",
+                "--config-json",
+                json.dumps(config),
+                "--metrics",
+                *metrics,
+                "--commbench",
+                str(tmp_path / "bench.json"),
+                "--out",
+                str(out),
+                "--out-md",
+                str(out.with_suffix(".md")),
+                "--plot",
+                str(tmp_path / "results/plots/projection.png"),
+                "--study-run",
+                str(tmp_path / "study_run.json"),
+            ]
+        )
+        == 0
+    )
     client = MlflowClient(tracking_uri=uri)
     assert sorted(a.path for a in client.list_artifacts(run_id, "projection")) == [
-        "projection/projection.csv", "projection/projection.md", "projection/projection.png"]
+        "projection/projection.csv",
+        "projection/projection.md",
+        "projection/projection.png",
+    ]
     assert [a.path for a in client.list_artifacts(run_id, "tables")] == ["tables/scaling.csv"]  # kept
     logged = client.download_artifacts(run_id, "projection/projection.csv", str(tmp_path / "back"))
     assert open(logged).read() == out.read_text()
@@ -1172,7 +1481,8 @@ def test_the_held_out_tf_table_holds_under_the_overlap_the_projection_uses(monke
     default = validation.tf_ec2_cases()
     assert len(default) == 9 and misses(default) == {}
     assert misses(validation.tf_ec2_cases(validation.TFCase(overlap=0.0))) == dict(
-        zip(RESNET152_ROWS, [-10.2, -10.9, -14.6]))
+        zip(RESNET152_ROWS, [-10.2, -10.9, -14.6])
+    )
     with monkeypatch.context() as planted:
         planted.setattr(calibration, "study_layers", lambda name, parameters: (None, "planted: no profile"))
         assert sorted(misses(validation.tf_ec2_cases())) == RESNET152_ROWS
@@ -1218,14 +1528,17 @@ def test_the_budget_and_the_rule_take_the_timeline_for_the_clusters_model():
     from dtstudy.config.study_config import deep_merge, read_yaml, validate_schema
     from dtstudy.projection import budget
 
-    config = validate_schema(deep_merge(read_yaml(REPO / "config" / "config.yaml"),
-                                        read_yaml(REPO / "config" / "cluster.yaml")))
+    config = validate_schema(
+        deep_merge(read_yaml(REPO / "config" / "config.yaml"), read_yaml(REPO / "config" / "cluster.yaml"))
+    )
     layers, why_not = calibration.study_layers(config["model"], 25_557_032)
     assert layers is not None and layers.name == config["model"] == "resnet50", why_not
     where = budget.load_costing(config["launcher"]["hardware"], config, "launcher.hardware")
     load = budget.workload(config, where.images_per_s, 64)
     assert load.layers is not None
-    step = specs.model_step("allreduce", load, where.machine, 64, budget.run_params(config, "allreduce", 64, where.profile))
+    step = specs.model_step(
+        "allreduce", load, where.machine, 64, budget.run_params(config, "allreduce", 64, where.profile)
+    )
     assert step.overlap == "wait-free backprop (resnet50)"
 
 
@@ -1292,7 +1605,8 @@ def test_the_model_predicts_the_recorded_n2_runs_of_this_machine(tmp_path, monke
     assert sorted(strategies) == sorted(set(on_machine.ON_MACHINE) - RECORDED_BEFORE_THEY_EXISTED)
     # the measured side is the record's own N=2 runs, not something the model computed
     assert [r["allreduce"][1] for r in rounds] == [
-        m["runs"]["results/runs/allreduce/n2/seed0/metrics.json"]["throughput"] for m in record["rounds"]]
+        m["runs"]["results/runs/allreduce/n2/seed0/metrics.json"]["throughput"] for m in record["rounds"]
+    ]
     errors = on_machine.verdict(rounds, strategies)
     misses = {strategy: round(error, 3) for strategy, error in errors.items() if abs(error) > on_machine.TOLERANCE}
     assert misses == {}
@@ -1311,8 +1625,12 @@ def _exchange_errors(record: dict, rows: list[dict]) -> tuple[dict, float]:
     waits in it, the partner's jitter and a shard's work included); predicted: the modelled
     step less its compute (the exposed exchange, the shard's update and the barrier's wait)."""
     strategies = record["config"]["strategies"]
-    measured = {s: statistics.median(m["runs"][f"results/runs/{s}/n2/seed0/metrics.json"]["step_time"]["comm_s"]
-                                     for m in record["rounds"]) for s in strategies}
+    measured = {
+        s: statistics.median(
+            m["runs"][f"results/runs/{s}/n2/seed0/metrics.json"]["step_time"]["comm_s"] for m in record["rounds"]
+        )
+        for s in strategies
+    }
     predicted = {s: statistics.median(r[s]["step_s"] - r[s]["step_compute_s"] for r in rows) for s in strategies}
     each = {s: predicted[s] / measured[s] - 1 for s in strategies}
     return each, sum(predicted.values()) / sum(measured.values()) - 1
@@ -1320,8 +1638,10 @@ def _exchange_errors(record: dict, rows: list[dict]) -> tuple[dict, float]:
 
 def _exchange_misses(each: dict, total: float) -> tuple[dict, float | None]:
     """The strategies beyond EXCHANGE_TOLERANCE, and the sum's error if beyond its tolerance."""
-    return ({s: round(e, 3) for s, e in each.items() if abs(e) > EXCHANGE_TOLERANCE},
-            round(total, 3) if abs(total) > EXCHANGE_SUM_TOLERANCE else None)
+    return (
+        {s: round(e, 3) for s, e in each.items() if abs(e) > EXCHANGE_TOLERANCE},
+        round(total, 3) if abs(total) > EXCHANGE_SUM_TOLERANCE else None,
+    )
 
 
 @pytest.mark.parametrize("path", ON_MACHINE_RECORDS, ids=lambda path: path.stem)
@@ -1350,8 +1670,9 @@ def test_the_model_predicts_the_exchange_of_the_recorded_n2_runs(tmp_path, monke
         if workers == 1:
             return s
         step_s = s.compute_s + s.straggler_s
-        return dataclasses.replace(s, exchange_s=0.0, exposed_s=0.0, server_s=0.0, step_s=step_s,
-                                   throughput=workers * workload.batch / step_s)
+        return dataclasses.replace(
+            s, exchange_s=0.0, exposed_s=0.0, server_s=0.0, step_s=step_s, throughput=workers * workload.batch / step_s
+        )
 
     plain_allreduce_time = steps.allreduce_time
     planted = {

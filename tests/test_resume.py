@@ -16,43 +16,69 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_same_parameters, tiny_study, validated
-from dtstudy.config.study_config import deep_merge
-from dtstudy.training import checkpoint
+
 from dtstudy.common.run_folder import METRICS, MODEL
+from dtstudy.config.study_config import deep_merge
 from dtstudy.runspec import RunSpec
+from dtstudy.training import checkpoint
 
 JOB_DEADLINE_S = 180  # a hung job must fail the test, not stall the suite
 PROGRESS = re.compile(r"^epoch (\d+)/\d+ step (\d+)/(\d+) ", re.M)
 
 
-def make_spec(root: Path, data_dir, strategy="allreduce", workers=2, batch_size=32, steps=60, epochs=3,
-              stragglers=None, strategy_params=None, **train) -> RunSpec:
+def make_spec(
+    root: Path,
+    data_dir,
+    strategy="allreduce",
+    workers=2,
+    batch_size=32,
+    steps=60,
+    epochs=3,
+    stragglers=None,
+    strategy_params=None,
+    **train,
+) -> RunSpec:
     """conftest.train_run's run (lr_scaling none, base_lr 0.1) over several epochs, with
     progress every 5 steps and the preemption check every 5 steps (28 steps per epoch at
     N=2, batch 32: a stop is never at an epoch boundary)."""
     from dtstudy.config.study_config import run_config
 
-    study = validated(tiny_study(
-        strategies=[strategy],
-        workers=[workers],
-        stragglers=stragglers or {},
-        strategy_params={strategy: strategy_params or {}},
-        train={"epochs": epochs, "batch_size": batch_size, "max_steps": steps, "lr_scaling": "none",
-               "base_lr": 0.1, "log_every": 5, "preempt_check_every": 5, **train},
-    ))
+    study = validated(
+        tiny_study(
+            strategies=[strategy],
+            workers=[workers],
+            stragglers=stragglers or {},
+            strategy_params={strategy: strategy_params or {}},
+            train={
+                "epochs": epochs,
+                "batch_size": batch_size,
+                "max_steps": steps,
+                "lr_scaling": "none",
+                "base_lr": 0.1,
+                "log_every": 5,
+                "preempt_check_every": 5,
+                **train,
+            },
+        )
+    )
     out = root / f"{strategy}-n{workers}"
-    return RunSpec(strategy=strategy, workers=workers, seed=0, config=run_config(study, strategy),
-                   data_dir=str(data_dir), out_dir=str(out))
+    return RunSpec(
+        strategy=strategy,
+        workers=workers,
+        seed=0,
+        config=run_config(study, strategy),
+        data_dir=str(data_dir),
+        out_dir=str(out),
+    )
 
 
 def submit(spec: RunSpec):
     """The launcher's submission (submitit LocalExecutor, one task per process), returning
     the job so that the test can signal its tasks. Unlike launcher.run it leaves the resume
     folder alone."""
-    from dtstudy.launch.launcher import free_port, make_executor
     from dtstudy.launch.job import TrainingJob
+    from dtstudy.launch.launcher import free_port, make_executor
 
     os.environ["MASTER_PORT"] = str(free_port())
     return make_executor(spec, spec.folder.job_logs).submit(TrainingJob(spec))
@@ -84,8 +110,10 @@ def wait_until(condition, what: str, job, timeout_s: float = JOB_DEADLINE_S) -> 
             if not ended:
                 job.cancel(check=False)
             errors = "".join(path.read_text()[-2000:] for path in sorted(Path(job.paths.folder).glob("*_log.err")))
-            pytest.fail(f"{'job ended' if ended else 'timed out'} waiting for {what}; rank 0's log:\n{log_of(job)}"
-                        f"\ntasks' stderr:\n{errors}")
+            pytest.fail(
+                f"{'job ended' if ended else 'timed out'} waiting for {what}; rank 0's log:\n{log_of(job)}"
+                f"\ntasks' stderr:\n{errors}"
+            )
         time.sleep(0.02)
 
 
@@ -117,13 +145,16 @@ def global_steps(log: str) -> list[int]:
 SLOW = {"ranks": [1], "delay_ms": 30, "distribution": "uniform", "seed": 3}
 
 
-@pytest.mark.parametrize("strategy, lines", [
-    ("allreduce", 1),
-    # PowerSGD compresses from step 10 on, with error feedback and warm-started Q kept per
-    # DDP bucket: stopping after step 15 saves that memory, and the resumed run must reduce
-    # the same buckets (it replays DDP's first step) for it to stay right
-    ("allreduce_powersgd", 3),
-])
+@pytest.mark.parametrize(
+    "strategy, lines",
+    [
+        ("allreduce", 1),
+        # PowerSGD compresses from step 10 on, with error feedback and warm-started Q kept per
+        # DDP bucket: stopping after step 15 saves that memory, and the resumed run must reduce
+        # the same buckets (it replays DDP's first step) for it to stay right
+        ("allreduce_powersgd", 3),
+    ],
+)
 def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines):
     steps = 60
     reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy=strategy, steps=steps, stragglers=SLOW)
@@ -140,7 +171,7 @@ def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines
     assert stopped and resumed, log
     k = int(resumed.group(1))
     assert int(stopped.group(1)) == k and 5 * lines <= k < steps and k % 5 == 0
-    after = global_steps(log[resumed.end():])
+    after = global_steps(log[resumed.end() :])
     assert after and min(after) > k, "steps done before the preemption were run again"
 
     # ... and ended where the uninterrupted run ended, step for step
@@ -166,7 +197,7 @@ def stop_and_resume(log: str, steps: int) -> int:
     assert stopped and resumed, log
     k = int(resumed.group(1))
     assert int(stopped.group(1)) == k and 0 < k < steps, (k, steps)
-    after = global_steps(log[resumed.end():])
+    after = global_steps(log[resumed.end() :])
     assert after and min(after) > k, "steps done before the preemption were run again"
     return k
 
@@ -181,11 +212,13 @@ def test_preempted_ps_sync_run_resumes_exactly(tmp_path, tiny_data):
     worker and shard saves its own file, and the requeued run ends where an uninterrupted run
     of the same seed ends, step for step, the shards' record (updates, versions, staleness) too."""
     steps, knobs = 60, {"shards": 2}
-    reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW,
-                               strategy_params=knobs)
+    reference_spec = make_spec(
+        tmp_path / "whole", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW, strategy_params=knobs
+    )
     reference_job = submit(reference_spec)
-    spec = make_spec(tmp_path / "preempted", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW,
-                     strategy_params=knobs)
+    spec = make_spec(
+        tmp_path / "preempted", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW, strategy_params=knobs
+    )
     job = submit(spec)
     preempt_after_progress(job)
     metrics, params, log = finish(job, spec)
@@ -253,8 +286,7 @@ def test_a_crashed_ps_run_started_again_resumes_from_its_last_periodic_checkpoin
     worker's and the shard's file and ends exactly where an uninterrupted run ends."""
     steps = 80  # of 84 in the 3 epochs
     train = {"checkpoint_every_min": 0.002}
-    reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW,
-                               **train)
+    reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW, **train)
     reference_job = submit(reference_spec)
     spec = make_spec(tmp_path / "crashed", tiny_data, strategy="ps_sync", steps=steps, stragglers=SLOW, **train)
     job = submit(spec)
@@ -277,7 +309,7 @@ def test_a_crashed_ps_run_started_again_resumes_from_its_last_periodic_checkpoin
     step = int(resumed.group(1))
     assert saved[-1] <= step < steps, (step, saved)
     print(f"ps_sync: shard killed after the checkpoint at step {saved[-1]}, resumed from step {step}")
-    assert min(global_steps(log[resumed.end():])) > step
+    assert min(global_steps(log[resumed.end() :])) > step
     assert metrics["steps"] == steps and metrics["train_loss"] == reference["train_loss"]
     assert [v["top1"] for v in metrics["val"]] == [v["top1"] for v in reference["val"]]
     assert without_timings(metrics["strategy_metrics"]) == without_timings(reference["strategy_metrics"])
@@ -295,11 +327,15 @@ def test_a_preempted_run_that_cannot_resume_fails_saying_why(tmp_path, tiny_data
     from dtstudy.training import loop
 
     calls = []
-    strategy = SimpleNamespace(resumable=False, not_resumable_because="its state lives on a remote server",
-                               abandon=lambda: calls.append("abandon"))
+    strategy = SimpleNamespace(
+        resumable=False,
+        not_resumable_because="its state lives on a remote server",
+        abandon=lambda: calls.append("abandon"),
+    )
     preemption = SimpleNamespace(signum=signal.SIGUSR2, stopping=False, requeue=lambda: calls.append("requeue"))
-    run = SimpleNamespace(spec=make_spec(tmp_path, tiny_data, strategy="no_exchange"), ctx=None,
-                          strategy=strategy, preemption=preemption)
+    run = SimpleNamespace(
+        spec=make_spec(tmp_path, tiny_data, strategy="no_exchange"), ctx=None, strategy=strategy, preemption=preemption
+    )
     with pytest.raises(checkpoint.PreemptedWithoutResume) as failure:
         loop.stop_for_preemption(run, checkpoint.LoopState(log=None, step=17), 1.0)
     assert calls == ["abandon"]  # no requeue, no state saved
@@ -319,8 +355,11 @@ def test_unusable_resume_state_is_reported_and_not_used(tmp_path, tiny_data):
     checkpoint.save_rank(spec.folder, 0, {**checkpoint.run_identity(spec), "seed": 7}, 5, {})
     (folder / "rank1.pt").write_bytes(b"not a torch file")
     metrics, _, log = finish(submit(spec), spec)
-    assert re.search(r"resume state in \S+ not used \(rank 0: rank0.pt was written by another run: seed 7 "
-                     r"\(this run: 0\); rank 1: rank1.pt is unreadable", log), log
+    assert re.search(
+        r"resume state in \S+ not used \(rank 0: rank0.pt was written by another run: seed 7 "
+        r"\(this run: 0\); rank 1: rank1.pt is unreadable",
+        log,
+    ), log
     assert "resumed from" not in log
     assert metrics["steps"] == 10 and len(metrics["train_loss"]) == 10
     assert not folder.exists()
@@ -348,8 +387,13 @@ def test_resume_files_are_used_only_when_complete_and_of_this_run(tmp_path, tiny
     assert not spec.folder.resume.exists()  # removed, never picked up later
 
     # a longer time limit, more requeues, another MLflow server (the operational keys) keep the checkpoint
-    launched_otherwise = dataclasses.replace(spec, config=deep_merge(spec.config, {
-        "launcher": {"timeout_min": 600, "max_requeues": 9}, "tracking": {"uri": "http://login2:5000"}}))
+    launched_otherwise = dataclasses.replace(
+        spec,
+        config=deep_merge(
+            spec.config,
+            {"launcher": {"timeout_min": 600, "max_requeues": 9}, "tracking": {"uri": "http://login2:5000"}},
+        ),
+    )
     checkpoint.save_rank(spec.folder, 0, identity, 20, {"x": torch.arange(3)})
     state = checkpoint.load_agreed(spec.folder, checkpoint.run_identity(launched_otherwise), 0, 1, None, say)
     assert state is not None and torch.equal(state["x"], torch.arange(3))
@@ -388,8 +432,13 @@ def test_a_parameter_server_file_of_the_older_state_layout_is_not_resumed_from(t
     allreduce = make_spec(tmp_path / "ar", tiny_data, workers=1)
     identity = checkpoint.run_identity(allreduce)
     assert identity["state_layout"] is None
-    checkpoint.save_rank(allreduce.folder, 0, {key: value for key, value in identity.items() if key != "state_layout"},
-                         20, {"x": torch.arange(3)})
+    checkpoint.save_rank(
+        allreduce.folder,
+        0,
+        {key: value for key, value in identity.items() if key != "state_layout"},
+        20,
+        {"x": torch.arange(3)},
+    )
     assert torch.equal(checkpoint.load_agreed(allreduce.folder, identity, 0, 1, None, say)["x"], torch.arange(3))
 
 
@@ -406,7 +455,7 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, ti
     raw = path.read_bytes()
     value, damaged = torch.tensor([2.5]).numpy().tobytes(), torch.tensor([7.0]).numpy().tobytes()
     at = raw.index(value * 64)
-    path.write_bytes(raw[:at] + damaged + raw[at + 4:])
+    path.write_bytes(raw[:at] + damaged + raw[at + 4 :])
 
     # the control: torch alone loads the damaged file, with a changed value and no complaint
     body = path.read_bytes().partition(b"\n")[2]
@@ -416,9 +465,12 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, ti
     said, say = _say()
     state = checkpoint.load_agreed(spec.folder, identity, 0, 1, None, say)
     assert torch.equal(state["x"], torch.full((64,), 1.5))  # step 10's, the previous checkpoint
-    assert len(said) == 1 and re.search(r"rank 0: rank0.pt is damaged \(sha256 \w+\.\.\. of its contents, "
-                                         r"\w+\.\.\. when saved\); resuming from the previous checkpoint, "
-                                         r"at step 10", said[0]), said
+    assert len(said) == 1 and re.search(
+        r"rank 0: rank0.pt is damaged \(sha256 \w+\.\.\. of its contents, "
+        r"\w+\.\.\. when saved\); resuming from the previous checkpoint, "
+        r"at step 10",
+        said[0],
+    ), said
     # both damaged: nothing usable, training starts from step 0 and the folder is removed
     checkpoint.save_rank(spec.folder, 0, identity, 30, {"x": torch.zeros(2)})
     for file in (path, spec.folder.previous_rank_file(0)):
@@ -457,8 +509,16 @@ def test_waiting_on_rank0s_store_ends_when_rank0_is_gone(tmp_path):
     from dtstudy.launch.launcher import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ranks = [subprocess.Popen([sys.executable, "-c", WAITER, str(rank)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", WAITER, str(rank)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     assert ranks[0].returncode == 144
     assert ranks[1].returncode == 1, outputs[1]
@@ -486,8 +546,9 @@ def test_a_signal_while_a_finished_task_exits_does_not_kill_it(run_over, survive
     import subprocess
     import sys
 
-    task = subprocess.Popen([sys.executable, "-c", FINISHED_TASK, "over" if run_over else "running"],
-                            stdout=subprocess.PIPE, text=True)
+    task = subprocess.Popen(
+        [sys.executable, "-c", FINISHED_TASK, "over" if run_over else "running"], stdout=subprocess.PIPE, text=True
+    )
     assert task.stdout.readline().strip() == "ready"
     while task.poll() is None:
         try:

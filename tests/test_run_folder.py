@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, read_json, train_run
+
 from dtstudy.common import run_folder
 from dtstudy.common.run_folder import RunFolder
 
@@ -21,14 +21,20 @@ FILE_NAMES = [name for name in run_folder.NAMES if "." in name]
 FOLDER_NAMES = [name for name in run_folder.NAMES if "." not in name]
 # a path that ends in a run file's name: "metrics.json", f"{RUN_DIR}/model.pt", f"rank{rank}.pt"
 # ("{}" stands for an f-string's fields); prose that mentions a file is not a path
-RUN_FILE_PATH = re.compile(r"^(?:.*/)?(?:" + "|".join(map(re.escape, FILE_NAMES))
-                           + r"|rank(?:\{\}|\d+)(?:\.prev)?\.pt)$")
+RUN_FILE_PATH = re.compile(
+    r"^(?:.*/)?(?:" + "|".join(map(re.escape, FILE_NAMES)) + r"|rank(?:\{\}|\d+)(?:\.prev)?\.pt)$"
+)
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
-    return {id(node.body[0].value) for node in ast.walk(tree)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
 
 
 def _template(node: ast.AST) -> str | None:
@@ -78,31 +84,35 @@ def retyped_names(root: Path) -> list[str]:
 
 # ----- structure: the names are written once --------------------------------------------------
 
+
 def test_no_module_but_run_folder_types_a_run_files_name():
     found = retyped_names(WORKFLOW)
     assert not found, "ask dtstudy.common.run_folder instead of typing a run file's name:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("planted, check", [
-    ('path = Path(out) / "metrics.json"\n', retyped_in_python),
-    ('path = out.with_name("model.pt")\n', retyped_in_python),
-    ('path = f"{folder}/eval.json"\n', retyped_in_python),
-    ('path = folder / f"rank{rank}.prev.pt"\n', retyped_in_python),
-    ('path = Path(out) / "resume"\n', retyped_in_python),
-    ('job_dir = out / "submitit"\n', retyped_in_python),
-    ('        metrics=f"{RUN_DIR}/metrics.json",\n', retyped_in_rules),
-    ('        evals=all_runs("eval.json", tested_only=True),\n', retyped_in_rules),
-])
+@pytest.mark.parametrize(
+    "planted, check",
+    [
+        ('path = Path(out) / "metrics.json"\n', retyped_in_python),
+        ('path = out.with_name("model.pt")\n', retyped_in_python),
+        ('path = f"{folder}/eval.json"\n', retyped_in_python),
+        ('path = folder / f"rank{rank}.prev.pt"\n', retyped_in_python),
+        ('path = Path(out) / "resume"\n', retyped_in_python),
+        ('job_dir = out / "submitit"\n', retyped_in_python),
+        ('        metrics=f"{RUN_DIR}/metrics.json",\n', retyped_in_rules),
+        ('        evals=all_runs("eval.json", tested_only=True),\n', retyped_in_rules),
+    ],
+)
 def test_the_check_finds_a_planted_name(planted, check):
     assert check(planted), planted
 
 
 def test_the_check_leaves_prose_docstrings_and_comments_alone():
-    source = ('"""Reads metrics.json."""\n'
-              'x = "the 2-d weights of a run\'s model.pt"  # model.pt\n'
-              'import_name = "submitit"\n')
+    source = (
+        '"""Reads metrics.json."""\nx = "the 2-d weights of a run\'s model.pt"  # model.pt\nimport_name = "submitit"\n'
+    )
     assert retyped_in_python(source) == []
-    assert retyped_in_rules('# eval.json of the tested ones\nmetrics=all_runs(METRICS),\n') == []
+    assert retyped_in_rules("# eval.json of the tested ones\nmetrics=all_runs(METRICS),\n") == []
 
 
 def test_the_check_reads_the_whole_tree(tmp_path):
@@ -112,23 +122,36 @@ def test_the_check_reads_the_whole_tree(tmp_path):
     (tmp_path / "Snakefile").write_text('rule all:\n    input: "results/runs/a/n1/seed0/eval.json"\n')
     (tmp_path / "workflow" / "rules" / "train.smk").write_text('    output:\n        f"{RUN_DIR}/model.pt",\n')
     (tmp_path / "workflow" / "dtstudy" / "m.py").write_text('"""m."""\nNAME = "mlflow_run.json"\n')
-    assert retyped_names(tmp_path / "workflow") == ["Snakefile:2: 'results/runs/a/n1/seed0/eval.json'",
-                                                    "workflow/dtstudy/m.py:2: 'mlflow_run.json'",
-                                                    "workflow/rules/train.smk:2: '{RUN_DIR}/model.pt'"]
+    assert retyped_names(tmp_path / "workflow") == [
+        "Snakefile:2: 'results/runs/a/n1/seed0/eval.json'",
+        "workflow/dtstudy/m.py:2: 'mlflow_run.json'",
+        "workflow/rules/train.smk:2: '{RUN_DIR}/model.pt'",
+    ]
 
 
 # ----- behaviour: what the module names is what the study writes --------------------------------
+
 
 def test_a_hand_made_run_folders_paths(tmp_path):
     folder = RunFolder(str(tmp_path / "runs" / "allreduce" / "n2" / "seed0"))
     base = tmp_path / "runs" / "allreduce" / "n2" / "seed0"
     # the names on disk: renaming one orphans every finished study's results and resume state
     assert (folder.path, folder.metrics, folder.model, folder.evaluation) == (
-        base, base / "metrics.json", base / "model.pt", base / "eval.json")
+        base,
+        base / "metrics.json",
+        base / "model.pt",
+        base / "eval.json",
+    )
     assert (folder.mlflow_run, folder.mlflow_pending, folder.job_logs) == (
-        base / "mlflow_run.json", base / "mlflow_pending.json", base / "submitit")
+        base / "mlflow_run.json",
+        base / "mlflow_pending.json",
+        base / "submitit",
+    )
     assert (folder.resume, folder.rank_file(3), folder.previous_rank_file(3)) == (
-        base / "resume", base / "resume" / "rank3.pt", base / "resume" / "rank3.prev.pt")
+        base / "resume",
+        base / "resume" / "rank3.pt",
+        base / "resume" / "rank3.prev.pt",
+    )
 
 
 def test_the_readme_names_the_files_a_run_folder_holds():
@@ -147,8 +170,9 @@ def test_the_checkpoint_code_writes_and_reads_the_rank_files_the_folder_names(tm
     for rank in (0, 1):
         checkpoint.save_rank(folder, rank, identity, 10, {"x": torch.zeros(2)})
     checkpoint.save_rank(folder, 0, identity, 20, {"x": torch.ones(2)})
-    assert sorted(folder.resume.iterdir()) == sorted([folder.rank_file(0), folder.previous_rank_file(0),
-                                                      folder.rank_file(1)])
+    assert sorted(folder.resume.iterdir()) == sorted(
+        [folder.rank_file(0), folder.previous_rank_file(0), folder.rank_file(1)]
+    )
     state, step, why = checkpoint.read_rank(folder, 0, identity)
     assert (step, why) == (20, "") and torch.equal(state["x"], torch.ones(2))
     assert checkpoint.read_rank(folder, 1, {**identity, "workers": 3})[2] == "incomplete set, rank2.pt missing"

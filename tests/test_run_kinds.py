@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from conftest import REPO, tiny_study, validated
+
 from dtstudy.config import run_kinds
 from dtstudy.config.study_config import run_config
 from dtstudy.errors import ConfigError
@@ -55,9 +55,12 @@ def test_a_scaling_run_that_train_epochs_would_cut_short_is_refused_before_any_j
     """The tiny data's 1800 training images give a worker 14 steps an epoch at N = 4 (450 images,
     batch 32): one epoch cannot hold 8 warm-up + 20 timed steps, and the loop, which stops at
     the epochs' end, would time 6 steps instead of 20 without a word."""
-    with pytest.raises(ConfigError, match=r"config key 'scaling.steps': 20 timed steps after scaling.warmup_steps 8 "
-                                          r"make a scaling run of 28 steps, but at N=4 a worker has 14 steps an "
-                                          r"epoch .* after 14; allowed: warmup_steps \+ steps of at most 14"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config key 'scaling.steps': 20 timed steps after scaling.warmup_steps 8 "
+        r"make a scaling run of 28 steps, but at N=4 a worker has 14 steps an "
+        r"epoch .* after 14; allowed: warmup_steps \+ steps of at most 14",
+    ):
         scaling_study(workers=[1, 2, 4])
     # what the message offers fits: two epochs, or no scaling runs at N = 4 (N = 2: 28 steps an epoch)
     assert scaling_study(workers=[1, 2, 4], train={"epochs": 2})
@@ -88,7 +91,9 @@ def summarize_steps(run_cfg: dict, slow: int, fast: int, images: int = 32) -> di
 def test_a_scaling_runs_throughput_is_timed_over_the_steps_after_its_warm_up_only():
     study = scaling_study()
     metrics = summarize_steps(run_config(study, "allreduce", run_kinds.SCALING), WARMUP, TIMED)
-    assert metrics["kind"] == "scaling" and metrics["steady_state_skip"] == WARMUP and metrics["steps"] == WARMUP + TIMED
+    assert (
+        metrics["kind"] == "scaling" and metrics["steady_state_skip"] == WARMUP and metrics["steps"] == WARMUP + TIMED
+    )
     assert metrics["throughput"] == pytest.approx(32 / 0.01) and metrics["throughput_median"] == pytest.approx(3200)
     assert len(metrics["throughput_windows"]) * metrics["timing_window_steps"] == TIMED
     # the control: the accuracy run's window (steady_state_skip 5) takes 3 slow warm-up steps in
@@ -146,10 +151,12 @@ def test_a_real_scaling_run_stops_after_warm_up_and_timed_steps(tmp_path, tiny_d
     from dtstudy.launch.launcher import run_training_job
 
     users = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]
-    study = validated(tiny_study(workers=[1], train={**users, "evals_per_epoch": 1},
-                                 scaling={"steps": TIMED, "warmup_steps": WARMUP}))
-    spec = RunSpec("allreduce", 1, 0, run_config(study, "allreduce", run_kinds.SCALING), str(tiny_data),
-                   str(tmp_path / "run"))
+    study = validated(
+        tiny_study(workers=[1], train={**users, "evals_per_epoch": 1}, scaling={"steps": TIMED, "warmup_steps": WARMUP})
+    )
+    spec = RunSpec(
+        "allreduce", 1, 0, run_config(study, "allreduce", run_kinds.SCALING), str(tiny_data), str(tmp_path / "run")
+    )
     metrics = run_training_job(spec, tmp_path / "run" / "submitit")
     # the tiny data's epoch (1800 images, batch 32) has 56 steps: the run stops well before it
     assert metrics["steps"] == WARMUP + TIMED and metrics["epochs_run"] == 1
@@ -165,8 +172,13 @@ def test_check_config_counts_each_kind_at_its_own_n_and_seeds(tmp_path, capsys):
 
     from dtstudy.__main__ import cmd_check_config
 
-    study = tiny_study(workers=[1, 2, 4], seeds=[0, 1, 2], scaling={"steps": TIMED, "warmup_steps": WARMUP},
-                       accuracy={"workers": [4], "seeds": [0]}, train={"epochs": 2})
+    study = tiny_study(
+        workers=[1, 2, 4],
+        seeds=[0, 1, 2],
+        scaling={"steps": TIMED, "warmup_steps": WARMUP},
+        accuracy={"workers": [4], "seeds": [0]},
+        train={"epochs": 2},
+    )
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(study))
     cmd_check_config(argparse.Namespace(config=str(path), config_json=None))

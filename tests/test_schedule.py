@@ -36,21 +36,37 @@ def test_constant_after_warmup():
 
 
 def test_make_schedule_from_config():
-    train = {"base_lr": 0.05, "lr_reference_batch": 256, "lr_scaling": "linear", "epochs": 3,
-             "max_steps": None, "warmup_epochs": 1, "lr_schedule": "cosine"}
+    train = {
+        "base_lr": 0.05,
+        "lr_reference_batch": 256,
+        "lr_scaling": "linear",
+        "epochs": 3,
+        "max_steps": None,
+        "warmup_epochs": 1,
+        "lr_schedule": "cosine",
+    }
     schedule = make_schedule(train, update_batch=256, steps_per_epoch=100)
     assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.05), 100, 300)
     schedule = make_schedule({**train, "max_steps": 50}, update_batch=512, steps_per_epoch=100)
     assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.1), 50, 50)
     # a strategy's own limit (no_exchange's steps): the first of the limits ends the schedule
     assert make_schedule(train, update_batch=256, steps_per_epoch=100, step_limit=40).total_steps == 40
-    assert make_schedule({**train, "max_steps": 50}, update_batch=256, steps_per_epoch=100,
-                         step_limit=60).total_steps == 50
+    assert (
+        make_schedule({**train, "max_steps": 50}, update_batch=256, steps_per_epoch=100, step_limit=60).total_steps
+        == 50
+    )
 
 
 def test_schedule_records_the_update_batch_and_its_rule():
-    train = {"base_lr": 0.1, "lr_reference_batch": 256, "lr_scaling": "linear", "epochs": 1,
-             "max_steps": None, "warmup_epochs": 0, "lr_schedule": "constant"}
+    train = {
+        "base_lr": 0.1,
+        "lr_reference_batch": 256,
+        "lr_scaling": "linear",
+        "epochs": 1,
+        "max_steps": None,
+        "warmup_epochs": 0,
+        "lr_schedule": "constant",
+    }
     described = make_schedule(train, update_batch=64, steps_per_epoch=10, update_batch_rule="b: async").describe()
     assert described["peak_lr"] == pytest.approx(0.025)
     assert (described["update_batch"], described["update_batch_rule"]) == (64, "b: async")

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import dataset_config
+from test_image_pipeline import SIZE, loader_config, write_messy_tree
+
 from dtstudy.data.augment import Draws
 from dtstudy.data.checks import check_dataset
 from dtstudy.data.errors import DataConfigError
 from dtstudy.data.loading import load_split
 from dtstudy.data.prepare import SPLITS, prepare, prepared_files
 from dtstudy.data.storage import SHARDS_DIR, SHARDS_INDEX, ShardStore
-from test_image_pipeline import SIZE, loader_config, write_messy_tree
 
 SHARD_MB = 0.008  # about 8 KB: a few of the tree's small files per shard, so every split has several
 
@@ -30,8 +30,9 @@ def tree(tmp_path_factory) -> Path:
 
 
 def config(tree: Path, shard_mb=None) -> dict:
-    return dataset_config(name="imagefolder", root=str(tree), val_fraction=0.2, test_fraction=0.2,
-                          image_size=SIZE, shard_mb=shard_mb)
+    return dataset_config(
+        name="imagefolder", root=str(tree), val_fraction=0.2, test_fraction=0.2, image_size=SIZE, shard_mb=shard_mb
+    )
 
 
 @pytest.fixture(scope="module")

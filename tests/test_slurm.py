@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, read_json, tiny_study
 
 pytestmark = pytest.mark.slurm
@@ -22,8 +21,14 @@ pytestmark = pytest.mark.slurm
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
 STRATEGIES = ["allreduce", "ps_sync"]  # ps_sync: a shard as an extra task of the SLURM job
 # The cluster's time-outs are minutes; the CPU rules are small.
-FAST_SLURM = ["--default-resources", "cpus_per_task=1", "mem_mb=1000", "runtime=10",
-              "--slurm-init-seconds-before-status-checks", "2"]
+FAST_SLURM = [
+    "--default-resources",
+    "cpus_per_task=1",
+    "mem_mb=1000",
+    "runtime=10",
+    "--slurm-init-seconds-before-status-checks",
+    "2",
+]
 
 
 def tiny_cluster_study(**overrides) -> dict:
@@ -34,12 +39,21 @@ def tiny_cluster_study(**overrides) -> dict:
         strategies=STRATEGIES,
         model_options={"small_input": True},
         train={"warmup_epochs": 0, "max_steps": None, "steady_state_skip": 5, "log_every": 20},
-        launcher={"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1,
-                  "partition": None, "timeout_min": 10, "signal_delay_s": 60, "hardware": None},
+        launcher={
+            "cluster": "slurm",
+            "device": "cpu",
+            "gpus_per_node": 0,
+            "cpus_per_task": 1,
+            "partition": None,
+            "timeout_min": 10,
+            "signal_delay_s": 60,
+            "hardware": None,
+        },
         tracking={"uri": None},
         # full trainings at every N of the overlay (cluster.yaml's scaling and accuracy runs
         # name N the tiny study does not run)
-        scaling={"steps": None, "workers": None, "seeds": None}, accuracy={"workers": None, "seeds": None},
+        scaling={"steps": None, "workers": None, "seeds": None},
+        accuracy={"workers": None, "seeds": None},
     )
     overlay["dataset"].update(name="fashion_mnist", root=None)
     return deep_merge(overlay, overrides)
@@ -50,15 +64,31 @@ def slurm_snakemake(workdir: Path, overlay: dict, *args: str, **popen) -> subpro
     profile's config/cluster.yaml and `overlay` on top of it."""
     overlay_path = workdir / "overlay.yaml"
     overlay_path.write_text(yaml.safe_dump(overlay))
-    command = [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir),
-               "--configfile", "config/cluster.yaml", str(overlay_path), *FAST_SLURM, *args]
+    command = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--profile",
+        "slurm",
+        "--directory",
+        str(workdir),
+        "--configfile",
+        "config/cluster.yaml",
+        str(overlay_path),
+        *FAST_SLURM,
+        *args,
+    ]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def sacct_states(names: list[str], since: str) -> dict[str, list[str]]:
     """Job name -> the states of its jobs since `since`, one per job (allocations only)."""
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,State", "--name", ",".join(names)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,State", "--name", ",".join(names)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     states: dict[str, list[str]] = {}
     for line in out.splitlines():
         name, state = line.split("|")
@@ -68,8 +98,12 @@ def sacct_states(names: list[str], since: str) -> dict[str, list[str]]:
 
 def sacct_jobs(since: str) -> list[tuple[str, str, int]]:
     """(name, comment, GPUs held: sacct's AllocTRES gres/gpu) of every job since `since`."""
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,Comment,AllocTRES"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,Comment,AllocTRES"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     jobs = []
     for line in out.splitlines():
         name, comment, tres = line.split("|")
@@ -82,8 +116,11 @@ def final_states(name: str, since: str) -> list[str]:
     """The states of job name's jobs since `since` once the last has ended (accounting lags a
     job's end by a few seconds; waits up to a minute)."""
     deadline = time.monotonic() + 60
-    while ((states := sacct_states([name], since).get(name, ["PENDING"]))[-1] in ("PENDING", "RUNNING", "COMPLETING")
-           and time.monotonic() < deadline):
+    while (states := sacct_states([name], since).get(name, ["PENDING"]))[-1] in (
+        "PENDING",
+        "RUNNING",
+        "COMPLETING",
+    ) and time.monotonic() < deadline:
         time.sleep(1)
     return states
 
@@ -156,15 +193,20 @@ def test_dry_run_of_the_slurm_profile_lists_every_job_of_the_full_study(tmp_path
             jobs[rule].add((values["strategy"], int(values["workers"]), int(values["seed"])))
         if rule == "evaluate":
             resources = next(line for line in block.splitlines() if "resources:" in line)
-            evaluation_resources.append(dict(part.strip().split("=", 1) for part in resources.split(":", 1)[1].split(",")))
+            evaluation_resources.append(
+                dict(part.strip().split("=", 1) for part in resources.split(":", 1)[1].split(","))
+            )
     scaling = {(s, n, seed) for s in full["strategies"] for n in full["workers"] for seed in full["scaling"]["seeds"]}
     accuracy = {(s, n, seed) for s in full["strategies"] for n in full["accuracy"]["workers"] for seed in full["seeds"]}
     assert len(scaling) == 12 * 7 * 2 and len(accuracy) == 12 * 3 * 3
     assert jobs == {"train_scaling": scaling, "train": accuracy, "evaluate": accuracy}
     # each evaluation asks for one GPU on the training runs' partition, with a training task's CPUs
     launcher = full["launcher"]
-    assert all((resources["gpu"], resources["slurm_partition"], resources["cpus_per_task"])
-               == ("1", launcher["partition"], str(launcher["cpus_per_task"])) for resources in evaluation_resources)
+    assert all(
+        (resources["gpu"], resources["slurm_partition"], resources["cpus_per_task"])
+        == ("1", launcher["partition"], str(launcher["cpus_per_task"]))
+        for resources in evaluation_resources
+    )
 
 
 def test_full_study_without_a_dataset_root_says_what_to_edit(tmp_path):
@@ -196,14 +238,16 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
     import mlflow
 
     # nodes of 8 (fake) GPUs: each job asks for its GPUs as on a GPU cluster; the workers compute on CPUs
-    study = tiny_cluster_study(tracking={"uri": mlflow_server.uri, "experiment": "slurm-study"},
-                               launcher={"gpus_per_node": 8})
+    study = tiny_cluster_study(
+        tracking={"uri": mlflow_server.uri, "experiment": "slurm-study"}, launcher={"gpus_per_node": 8}
+    )
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     process = slurm_snakemake(tmp_path, study)
     names = run_names(study)
     runs_dirs = {name: tmp_path / "results/runs/{}/{}/seed0".format(*name.split("-")[:2]) for name in names}
-    away_until_training_ended = restart_while_training(mlflow_server, process, list(runs_dirs.values()),
-                                                       tmp_path / "results/logs", time.monotonic() + 600)
+    away_until_training_ended = restart_while_training(
+        mlflow_server, process, list(runs_dirs.values()), tmp_path / "results/logs", time.monotonic() + 600
+    )
     output = process.communicate(timeout=900)[0]
     assert process.returncode == 0, output[-6000:]
     assert away_until_training_ended  # the outage met a run that was still training
@@ -212,12 +256,15 @@ def test_tiny_study_through_the_slurm_profile(tmp_path, slurm_cluster, mlflow_se
     assert states == {name: ["COMPLETED"] for name in names}, states
     # the other rules ran as SLURM jobs of Snakemake's executor, training as submitit's
     submitted = [line for line in output.splitlines() if "has been submitted with SLURM jobid" in line]
-    assert any("/rule_evaluate/" in line for line in submitted) and any("/rule_aggregate/" in line for line in submitted)
+    assert any("/rule_evaluate/" in line for line in submitted) and any(
+        "/rule_aggregate/" in line for line in submitted
+    )
     assert not any("/rule_train/" in line for line in submitted)
     jobs = sacct_jobs(since)
     # a training job holds one GPU per worker
     assert sorted((name, gpus) for name, _, gpus in jobs if name in names) == sorted(
-        (name, int(name.split("-")[1][1:])) for name in names), jobs
+        (name, int(name.split("-")[1][1:])) for name in names
+    ), jobs
     # in squeue and sacct Snakemake's jobs are the study's by name, and say their rule in their
     # comment; an evaluation holds one GPU (the run's kind of device), the other rules none
     snakemake_jobs = [(name, comment, gpus) for name, comment, gpus in jobs if name not in names]
@@ -289,17 +336,21 @@ def test_failing_training_job_reports_its_stderr_and_leaves_no_metrics(tmp_path,
 def slurm_run(tmp_path, data_dir, launcher: dict, steps: int, stragglers=None):
     """One allreduce N=2 run through the launcher; returns (metrics, final state_dict, run folder)."""
     import torch
-
     from conftest import validated
+
+    from dtstudy.common.run_folder import MODEL
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job
-    from dtstudy.common.run_folder import MODEL
     from dtstudy.runspec import RunSpec
 
-    study = validated(tiny_study(
-        workers=[2], stragglers=stragglers or {}, launcher=launcher,
-        train={"epochs": 50, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1},
-    ))
+    study = validated(
+        tiny_study(
+            workers=[2],
+            stragglers=stragglers or {},
+            launcher=launcher,
+            train={"epochs": 50, "max_steps": steps, "lr_scaling": "none", "base_lr": 0.1},
+        )
+    )
     out = tmp_path / launcher["cluster"]
     spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(data_dir), str(out))
     metrics = run_training_job(spec, out / "submitit", poll_s=0.5)
@@ -333,8 +384,9 @@ def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupt
     releaser.start()
     try:
         launcher = {"cluster": "slurm", "timeout_min": 2, "signal_delay_s": 45, "max_requeues": 5, "device": "cpu"}
-        metrics, params, out = slurm_run(tmp_path, tiny_data, launcher, steps,
-                                         stragglers={"ranks": [0], "delay_ms": 200})
+        metrics, params, out = slurm_run(
+            tmp_path, tiny_data, launcher, steps, stragglers={"ranks": [0], "delay_ms": 200}
+        )
     finally:
         stop.set()
         releaser.join()
@@ -344,8 +396,9 @@ def test_a_run_longer_than_its_time_limit_is_requeued_and_ends_as_if_uninterrupt
     job_id = next((out / "submitit").glob("*_0_log.out")).name.split("_")[0]
     deadline = time.monotonic() + 60  # accounting lags the job's end by a few seconds
     while True:
-        states = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
-                                capture_output=True, text=True, check=True).stdout.split()
+        states = subprocess.run(
+            ["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True, check=True
+        ).stdout.split()
         if states[-1] not in ("RUNNING", "COMPLETING") or time.monotonic() > deadline:
             break
         time.sleep(1)
@@ -367,7 +420,11 @@ def slurm_task_pids(job_id: str, count: int, timeout_s: float = 120) -> dict[int
                 cmdline = (environ_path.parent / "cmdline").read_bytes()
             except OSError:
                 continue
-            if environ.get(b"SLURM_JOB_ID") == job_id.encode() and b"submitit" in cmdline and b"SLURM_PROCID" in environ:
+            if (
+                environ.get(b"SLURM_JOB_ID") == job_id.encode()
+                and b"submitit" in cmdline
+                and b"SLURM_PROCID" in environ
+            ):
                 tasks[int(environ[b"SLURM_PROCID"])] = int(environ_path.parent.name)
         if len(tasks) == count:
             return tasks
@@ -383,8 +440,16 @@ def test_a_killed_task_fails_its_slurm_job_within_seconds(tmp_path, tiny_data, s
     from test_faults import FAIL_WITHIN_S, launch, start, wait_for_failure
     from test_pool import wait_for_output
 
-    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1, "partition": None,
-             "timeout_min": 10, "signal_delay_s": 60, "local_processes": "tasks"}
+    slurm = {
+        "cluster": "slurm",
+        "device": "cpu",
+        "gpus_per_node": 0,
+        "cpus_per_task": 1,
+        "partition": None,
+        "timeout_min": 10,
+        "signal_delay_s": 60,
+        "local_processes": "tasks",
+    }
     command, out, _ = launch(tmp_path, tiny_data, strategy, launcher=slurm)
     launcher = start(command)
     seen = wait_for_output(launcher, r"img/s", timeout_s=240)
@@ -403,10 +468,14 @@ def test_a_killed_task_fails_its_slurm_job_within_seconds(tmp_path, tiny_data, s
     assert queued([f"{strategy}-n2-seed0"]) == []
 
 
-@pytest.mark.parametrize("strategy, damaged", [(name, False) for name in STRATEGIES] + [("allreduce", True)],
-                         ids=[*STRATEGIES, "allreduce-damaged-checkpoint"])
-def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_path, tiny_data, slurm_cluster,
-                                                                           strategy, damaged):
+@pytest.mark.parametrize(
+    "strategy, damaged",
+    [(name, False) for name in STRATEGIES] + [("allreduce", True)],
+    ids=[*STRATEGIES, "allreduce-damaged-checkpoint"],
+)
+def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(
+    tmp_path, tiny_data, slurm_cluster, strategy, damaged
+):
     """A worker's task killed (SIGKILL) after a periodic checkpoint: the job fails within
     launcher.comm_timeout_s naming the rank, the launcher submits it again
     (launcher.max_resubmits), the new job resumes from the checkpoint (ps_sync: the shard's
@@ -418,8 +487,17 @@ def test_a_killed_task_is_resubmitted_and_the_run_ends_as_if_uninterrupted(tmp_p
     from test_pool import wait_for_output
 
     comm_timeout_s = 45  # the default
-    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1, "partition": None,
-             "timeout_min": 10, "signal_delay_s": 60, "comm_timeout_s": comm_timeout_s, "max_resubmits": 1}
+    slurm = {
+        "cluster": "slurm",
+        "device": "cpu",
+        "gpus_per_node": 0,
+        "cpus_per_task": 1,
+        "partition": None,
+        "timeout_min": 10,
+        "signal_delay_s": 60,
+        "comm_timeout_s": comm_timeout_s,
+        "max_resubmits": 1,
+    }
     command, out, _ = launch(tmp_path, tiny_data, strategy, train=CHECKPOINTED, launcher=slurm, stragglers=SLOW)
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     launcher = start(command)
@@ -459,8 +537,9 @@ def assert_ends_as_uninterrupted(tmp_path, tiny_data, strategy: str, out: Path, 
     no resume folder; returns its metrics."""
     from test_faults import CHECKPOINTED, launch
 
-    reference_command, reference_out, _ = launch(tmp_path, tiny_data, strategy, "reference", train=CHECKPOINTED,
-                                                 stragglers=stragglers)
+    reference_command, reference_out, _ = launch(
+        tmp_path, tiny_data, strategy, "reference", train=CHECKPOINTED, stragglers=stragglers
+    )
     reference = subprocess.run(reference_command, capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     metrics, expected = read_json(out / "metrics.json"), read_json(reference_out / "metrics.json")
@@ -472,8 +551,9 @@ def assert_ends_as_uninterrupted(tmp_path, tiny_data, strategy: str, out: Path, 
     return metrics
 
 
-def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_running(tmp_path, tiny_data,
-                                                                                     slurm_cluster):
+def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_running(
+    tmp_path, tiny_data, slurm_cluster
+):
     """The login node's launcher of a run killed while its job trains (Snakemake killed, the
     SSH session closed): the job goes on, and the run's next launcher (Snakemake started
     again) waits for that job instead of submitting a second one; the run ends with its
@@ -482,8 +562,15 @@ def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_ru
     from test_faults import launch, start
     from test_pool import wait_for_output
 
-    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 0, "cpus_per_task": 1, "partition": None,
-             "timeout_min": 10, "signal_delay_s": 60}
+    slurm = {
+        "cluster": "slurm",
+        "device": "cpu",
+        "gpus_per_node": 0,
+        "cpus_per_task": 1,
+        "partition": None,
+        "timeout_min": 10,
+        "signal_delay_s": 60,
+    }
     train = {"max_steps": 100, "batch_size": 32, "log_every": 5}
     slow = {"ranks": [1], "delay_ms": 150, "distribution": "fixed"}  # about 15 s of training
     name = "allreduce-n2-seed0"
@@ -500,8 +587,11 @@ def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_ru
     job_id = lose_launcher(command)
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert re.search(rf"job {job_id}, submitted by an earlier launcher of this run, is still (RUNNING|PENDING): "
-                     "waiting for it rather than submitting another", again.stdout), again.stdout[-3000:]
+    assert re.search(
+        rf"job {job_id}, submitted by an earlier launcher of this run, is still (RUNNING|PENDING): "
+        "waiting for it rather than submitting another",
+        again.stdout,
+    ), again.stdout[-3000:]
     assert "submitted job" not in again.stdout
     assert read_json(out / "metrics.json")["steps"] == train["max_steps"]
     assert not (tmp_path / "run-job" / "active_job.json").exists()
@@ -510,12 +600,15 @@ def test_a_launcher_started_again_waits_for_the_job_its_lost_predecessor_left_ru
     time.sleep(1)  # sacct's -S has a resolution of seconds
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     old_job = lose_launcher(command)
-    command, out, _ = launch(tmp_path, tiny_data, "allreduce", train={**train, "base_lr": 0.07}, launcher=slurm,
-                             stragglers=slow)
+    command, out, _ = launch(
+        tmp_path, tiny_data, "allreduce", train={**train, "base_lr": 0.07}, launcher=slurm, stragglers=slow
+    )
     edited = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert edited.returncode == 0, edited.stdout[-3000:] + edited.stderr[-3000:]
-    assert f"cancelling job {old_job}, submitted by an earlier launcher of this run: it trains another config" \
-        in edited.stdout, edited.stdout[-3000:]
+    assert (
+        f"cancelling job {old_job}, submitted by an earlier launcher of this run: it trains another config"
+        in edited.stdout
+    ), edited.stdout[-3000:]
     assert re.search(r"submitted job (\d+)", edited.stdout).group(1) != old_job
     assert read_json(out / "metrics.json")["config"]["train"]["base_lr"] == 0.07
     assert final_states(name, since) == ["CANCELLED", "COMPLETED"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
 from conftest import train_run
-from dtstudy.training.stragglers import slow_ranks, Straggler
+
+from dtstudy.training.stragglers import Straggler, slow_ranks
 
 BASE = {"ranks": [], "fraction": 0.0, "delay_ms": 10.0, "distribution": "fixed", "seed": 0}
 
@@ -58,8 +58,8 @@ def _shape_misses(distribution: str, delays: list[float], mean_s: float) -> list
     low, high = min(delays), max(delays)
     if mean != pytest.approx(mean_s, rel=0.05):
         misses.append(f"mean {mean:.5g}")
-    if variance != pytest.approx(shape["variance"] * mean_s ** 2, rel=shape["rel"], abs=1e-15):
-        misses.append(f"variance {variance / mean_s ** 2:.4g} mu^2")
+    if variance != pytest.approx(shape["variance"] * mean_s**2, rel=shape["rel"], abs=1e-15):
+        misses.append(f"variance {variance / mean_s**2:.4g} mu^2")
     if distribution == "fixed" and not low == high == mean_s:
         misses.append(f"range [{low:.4g}, {high:.4g}]")
     if distribution == "uniform" and not (0 <= low < 0.01 * mean_s and 1.99 * mean_s < high <= 2 * mean_s):
@@ -109,8 +109,14 @@ def test_with_allreduce_the_fast_worker_waits_out_the_slow_ones_delay_every_step
     depends on how busy the machine's cores are (on 2 cores, a sleeping worker leaves the other
     one a core to itself, so the slow run's compute gets faster)."""
     steps, delay_ms = 28, 30  # 28 steps = the tiny study's epoch at 2 x 32
-    slow, _, _ = train_run(tmp_path / "slow", tiny_data, workers=2, batch_size=32, steps=steps,
-                           stragglers={"ranks": [1], "delay_ms": delay_ms})
+    slow, _, _ = train_run(
+        tmp_path / "slow",
+        tiny_data,
+        workers=2,
+        batch_size=32,
+        steps=steps,
+        stragglers={"ranks": [1], "delay_ms": delay_ms},
+    )
     assert slow["stragglers"]["ranks"] == [1]
     assert slow["stragglers"]["injected_delay_s"][0] == 0
     assert slow["stragglers"]["injected_delay_s"][1] == pytest.approx(steps * delay_ms / 1000, rel=0.01)
@@ -125,8 +131,15 @@ def test_with_ps_async_the_fast_worker_goes_ahead_of_the_slow_one(tmp_path, tiny
     """Asynchronous workers do not wait for each other (Chen et al. 2016's starting point);
     the same straggler holds an all-reduce worker to its pace (the test above)."""
     steps, delay_ms = 28, 30
-    run, _, _ = train_run(tmp_path / "slow", tiny_data, workers=2, batch_size=32, steps=steps,
-                          strategy="ps_async", stragglers={"ranks": [1], "delay_ms": delay_ms})
+    run, _, _ = train_run(
+        tmp_path / "slow",
+        tiny_data,
+        workers=2,
+        batch_size=32,
+        steps=steps,
+        strategy="ps_async",
+        stragglers={"ranks": [1], "delay_ms": delay_ms},
+    )
     fast_worker, slow_worker = run["step_time_per_worker"]
     assert fast_worker["comm_s"] < slow_worker["comm_s"] + 0.3 * delay_ms / 1000  # no waiting for rank 1
     assert fast_worker["throughput"] > 1.25 * slow_worker["throughput"], run["throughput_per_worker"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dtstudy.errors import ConfigError
-from dtstudy.strategies.registry import get_strategy, STRATEGIES
-from dtstudy.strategies.base import CommMeter, Strategy
 from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
+from dtstudy.strategies.base import CommMeter, Strategy
+from dtstudy.strategies.registry import STRATEGIES, get_strategy
 
 
 def test_registry_maps_names_to_strategy_classes():
@@ -45,10 +45,18 @@ def test_comm_meter_take_resets():
 
 @pytest.mark.parametrize(
     "name, knobs, workers, expected",
-    [("allreduce", {}, 4, 4 * 64), ("ps_sync", {}, 4, 4 * 64), ("ps_backup", {"backup": 1}, 4, 3 * 64),
-     ("ps_backup", {"backup": 1}, 1, 64), ("ps_async", {}, 4, 64), ("ssp", {"staleness": 0}, 4, 64),
-     ("local_sgd", {}, 4, 4 * 64), ("easgd", {}, 4, 4 * 64), ("gossip", {}, 4, 4 * 64),
-     ("allreduce_onebit", {}, 4, 4 * 64)],
+    [
+        ("allreduce", {}, 4, 4 * 64),
+        ("ps_sync", {}, 4, 4 * 64),
+        ("ps_backup", {"backup": 1}, 4, 3 * 64),
+        ("ps_backup", {"backup": 1}, 1, 64),
+        ("ps_async", {}, 4, 64),
+        ("ssp", {"staleness": 0}, 4, 64),
+        ("local_sgd", {}, 4, 4 * 64),
+        ("easgd", {}, 4, 4 * 64),
+        ("gossip", {}, 4, 4 * 64),
+        ("allreduce_onebit", {}, 4, 4 * 64),
+    ],
 )
 def test_update_batch_is_the_batch_one_update_averages(name, knobs, workers, expected):
     """The rate follows the batch one update averages (docs/strategies.md, "The learning rate across scale")."""

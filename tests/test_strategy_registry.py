@@ -8,8 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-from test_structure import imports_of, MODULES, PACKAGE
+from test_structure import MODULES, PACKAGE, imports_of
 
 STRATEGIES_DIR = PACKAGE / "strategies"
 STRATEGIES_PACKAGE = "dtstudy.strategies"
@@ -47,8 +46,11 @@ def upward_imports(modules: dict[str, Path]) -> list[str]:
 
 
 def strategies_modules() -> dict[str, Path]:
-    return {name: path for name, path in MODULES.items()
-            if name == STRATEGIES_PACKAGE or name.startswith(STRATEGIES_PACKAGE + ".")}
+    return {
+        name: path
+        for name, path in MODULES.items()
+        if name == STRATEGIES_PACKAGE or name.startswith(STRATEGIES_PACKAGE + ".")
+    }
 
 
 def test_no_strategies_module_imports_one_above_it():
@@ -59,19 +61,31 @@ def test_no_strategies_module_imports_one_above_it():
     assert upward_imports(modules) == []
 
 
-@pytest.mark.parametrize("importer, line, expected", [
-    # base.py reaching up for the specs' table, as it did to find its spec by name
-    ("base", "from dtstudy.strategies.specs import SPECS", "dtstudy.strategies.base -> dtstudy.strategies.specs"),
-    # the 1-bit codec taking its quantizers from the specs' table, as it did
-    ("compressed/onebit_codec", "def f():\n    from dtstudy.strategies.specs import SPECS",
-     "dtstudy.strategies.compressed.onebit_codec -> dtstudy.strategies.specs"),
-    # a family's class looking itself up in the registry, by a relative import
-    ("reference/strategy", "from .. import registry",
-     "dtstudy.strategies.reference.strategy -> dtstudy.strategies.registry"),
-    # the spec interface importing a family
-    ("spec", "import dtstudy.strategies.allreduce.spec",
-     "dtstudy.strategies.spec -> dtstudy.strategies.allreduce.spec"),
-])
+@pytest.mark.parametrize(
+    "importer, line, expected",
+    [
+        # base.py reaching up for the specs' table, as it did to find its spec by name
+        ("base", "from dtstudy.strategies.specs import SPECS", "dtstudy.strategies.base -> dtstudy.strategies.specs"),
+        # the 1-bit codec taking its quantizers from the specs' table, as it did
+        (
+            "compressed/onebit_codec",
+            "def f():\n    from dtstudy.strategies.specs import SPECS",
+            "dtstudy.strategies.compressed.onebit_codec -> dtstudy.strategies.specs",
+        ),
+        # a family's class looking itself up in the registry, by a relative import
+        (
+            "reference/strategy",
+            "from .. import registry",
+            "dtstudy.strategies.reference.strategy -> dtstudy.strategies.registry",
+        ),
+        # the spec interface importing a family
+        (
+            "spec",
+            "import dtstudy.strategies.allreduce.spec",
+            "dtstudy.strategies.spec -> dtstudy.strategies.allreduce.spec",
+        ),
+    ],
+)
 def test_an_upward_import_is_found(tmp_path, importer, line, expected):
     """The check can fail: one planted import, at the top or inside a function, is named."""
     modules = strategies_modules()
@@ -83,8 +97,11 @@ def test_an_upward_import_is_found(tmp_path, importer, line, expected):
 
 def name_literals(path: Path, names: set[str]) -> list[tuple[int, str]]:
     """(line, name) of every string literal in `path` that is exactly a strategy's name."""
-    return [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
 
 
 def where_typed(paths: list[Path], names: set[str]) -> dict[str, list[str]]:
@@ -114,8 +131,9 @@ def test_a_retyped_name_is_found(tmp_path):
 
     original = STRATEGIES_DIR / "gossip" / "strategy.py"
     planted = tmp_path / "strategy.py"
-    planted.write_text(original.read_text().replace("    spec = GossipSpec\n",
-                                                    '    spec = GossipSpec\n    name = "gossip"\n'))
+    planted.write_text(
+        original.read_text().replace("    spec = GossipSpec\n", '    spec = GossipSpec\n    name = "gossip"\n')
+    )
     paths = [planted if path == original else path for path in sorted(STRATEGIES_DIR.rglob("*.py"))]
     where = where_typed(paths, set(STRATEGIES))
     assert [place.rsplit(":", 1)[0] for place in where["gossip"]] == [str(original.with_name("spec.py")), str(planted)]
@@ -156,8 +174,9 @@ def test_the_registry_lists_exactly_the_strategies_the_schema_allows():
     assert len(STRATEGIES) == 14
     assert set(STRATEGIES) == set(SPECS) == set(strategy_params["properties"])
     assert all(STRATEGIES[name].spec is SPECS[name] for name in SPECS)
-    assert "enum" not in config_schema["properties"]["strategies"]["items"], \
+    assert "enum" not in config_schema["properties"]["strategies"]["items"], (
         "the schema types the strategies' names in an enum: hold it to the registry here"
+    )
     assert set(config_schema["properties"]["strategies"]["default"]) <= set(STRATEGIES)
 
 
@@ -168,9 +187,12 @@ def test_a_strategy_imported_alone_has_its_knobs():
     import subprocess
     import sys
 
-    code = ("import json, sys; from dtstudy.strategies.gossip.strategy import Gossip; "
-            "print(json.dumps([Gossip.check_params({}, 2), 'dtstudy.strategies.specs' in sys.modules]))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=PACKAGE.parent)
+    code = (
+        "import json, sys; from dtstudy.strategies.gossip.strategy import Gossip; "
+        "print(json.dumps([Gossip.check_params({}, 2), 'dtstudy.strategies.specs' in sys.modules]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [{"topology": "ring"}, False]

@@ -53,8 +53,12 @@ def import_graph() -> dict[str, set[str]]:
     graph = {name: imports_of(path) for name, path in MODULES.items()}
     # importing a submodule runs its packages' __init__ first (unless the importer is inside them)
     for name in graph:
-        graph[name] = {parent for target in graph[name] for parent in _with_parents(target)
-                       if not (name + ".").startswith(parent + ".") or parent == target} - {name}
+        graph[name] = {
+            parent
+            for target in graph[name]
+            for parent in _with_parents(target)
+            if not (name + ".").startswith(parent + ".") or parent == target
+        } - {name}
     return graph
 
 
@@ -73,7 +77,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:
@@ -112,15 +116,29 @@ def test_every_module_says_what_it_owns_in_its_first_line():
         assert docstring and docstring.splitlines()[0].strip(), f"{name} has no docstring"
 
 
-@pytest.mark.parametrize("module", ["dtstudy.checks", "dtstudy.config.study_config", "dtstudy.data.checks",
-                                    "dtstudy.launch.launcher", "dtstudy.launch.job", "dtstudy.launch.pool.client",
-                                    "dtstudy.runspec", "dtstudy.strategies.specs", "dtstudy.projection.budget",
-                                    "dtstudy.__main__"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "dtstudy.checks",
+        "dtstudy.config.study_config",
+        "dtstudy.data.checks",
+        "dtstudy.launch.launcher",
+        "dtstudy.launch.job",
+        "dtstudy.launch.pool.client",
+        "dtstudy.runspec",
+        "dtstudy.strategies.specs",
+        "dtstudy.projection.budget",
+        "dtstudy.__main__",
+    ],
+)
 def test_light_modules_do_not_import_torch_or_mlflow(module):
-    code = (f"import sys, json; import {module}; "
-            "print(json.dumps(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=PACKAGE.parent)
+    code = (
+        f"import sys, json; import {module}; "
+        "print(json.dumps(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [], f"{module} imports {result.stdout.strip()}"
 
@@ -139,18 +157,22 @@ def test_each_strategy_lives_in_one_folder_its_spec_beside_its_class():
         assert spec_folder == class_folder, f"{name}: spec in {spec_folder}, class in {class_folder}"
         folders[spec.__module__] = spec_folder
     assert len(set(folders.values())) == 7  # allreduce, compressed, hybrid, parameter_server, local, gossip, reference
-    code = (f"import sys; import {', '.join(sorted(folders))}; "
-            "print(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=PACKAGE.parent)
+    code = (
+        f"import sys; import {', '.join(sorted(folders))}; "
+        "print(sorted(m for m in ('torch', 'mlflow', 'torchvision') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent
+    )
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
 def test_a_torch_importing_module_is_seen_by_the_light_import_check():
     """The check above can fail: the training loop's module imports torch."""
     code = "import sys; import dtstudy.training.loop; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=PACKAGE.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent
+    )
     assert result.stdout.strip() == "True", result.stderr
 
 
@@ -173,8 +195,12 @@ def test_no_strategy_name_is_a_dict_key_outside_the_specs_and_the_registry(tmp_p
     from dtstudy.strategies.specs import SPECS
 
     names = set(SPECS)
-    offenders = {module: keys for module, path in MODULES.items() if module not in STRATEGY_PLACES
-                 and (keys := [k for k in strategy_name_keys(path, names) if k[1] not in COLLECTIVE_KEYS.get(module, ())])}
+    offenders = {
+        module: keys
+        for module, path in MODULES.items()
+        if module not in STRATEGY_PLACES
+        and (keys := [k for k in strategy_name_keys(path, names) if k[1] not in COLLECTIVE_KEYS.get(module, ())])
+    }
     assert not offenders, f"name-keyed strategy tables outside the specs: {offenders}"
     # the check can fail: a perfmodel-style table keyed by name is found
     table = tmp_path / "table.py"
@@ -189,13 +215,15 @@ def test_at_most_eight_modules_at_the_top_of_the_package():
 
 def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The import graph between the package's top-level folders and modules."""
+
     def top(module: str) -> str:
         return module.split(".")[1] if "." in module else module
 
     folders: dict[str, set[str]] = {}
     for source, targets in graph.items():
         folders.setdefault(top(source), set()).update(
-            top(t) for t in targets if t != "dtstudy" and top(t) != top(source))
+            top(t) for t in targets if t != "dtstudy" and top(t) != top(source)
+        )
     return folders
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_same_parameters, in_workers, tiny_study, validated
 from torch import nn
 
-from conftest import assert_same_parameters, in_workers, tiny_study, validated
 from dtstudy.config.study_config import run_config
 from dtstudy.perfmodel import steps
 from dtstudy.perfmodel.collectives import allreduce_time
@@ -26,6 +26,7 @@ TOY = "toy_mean"
 
 # ----- the spec: its name, family, knobs (none), performance model -----------------------
 
+
 class ToyMeanSpec(specs.StrategySpec):
     name = TOY
     family = "synchronous"
@@ -36,11 +37,19 @@ class ToyMeanSpec(specs.StrategySpec):
         if workers == 1:
             return steps.alone(cls.name, workload, stragglers)
         exchange = allreduce_time(workload.model_bytes, workers, machine, messages=10)  # one message per tensor
-        return steps.finish(cls.name, workload, workers, workload.compute_s, exchange, exchange,
-                            straggler=synchronous_wait(stragglers, workers))
+        return steps.finish(
+            cls.name,
+            workload,
+            workers,
+            workload.compute_s,
+            exchange,
+            exchange,
+            straggler=synchronous_wait(stragglers, workers),
+        )
 
 
 # ----- the class file: the exchange ------------------------------------------------------
+
 
 class ToyMean(Strategy):
     """After backward, every gradient all-reduced (summed) and divided by N, one tensor at a
@@ -82,8 +91,7 @@ def _train(ctx, spec: RunSpec) -> None:
 def _run_spec(study: dict, strategy: str, tiny_data, out) -> RunSpec:
     config = run_config(study, "allreduce")
     config["strategy_params"] = {strategy: {}}
-    return RunSpec(strategy=strategy, workers=2, seed=3, config=config, data_dir=str(tiny_data),
-                   out_dir=str(out))
+    return RunSpec(strategy=strategy, workers=2, seed=3, config=config, data_dir=str(tiny_data), out_dir=str(out))
 
 
 class ToySum(ToyMean):
@@ -101,8 +109,10 @@ def test_a_toy_strategy_trains_like_allreduce_at_n2(toy_registered, monkeypatch,
     with a bug (sum, not mean) does not."""
     study = validated(tiny_study(train={"max_steps": 8}))
     assert study["train"]["lr_scaling"] == "linear"  # the users' setting
-    runs = {name: _run_spec(study, strategy, tiny_data, tmp_path / name)
-            for name, strategy in (("toy", TOY), ("allreduce", "allreduce"), ("buggy", TOY))}
+    runs = {
+        name: _run_spec(study, strategy, tiny_data, tmp_path / name)
+        for name, strategy in (("toy", TOY), ("allreduce", "allreduce"), ("buggy", TOY))
+    }
     assert runs["toy"].strategy_params() == {}  # no knobs: the schema has none for it
     for name, implementation in (("toy", ToyMean), ("allreduce", None), ("buggy", ToySum)):
         if implementation:

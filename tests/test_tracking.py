@@ -37,17 +37,16 @@ def test_init_store_is_idempotent_and_keeps_artifacts_beside_the_db(uri, tmp_pat
 def test_log_study_run_creates_parent_with_artifacts_and_adopts_children(uri, tmp_path):
     experiment_id = mlflow_store.init_store(uri, "exp")
     client = MlflowClient(tracking_uri=uri)
-    children = [client.create_run(experiment_id, run_name=f"child{i}").info.run_id
-                for i in range(2)]
+    children = [client.create_run(experiment_id, run_name=f"child{i}").info.run_id for i in range(2)]
     (tmp_path / "tables").mkdir()
     (tmp_path / "plots").mkdir()
     table, plot = tmp_path / "tables" / "scaling.csv", tmp_path / "plots" / "throughput.png"
     table.write_text("strategy,workers\nallreduce,1\n")
     plot.write_bytes(b"not really a png")
 
-    parent_id = mlflow_store.log_study_run(uri, "exp", children, [table, plot],
-                                       params={"model": "lenet5", "workers": [1, 2]},
-                                       metrics={"runs": 2})
+    parent_id = mlflow_store.log_study_run(
+        uri, "exp", children, [table, plot], params={"model": "lenet5", "workers": [1, 2]}, metrics={"runs": 2}
+    )
 
     found = client.search_runs([experiment_id], filter_string="tags.`dtstudy.kind` = 'study'")
     assert [run.info.run_id for run in found] == [parent_id]
@@ -78,19 +77,28 @@ def test_log_study_run_marks_parent_failed_on_unknown_child(uri, tmp_path):
     with pytest.raises(mlflow.exceptions.MlflowException):
         mlflow_store.log_study_run(uri, "exp", ["0" * 32], [], params={})
     client = MlflowClient(tracking_uri=uri)
-    study_runs = client.search_runs(
-        [client.get_experiment_by_name("exp").experiment_id])
+    study_runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
     assert [run.info.status for run in study_runs] == ["FAILED"]
 
 
 # ----- a tracking server that goes away mid-run ---------------------------------------------
 
+
 def _final_metrics(points: int) -> dict:
     """A finished run's metrics.json, as log_training_results reads it."""
-    return {"environment": {"backend": "gloo"}, "global_batch": 64, "per_worker_batch": 32,
-            "lr_schedule": {"rule": "linear"}, "train_loss": [1.0 / (i + 1) for i in range(points)],
-            "throughput": 100.0, "step_time": {"compute_s": 0.01, "comm_s": 0.002, "data_s": 0.001},
-            "bytes_per_step": 1e5, "wall_time_s": 3.0, "time_to_accuracy_s": None, "final_val_top1": 0.5}
+    return {
+        "environment": {"backend": "gloo"},
+        "global_batch": 64,
+        "per_worker_batch": 32,
+        "lr_schedule": {"rule": "linear"},
+        "train_loss": [1.0 / (i + 1) for i in range(points)],
+        "throughput": 100.0,
+        "step_time": {"compute_s": 0.01, "comm_s": 0.002, "data_s": 0.001},
+        "bytes_per_step": 1e5,
+        "wall_time_s": 3.0,
+        "time_to_accuracy_s": None,
+        "final_val_top1": 0.5,
+    }
 
 
 def _logged(uri: str, run_id: str, key: str = "train_loss") -> list[tuple[int, float]]:
@@ -103,13 +111,22 @@ def test_a_live_run_keeps_its_metrics_while_the_server_is_away_and_sends_them_wh
     import time
 
     from conftest import MlflowServer
+
     from dtstudy.tracking.live_run import LiveRun
 
     server = MlflowServer(tmp_path).start()
     said = []
     try:
-        live = LiveRun(server.uri, "outage", "allreduce-n2-seed0", {"strategy": "allreduce"}, {"seed": 0},
-                       str(tmp_path), wait_for_server_s=120, say=said.append)
+        live = LiveRun(
+            server.uri,
+            "outage",
+            "allreduce-n2-seed0",
+            {"strategy": "allreduce"},
+            {"seed": 0},
+            str(tmp_path),
+            wait_for_server_s=120,
+            say=said.append,
+        )
         for step in range(5):
             live.log_metric("train_loss", 1.0 / (step + 1), step)
         deadline = time.monotonic() + 60
@@ -144,13 +161,22 @@ def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggrega
     import json
 
     from conftest import MlflowServer
+
     from dtstudy.common.run_folder import MLFLOW_PENDING, MLFLOW_RUN
     from dtstudy.tracking.live_run import LiveRun, deliver_pending
 
     server = MlflowServer(tmp_path)  # not started: away from the run's first step
     said = []
-    live = LiveRun(server.uri, "outage", "ps_sync-n2-seed0", {"strategy": "ps_sync"}, {"seed": 0}, str(tmp_path),
-                   wait_for_server_s=2, say=said.append)
+    live = LiveRun(
+        server.uri,
+        "outage",
+        "ps_sync-n2-seed0",
+        {"strategy": "ps_sync"},
+        {"seed": 0},
+        str(tmp_path),
+        wait_for_server_s=2,
+        say=said.append,
+    )
     for step in range(7):
         live.log_metric("train_loss", float(step), step)
     record = live.finish(_final_metrics(7))
@@ -183,6 +209,7 @@ def test_final_results_sent_again_after_a_lost_connection_log_no_part_twice(monk
     """A retry of log_training_results after the connection dropped mid-way (here: at the
     artifact, after the metrics went through) sends only what is missing. The control: a retry
     that does not keep `done` logs the loss series twice (what the SLURM test first caught)."""
+
     class FlakyClient:
         def __init__(self):
             self.metric_batches, self.artifacts, self.fail_artifact = [], 0, True
@@ -202,8 +229,9 @@ def test_final_results_sent_again_after_a_lost_connection_log_no_part_twice(monk
         monkeypatch.setattr(mlflow_store, "client_for", lambda uri: client)
         with pytest.raises(ConnectionError):
             mlflow_store.log_training_results("http://x", {"run_id": "r"}, _final_metrics(1500), done)
-        mlflow_store.log_training_results("http://x", {"run_id": "r"}, _final_metrics(1500),
-                                          done if done is not None else None)
+        mlflow_store.log_training_results(
+            "http://x", {"run_id": "r"}, _final_metrics(1500), done if done is not None else None
+        )
         return client
 
     every_metric = len(mlflow_store._final_metrics(_final_metrics(1500)))  # the loss series and the finals
@@ -236,16 +264,21 @@ def test_metric_points_sent_before_a_lost_connection_are_not_sent_again(monkeypa
 
 # ----- what a training run shows in MLflow ---------------------------------------------------
 
+
 def test_a_runs_throughput_in_mlflow_is_the_tables_median_of_its_windows_with_its_interval(uri):
     """MLflow's `throughput` is the figure the scaling table pools (the median of the timed
     windows, 9535 here, not the whole run's mean 7592) with its bootstrap CI, rounded as the
     table shows them; the mean is kept beside as throughput_mean."""
     experiment_id = mlflow_store.init_store(uri, "exp")
     run_id = MlflowClient(uri).create_run(experiment_id).info.run_id
-    metrics = {**_final_metrics(3), "throughput": 7592.3871, "throughput_median": 9535.4129,
-               "throughput_ci95": [9401.2271, 9612.5003], "step_time": {"compute_s": 0.0123456789, "comm_s": 0.00200001,
-                                                                           "data_s": 0.001},
-               "strategy_metrics": {"staleness_mean": 1.23456789}}
+    metrics = {
+        **_final_metrics(3),
+        "throughput": 7592.3871,
+        "throughput_median": 9535.4129,
+        "throughput_ci95": [9401.2271, 9612.5003],
+        "step_time": {"compute_s": 0.0123456789, "comm_s": 0.00200001, "data_s": 0.001},
+        "strategy_metrics": {"staleness_mean": 1.23456789},
+    }
     mlflow_store.log_training_results(uri, {"run_id": run_id}, metrics)
     logged = MlflowClient(uri).get_run(run_id).data.metrics
     assert (logged["throughput"], logged["throughput_low"], logged["throughput_high"]) == (9535.0, 9401.0, 9613.0)
@@ -264,6 +297,7 @@ def test_a_run_logs_only_the_config_keys_that_apply_to_it():
     no input pipeline (in-memory data), no ResNet options, no empty strategy_params; the
     synthetic data set and a ResNet get theirs, a parameter server its knobs once."""
     from conftest import tiny_study, validated
+
     from dtstudy.config.study_config import run_config
     from dtstudy.runspec import RunSpec
     from dtstudy.tracking.live_run import run_params
@@ -274,11 +308,24 @@ def test_a_run_logs_only_the_config_keys_that_apply_to_it():
 
     plain = logged(tiny_study(), "allreduce")
     assert plain["config.dataset.name"] == "fashion_mnist" and plain["config.train.batch_size"] == "32"
-    for absent in ("config.dataset.synthetic.", "config.dataset.image_size", "config.loader.", "config.model_options.",
-                   "config.strategy_params", "config.launcher.partition", "config.stragglers.delay_ms"):
+    for absent in (
+        "config.dataset.synthetic.",
+        "config.dataset.image_size",
+        "config.loader.",
+        "config.model_options.",
+        "config.strategy_params",
+        "config.launcher.partition",
+        "config.stragglers.delay_ms",
+    ):
         assert not [key for key in plain if key.startswith(absent)], absent
     assert "config.launcher.local_processes" in plain
     synthetic = logged(tiny_study(dataset={"name": "synthetic"}, model="resnet18"), "ps_sync")
-    assert {"config.dataset.synthetic.train_size", "config.dataset.image_size", "config.model_options.small_input",
-            "strategy_params.shards"} <= set(synthetic)
-    assert "config.dataset.root" not in synthetic and not [key for key in synthetic if key.startswith("config.strategy_params")]
+    assert {
+        "config.dataset.synthetic.train_size",
+        "config.dataset.image_size",
+        "config.model_options.small_input",
+        "strategy_params.shards",
+    } <= set(synthetic)
+    assert "config.dataset.root" not in synthetic and not [
+        key for key in synthetic if key.startswith("config.strategy_params")
+    ]

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_same_parameters, read_json, tiny_study, train_run, validated
+
 from dtstudy.common.run_folder import METRICS
 
 
@@ -27,8 +27,9 @@ def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny
 
     # the comparison has teeth: the same seed (same init, same batches) with half the rate
     # lands elsewhere; were no update ever applied, both would stay at the init and this fails
-    _, params_control, _ = train_run(tmp_path / "control", tiny_data, workers=1, batch_size=64,
-                                     **{**users, "base_lr": 0.1})
+    _, params_control, _ = train_run(
+        tmp_path / "control", tiny_data, workers=1, batch_size=64, **{**users, "base_lr": 0.1}
+    )
     with pytest.raises(AssertionError):
         assert_same_parameters(params_control, params_1, atol=1e-5)
 
@@ -38,8 +39,12 @@ def kernel_settings(monkeypatch):
     """Restores torch's global kernel flags (and the cuBLAS variable) after the test."""
     import torch
 
-    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    saved = (
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     yield
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[:2]
@@ -62,8 +67,12 @@ def test_train_deterministic_sets_a_gpus_kernels_and_the_run_records_them(kernel
     assert kernels(cpu) is None
 
     choose_kernels(True, cuda)
-    assert kernels(cuda) == {"cudnn_deterministic": True, "cudnn_benchmark": False,
-                             "deterministic_algorithms": True, "cublas_workspace_config": ":4096:8"}
+    assert kernels(cuda) == {
+        "cudnn_deterministic": True,
+        "cudnn_benchmark": False,
+        "deterministic_algorithms": True,
+        "cublas_workspace_config": ":4096:8",
+    }
     assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op without one warns, the run goes on
     choose_kernels(False, cuda)
     assert kernels(cuda)["cudnn_deterministic"] is False and kernels(cuda)["cudnn_benchmark"] is True
@@ -129,14 +138,25 @@ def _users_run(tmp_path, data_dir, strategy, workers, seed=0, params=None, lr_ti
     from dtstudy.runspec import RunSpec
 
     users = yaml.safe_load((Path(__file__).parents[1] / "config/config.yaml").read_text())["train"]
-    study = validated(tiny_study(strategies=[strategy], workers=[workers], dataset={"subset": SMALL_SUBSET},
-                                 strategy_params={strategy: params or {}},
-                                 train={**users, "epochs": 2, "evals_per_epoch": 1,
-                                        "base_lr": users["base_lr"] * lr_times}))
+    study = validated(
+        tiny_study(
+            strategies=[strategy],
+            workers=[workers],
+            dataset={"subset": SMALL_SUBSET},
+            strategy_params={strategy: params or {}},
+            train={**users, "epochs": 2, "evals_per_epoch": 1, "base_lr": users["base_lr"] * lr_times},
+        )
+    )
     assert study["train"]["lr_scaling"] == "linear" and study["train"]["momentum"] == 0.9
     out = tmp_path / f"{strategy}-n{workers}-s{seed}"
-    spec = RunSpec(strategy=strategy, workers=workers, seed=seed, config=run_config(study, strategy),
-                   data_dir=str(data_dir), out_dir=str(out))
+    spec = RunSpec(
+        strategy=strategy,
+        workers=workers,
+        seed=seed,
+        config=run_config(study, strategy),
+        data_dir=str(data_dir),
+        out_dir=str(out),
+    )
     return run_training_job(spec, out / "submitit")
 
 
@@ -149,8 +169,11 @@ def _learns_as_allreduce(allreduce: dict, runs: list[dict]) -> bool:
 def _counts_implicit_momentum(metrics: dict) -> bool:
     """At N=4 with momentum 0.9 asked: the shards' momentum 0.6 and every rate x 4."""
     momentum = metrics["strategy_metrics"]["momentum"]
-    return (momentum["asked"] == 0.9 and momentum["explicit"] == pytest.approx(0.6)
-            and momentum["rate_factor"] == pytest.approx(4.0))
+    return (
+        momentum["asked"] == 0.9
+        and momentum["explicit"] == pytest.approx(0.6)
+        and momentum["rate_factor"] == pytest.approx(4.0)
+    )
 
 
 def test_ps_async_at_four_workers_learns_as_allreduce_with_the_linear_rule(tmp_path, small_data):
@@ -184,8 +207,9 @@ def test_ps_async_at_four_workers_learns_as_allreduce_with_the_linear_rule(tmp_p
     assert "arrival" in ps_async["lr_schedule"]["update_batch_rule"]
 
     # the control: the rate of N b (x 4) with momentum 0.9, asynchrony's momentum not counted
-    control = _users_run(tmp_path / "control", small_data, "ps_async", 4, params={"implicit_momentum": False},
-                         lr_times=4.0)
+    control = _users_run(
+        tmp_path / "control", small_data, "ps_async", 4, params={"implicit_momentum": False}, lr_times=4.0
+    )
     assert not _learns_as_allreduce(allreduce, [control]), control["final_val_top1"]
     assert not _counts_implicit_momentum(control)
 
@@ -203,9 +227,28 @@ def test_failed_job_leaves_no_metrics_and_says_why(tmp_path, tiny_data):
     missing_data = tmp_path / "empty-data"
     missing_data.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "dtstudy", "train", "--config", "config/config.yaml", "--strategy", "allreduce",
-         "--workers", "1", "--seed", "0", "--data", str(missing_data), "--out", str(out), "--no-tracking"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dtstudy",
+            "train",
+            "--config",
+            "config/config.yaml",
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "1",
+            "--seed",
+            "0",
+            "--data",
+            str(missing_data),
+            "--out",
+            str(out),
+            "--no-tracking",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode != 0
     assert "empty-data" in result.stderr  # the job's error reaches the caller
@@ -223,9 +266,29 @@ def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
     config = tmp_path / "long.yaml"
     config.write_text("dataset: {subset: 2000}\ntrain: {epochs: 500, batch_size: 8, log_every: 10}\n")
     launcher = subprocess.Popen(
-        [sys.executable, "-u", "-m", "dtstudy", "train", "--config", str(config), "--strategy", "allreduce",
-         "--workers", "2", "--seed", "0", "--data", str(tiny_data), "--out", str(out), "--no-tracking"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "dtstudy",
+            "train",
+            "--config",
+            str(config),
+            "--strategy",
+            "allreduce",
+            "--workers",
+            "2",
+            "--seed",
+            "0",
+            "--data",
+            str(tiny_data),
+            "--out",
+            str(out),
+            "--no-tracking",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         # as under a shell's `&`: SIGINT ignored, so only a real cancellation stops the job
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
@@ -251,8 +314,11 @@ def test_interrupting_the_launcher_cancels_the_job(tmp_path, tiny_data):
     ranks = read_json(out / "submitit" / f"{job_pid}_ranks.json")
     assert sorted(ranks) == ["0", "1"]
     for _ in range(100):
-        alive = [pid for pid in ranks.values() if Path(f"/proc/{pid}").exists()
-                 and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+        alive = [
+            pid
+            for pid in ranks.values()
+            if Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        ]
         if not alive:
             break
         time.sleep(0.2)
@@ -265,8 +331,9 @@ def test_time_to_accuracy_on_a_finer_grid(tmp_path, tiny_data):
     """train.evals_per_epoch > 1: validation points inside the epoch on the first
     eval_images validation images, time-to-accuracy the training seconds (evaluations left
     out) of the first measured point at or above the target, nothing interpolated."""
-    metrics, _, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=None,
-                              evals_per_epoch=4, eval_images=100)
+    metrics, _, _ = train_run(
+        tmp_path, tiny_data, workers=2, batch_size=32, steps=None, evals_per_epoch=4, eval_images=100
+    )
     grid, epochs = metrics["val_grid"], metrics["val"]
     steps_per_epoch = metrics["steps"]
     every = steps_per_epoch // 4
@@ -284,8 +351,9 @@ def test_grid_points_per_epoch_and_the_whole_split_at_the_end_of_training(tmp_pa
     """evals_per_epoch points an epoch, the epoch's end the last of them (56 steps in 5: at
     11, 22, 33, 44 and 56, not also at 55); with a grid the whole split is scored once, at the
     end of training, while the epochs' ends stay on the grid."""
-    metrics, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=None, epochs=2,
-                              evals_per_epoch=5, eval_images=100)
+    metrics, _, _ = train_run(
+        tmp_path, tiny_data, workers=1, batch_size=32, steps=None, epochs=2, evals_per_epoch=5, eval_images=100
+    )
     per_epoch = metrics["steps"] // 2
     assert per_epoch == 1800 // 32 and per_epoch % 5 != 0  # the case where the old grid added a point
     every = per_epoch // 5
@@ -298,8 +366,9 @@ def test_grid_points_per_epoch_and_the_whole_split_at_the_end_of_training(tmp_pa
 
 
 def test_no_exchange_trains_each_worker_alone_at_the_rate_of_its_batch(tmp_path, tiny_data):
-    metrics, _, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="no_exchange",
-                              lr_scaling="linear")
+    metrics, _, _ = train_run(
+        tmp_path, tiny_data, workers=2, batch_size=32, steps=8, strategy="no_exchange", lr_scaling="linear"
+    )
     assert metrics["bytes_per_step"] == 0 and metrics["step_time"]["comm_s"] == 0
     assert metrics["lr_schedule"]["update_batch"] == 32
     assert metrics["lr_schedule"]["peak_lr"] == pytest.approx(0.1 * 32 / 256)
@@ -311,10 +380,12 @@ def test_the_ceilings_runs_stop_after_their_step_limit(tmp_path, tiny_data):
     (or train.max_steps, the smaller), where the other strategies run their whole schedule."""
     full, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=16, steps=None, strategy="allreduce")
     assert full["steps"] == 1800 // 16  # one epoch
-    limited, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=16, steps=None, strategy="no_exchange",
-                              strategy_params={"steps": 60})
+    limited, _, _ = train_run(
+        tmp_path, tiny_data, workers=1, batch_size=16, steps=None, strategy="no_exchange", strategy_params={"steps": 60}
+    )
     assert limited["steps"] == 60 and limited["lr_schedule"]["total_steps"] == 60
     assert len(limited["throughput_windows"]) >= 4
-    smaller, _, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=16, steps=55, strategy="no_exchange",
-                              strategy_params={"steps": 60})
+    smaller, _, _ = train_run(
+        tmp_path, tiny_data, workers=1, batch_size=16, steps=55, strategy="no_exchange", strategy_params={"steps": 60}
+    )
     assert smaller["steps"] == 55

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.slurm
@@ -67,13 +66,16 @@ def test_a_job_of_two_nodes_runs_on_two_hosts_that_reach_each_other(two_nodes):
     """srun over both nodes: one task on each, each with its node's host name and address, and
     each reaching the other node and the login side by name (a TCP connection to the other's
     slurmd port and to slurmctld's)."""
-    probe = ("import socket; me = socket.gethostname(); "
-             f"peer = {{'{NODES[0]}': '{NODES[1]}', '{NODES[1]}': '{NODES[0]}'}}[me]; "
-             f"socket.create_connection((peer, 16828), timeout=5).close(); "
-             f"socket.create_connection(('{two_nodes['LOGIN']}', 16827), timeout=5).close(); "
-             "print(me, socket.gethostbyname(me), peer)")
-    tasks = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "python3", "-c", probe],
-                           capture_output=True, text=True, timeout=120)
+    probe = (
+        "import socket; me = socket.gethostname(); "
+        f"peer = {{'{NODES[0]}': '{NODES[1]}', '{NODES[1]}': '{NODES[0]}'}}[me]; "
+        f"socket.create_connection((peer, 16828), timeout=5).close(); "
+        f"socket.create_connection(('{two_nodes['LOGIN']}', 16827), timeout=5).close(); "
+        "print(me, socket.gethostbyname(me), peer)"
+    )
+    tasks = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=1", "python3", "-c", probe], capture_output=True, text=True, timeout=120
+    )
     assert tasks.returncode == 0, tasks.stdout + tasks.stderr
     seen = sorted(tuple(line.split()) for line in tasks.stdout.splitlines())
     assert seen == [(NODES[0], two_nodes["NODE1_ADDR"], NODES[1]), (NODES[1], two_nodes["NODE2_ADDR"], NODES[0])]
@@ -98,12 +100,18 @@ def login_mlflow(two_nodes, tmp_path_factory):
     password = secrets.token_urlsafe(18)
     login = two_nodes["LOGIN"]
     server = MlflowServer(
-        folder, host=two_nodes["LOGIN_ADDR"], name=login,
+        folder,
+        host=two_nodes["LOGIN_ADDR"],
+        name=login,
         # MLflow 3 answers only the Host headers it allows (against DNS rebinding): localhost
         # and addresses by default, not the login node's name
         options=("--app-name", "basic-auth", "--allowed-hosts", f"{login},{login}:*"),
-        env={"MLFLOW_AUTH_CONFIG_PATH": str(folder / "auth.ini"), "MLFLOW_AUTH_ADMIN_PASSWORD": password,
-             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}).start()
+        env={
+            "MLFLOW_AUTH_CONFIG_PATH": str(folder / "auth.ini"),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+        },
+    ).start()
     server.password = password
     yield server
     server.stop()
@@ -120,8 +128,9 @@ grant_default_workspace_access = false
 STUDY_STRATEGIES = ["allreduce", "ps_sync", "gossip", "local_sgd"]
 
 
-def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(tmp_path, two_nodes, login_mlflow,
-                                                                                monkeypatch):
+def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(
+    tmp_path, two_nodes, login_mlflow, monkeypatch
+):
     """The tiny SLURM study at N = 4 with 2 (fake) GPUs per node through `snakemake --profile
     slurm`: each run's job spans both nodes (the rendezvous at the first node's name, gloo
     between the namespaces, ps_sync's shards tasks on the nodes), its metrics.json names two
@@ -130,15 +139,18 @@ def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(t
     while the runs train and loses no metric; a client without the password is refused; the
     password is in no file the study wrote."""
     import mlflow
-
     from conftest import read_json
     from test_slurm import restart_while_training, run_names, sacct_states, slurm_snakemake, tiny_cluster_study
 
     server, password = login_mlflow, login_mlflow.password
     # rank 0 logs the loss of every 5th step: 14 steps an epoch at N = 4
-    study = tiny_cluster_study(strategies=STUDY_STRATEGIES, workers=[4], launcher={"gpus_per_node": 2},
-                               train={"log_every": 5},
-                               tracking={"uri": server.uri, "experiment": "two-nodes"})
+    study = tiny_cluster_study(
+        strategies=STUDY_STRATEGIES,
+        workers=[4],
+        launcher={"gpus_per_node": 2},
+        train={"log_every": 5},
+        tracking={"uri": server.uri, "experiment": "two-nodes"},
+    )
     names = run_names(study)
     runs = [tmp_path / f"results/runs/{strategy}/n4/seed0" for strategy in STUDY_STRATEGIES]
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -150,8 +162,12 @@ def test_tiny_study_at_n4_spans_both_nodes_and_logs_to_an_authenticated_server(t
     assert met_training  # the outage met a run that was still training
 
     assert sacct_states(names, since) == {name: ["COMPLETED"] for name in names}
-    nodes = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,NodeList", "--name", ",".join(names)],
-                           capture_output=True, text=True, check=True).stdout.split()
+    nodes = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-S", since, "-o", "JobName,NodeList", "--name", ",".join(names)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert sorted(nodes) == sorted(f"{name}|dtnode[1-2]" for name in names), nodes
     for strategy, run in zip(STUDY_STRATEGIES, runs):
         metrics = read_json(run / "metrics.json")
@@ -207,9 +223,13 @@ def test_a_rank_whose_node_cannot_reach_master_addr_fails_naming_host_and_addres
     subprocess.run([*node1, "add", f"{unroutable}/24", "dev", "eth0"], check=True)
     try:
         started = time.monotonic()
-        job = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "python3", "-c", JOIN],
-                             capture_output=True, text=True, timeout=180,
-                             env={**os.environ, "MASTER_ADDR": unroutable, "MASTER_PORT": str(free_port())})
+        job = subprocess.run(
+            ["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "python3", "-c", JOIN],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "MASTER_ADDR": unroutable, "MASTER_PORT": str(free_port())},
+        )
         took = time.monotonic() - started
     finally:
         subprocess.run([*node1, "del", f"{unroutable}/24", "dev", "eth0"], check=True)
@@ -224,14 +244,24 @@ def test_a_lost_node_fails_its_job_and_the_run_resumes_as_if_uninterrupted(tmp_p
     job fails within launcher.comm_timeout_s, naming the rank (a peer on another host is lost
     once its heartbeats are missed for half of it); the node comes back (a reboot) and the launcher's
     resubmitted job resumes from the checkpoints and ends with an uninterrupted run's metrics."""
-    from dtstudy.runspec import lost_rank_path
     from test_faults import CHECKPOINTED, launch, start
-    from test_slurm import assert_ends_as_uninterrupted
     from test_pool import wait_for_output
+    from test_slurm import assert_ends_as_uninterrupted
+
+    from dtstudy.runspec import lost_rank_path
 
     comm_timeout_s = 20
-    slurm = {"cluster": "slurm", "device": "cpu", "gpus_per_node": 1, "cpus_per_task": 1, "partition": None,
-             "timeout_min": 10, "signal_delay_s": 60, "comm_timeout_s": comm_timeout_s, "max_resubmits": 1}
+    slurm = {
+        "cluster": "slurm",
+        "device": "cpu",
+        "gpus_per_node": 1,
+        "cpus_per_task": 1,
+        "partition": None,
+        "timeout_min": 10,
+        "signal_delay_s": 60,
+        "comm_timeout_s": comm_timeout_s,
+        "max_resubmits": 1,
+    }
     slow = {"ranks": [1], "delay_ms": 100, "distribution": "uniform", "seed": 3}  # ~12 s of training
     command, out, _ = launch(tmp_path, tiny_data, "allreduce", train=CHECKPOINTED, launcher=slurm, stragglers=slow)
     launcher = start(command)
@@ -247,7 +277,9 @@ def test_a_lost_node_fails_its_job_and_the_run_resumes_as_if_uninterrupted(tmp_p
     took = time.monotonic() - lost_at
     if not record.exists():  # the launcher would wait for SLURM to find the node down, then for the node
         launcher.terminate()
-        pytest.fail(f"no rank recorded lost {took:.0f} s after node {NODES[1]} was: {launcher.communicate(timeout=120)}")
+        pytest.fail(
+            f"no rank recorded lost {took:.0f} s after node {NODES[1]} was: {launcher.communicate(timeout=120)}"
+        )
     subprocess.run([*node, "start", NODES[1]], check=True)  # the node rebooted
     seen += wait_for_output(launcher, r"resubmitting it", timeout_s=180)
     stdout, stderr = launcher.communicate(timeout=400)

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO, job_counts, run_snakemake, tiny_study
+
 from dtstudy.strategies.registry import STRATEGIES
 
 
@@ -24,9 +24,25 @@ def shipped_study_dry_run(workdir, *configfiles, args=("--cores", "2")) -> subpr
     config/config.yaml, as in the checkout) in `workdir`, its own working folder: it plans the
     whole study whatever the checkout's results/ holds (a user who ran the study, then the tests)."""
     configs = [str(REPO / "config/config.yaml"), *(str(REPO / path) for path in configfiles)]
-    return subprocess.run([sys.executable, "-m", "snakemake", "--dry-run", "--snakefile", str(REPO / "Snakefile"),
-                           "--directory", str(workdir), "--configfile", *configs, *args],
-                          cwd=workdir, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--dry-run",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--configfile",
+            *configs,
+            *args,
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_default_study_dag_runs_every_strategy(tmp_path):
@@ -36,8 +52,16 @@ def test_default_study_dag_runs_every_strategy(tmp_path):
     assert default["strategies"] == list(STRATEGIES) and default["workers"] == [1, 2, 4]
     assert len(default["seeds"]) >= 2  # every table cell has a spread
     runs = len(STRATEGIES) * 3 * len(default["seeds"])
-    assert job_counts(result.stdout) == {"prepare_data": 1, "init_tracking": 1, "train": runs, "evaluate": runs,
-                                         "aggregate": 1, "commbench": 1, "project": 1, "all": 1}
+    assert job_counts(result.stdout) == {
+        "prepare_data": 1,
+        "init_tracking": 1,
+        "train": runs,
+        "evaluate": runs,
+        "aggregate": 1,
+        "commbench": 1,
+        "project": 1,
+        "all": 1,
+    }
 
 
 def test_embedded_full_study_dag_has_three_seeds_of_every_strategy(tmp_path):
@@ -66,12 +90,24 @@ def test_values_given_with_snakemakes_config_option_take_their_types(tmp_path):
     """`--config workers=[1,2,4] 'train={epochs: 2}'` as a user types it: Snakemake reads a
     list's and a mapping's items as text, and the study reads them as the numbers they are."""
     study = tiny_study(workers=[1], seeds=[0], train={"batch_size": 8})
-    result = dry_run(tmp_path, study, "--cores", "2", "--config", "workers=[1,2,4]", "seeds=[0,1]",
-                     "train={epochs: 2, max_steps: null}", "--printshellcmds")
+    result = dry_run(
+        tmp_path,
+        study,
+        "--cores",
+        "2",
+        "--config",
+        "workers=[1,2,4]",
+        "seeds=[0,1]",
+        "train={epochs: 2, max_steps: null}",
+        "--printshellcmds",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert job_counts(result.stdout)["train"] == 6
-    [train] = [json.loads(shlex.split(line.split("--config-json", 1)[1])[0]) for line in result.stdout.splitlines()
-               if "dtstudy train" in line and "n4/seed1" in line]
+    [train] = [
+        json.loads(shlex.split(line.split("--config-json", 1)[1])[0])
+        for line in result.stdout.splitlines()
+        if "dtstudy train" in line and "n4/seed1" in line
+    ]
     assert (train["train"]["epochs"], train["train"]["max_steps"], train["train"]["batch_size"]) == (2, None, 8)
 
 
@@ -95,8 +131,13 @@ def test_scaling_and_accuracy_runs_are_separate_jobs_at_their_own_n_and_seeds(tm
     """A study with both kinds: train_scaling jobs (warm-up + timed steps, their own folders, no
     test evaluation) at every N and scaling.seeds, train jobs (full trainings, evaluated) at
     accuracy.workers and the study's seeds; the projection times the scaling runs."""
-    study = tiny_study(workers=[1, 2], seeds=[0, 1], train={"batch_size": 8},
-                       scaling={"steps": 20, "warmup_steps": 5, "seeds": [3]}, accuracy={"workers": [2]})
+    study = tiny_study(
+        workers=[1, 2],
+        seeds=[0, 1],
+        train={"batch_size": 8},
+        scaling={"steps": 20, "warmup_steps": 5, "seeds": [3]},
+        accuracy={"workers": [2]},
+    )
     result = dry_run(tmp_path, study, "--cores", "2", "--printshellcmds")
     assert result.returncode == 0, result.stderr
     counts = job_counts(result.stdout)
@@ -134,8 +175,12 @@ def test_a_local_run_reserves_one_core_per_process(tmp_path):
     study = tiny_study(strategies=["allreduce", "ps_sync"], workers=[1, 2], train={"batch_size": 8})
     result = dry_run(tmp_path, study, "--cores", "8")
     assert result.returncode == 0, result.stderr
-    assert train_threads(result.stdout) == {("allreduce", 1): 1, ("allreduce", 2): 2,
-                                            ("ps_sync", 1): 2, ("ps_sync", 2): 3}
+    assert train_threads(result.stdout) == {
+        ("allreduce", 1): 1,
+        ("allreduce", 2): 2,
+        ("ps_sync", 1): 2,
+        ("ps_sync", 2): 3,
+    }
     capped = train_threads(dry_run(tmp_path, study, "--cores", "2").stdout)
     assert capped[("ps_sync", 2)] == 2 and capped[("allreduce", 1)] == 1  # Snakemake caps at --cores
 
@@ -165,8 +210,9 @@ def test_bad_config_fails_the_dry_run_with_a_clear_message(tmp_path, override, w
 
 
 def test_lint_is_clean():
-    result = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0
     assert "Congratulations, your workflow is in a good condition!" in result.stdout + result.stderr
 

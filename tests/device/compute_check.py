@@ -36,10 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # exchange_check, also in the forkserver's ranks
 
+import exchange_check  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-import exchange_check  # noqa: E402
 from dtstudy.common.atomic_files import write_json  # noqa: E402
 from dtstudy.config.study_config import deep_merge, read_yaml, run_config, validate_schema  # noqa: E402
 from dtstudy.runspec import RunSpec  # noqa: E402
@@ -61,7 +61,9 @@ def _write_jpeg(args) -> None:
     height, width = size
     # smooth class-tinted gradients and mild noise: decodes like a photo, not like white noise
     y, x = np.mgrid[0:height, 0:width] / max(height, width)
-    base = np.stack([np.sin((c + 1 + label) * 3 * x + rng.uniform(0, 6)) * np.cos((c + 2) * 2 * y) for c in range(3)], -1)
+    base = np.stack(
+        [np.sin((c + 1 + label) * 3 * x + rng.uniform(0, 6)) * np.cos((c + 2) * 2 * y) for c in range(3)], -1
+    )
     pixels = (127 + 100 * base + rng.normal(0, 12, (height, width, 3))).clip(0, 255).astype("uint8")
     Image.fromarray(pixels).save(path, quality=90)
 
@@ -105,13 +107,27 @@ def study_config(root: Path, dry: bool, steps: int, skip: int) -> dict:
     config = cluster_config()
     overrides = {
         "dataset": {"root": str(root), "subset": None, "val_fraction": val_fraction(dry)},
-        "strategies": ["allreduce"], "workers": [1], "seeds": [0],
+        "strategies": ["allreduce"],
+        "workers": [1],
+        "seeds": [0],
         # one run of `steps` steps at N=1 (train.max_steps below), not the study's two kinds of run
-        "scaling": {"steps": None, "seeds": None, "workers": None}, "accuracy": {"workers": [1], "seeds": None},
-        "train": {"epochs": 1, "max_steps": steps, "steady_state_skip": skip, "log_every": 50,
-                  "checkpoint_every_min": None, "evals_per_epoch": 1, "eval_images": None},
-        "launcher": {"cluster": "local", "local_processes": "tasks", "device": "cpu" if dry else "cuda",
-                     "timeout_min": 20},
+        "scaling": {"steps": None, "seeds": None, "workers": None},
+        "accuracy": {"workers": [1], "seeds": None},
+        "train": {
+            "epochs": 1,
+            "max_steps": steps,
+            "steady_state_skip": skip,
+            "log_every": 50,
+            "checkpoint_every_min": None,
+            "evals_per_epoch": 1,
+            "eval_images": None,
+        },
+        "launcher": {
+            "cluster": "local",
+            "local_processes": "tasks",
+            "device": "cpu" if dry else "cuda",
+            "timeout_min": 20,
+        },
         "tracking": {"uri": None},
     }
     # the loader's workers as a cluster task has them (cpus_per_task - 1 per GPU), fixed here so
@@ -130,10 +146,16 @@ def exchange_config(config: dict, dry: bool) -> dict:
     (ResNet-50's layers, BatchNorm and channels_last included, at a fraction of its start-up
     and of the bytes gloo stages through host memory: the 13 runs must fit the check's time)."""
     overrides = {
-        "strategies": cluster_config()["strategies"], "workers": [2], "accuracy": {"workers": [2]},
+        "strategies": cluster_config()["strategies"],
+        "workers": [2],
+        "accuracy": {"workers": [2]},
         "model": "resnet18",
-        "train": {"max_steps": EXCHANGE_STEPS, "steady_state_skip": 1, "log_every": 1,
-                  "eval_images": 2 * config["train"]["batch_size"]},
+        "train": {
+            "max_steps": EXCHANGE_STEPS,
+            "steady_state_skip": 1,
+            "log_every": 1,
+            "eval_images": 2 * config["train"]["batch_size"],
+        },
         "strategy_params": {"local_sgd": {"period": 2}, "easgd": {"period": 2}},
         "loader": {"workers": 0 if dry else 2},
     }
@@ -178,8 +200,9 @@ def read_rgb(path: str) -> torch.Tensor:
     return decode_image(read_file(path), mode=ImageReadMode.RGB)
 
 
-def reference_loop(config: dict, root: Path, device: torch.device, steps: int, skip: int, workers: int,
-                   decoder: str) -> tuple[float, str]:
+def reference_loop(
+    config: dict, root: Path, device: torch.device, steps: int, skip: int, workers: int, decoder: str
+) -> tuple[float, str]:
     """Images/s of the steps after `skip`, trained as torchvision's references/classification
     train.py does with --amp (bf16 here, as the study) and --channels-last: ImageFolder + its
     preset (RandomResizedCrop, flip, float, Normalize), a DataLoader with pinned memory, cuDNN
@@ -194,19 +217,34 @@ def reference_loop(config: dict, root: Path, device: torch.device, steps: int, s
     train = config["train"]
     size = config["dataset"]["image_size"]
     to_tensor = [T.PILToTensor()] if decoder == "pil" else []
-    preset = T.Compose([*to_tensor, T.RandomResizedCrop(size, antialias=True), T.RandomHorizontalFlip(),
-                        T.ConvertImageDtype(torch.float), T.Normalize(MEAN, STD)])
+    preset = T.Compose(
+        [
+            *to_tensor,
+            T.RandomResizedCrop(size, antialias=True),
+            T.RandomHorizontalFlip(),
+            T.ConvertImageDtype(torch.float),
+            T.Normalize(MEAN, STD),
+        ]
+    )
     loader = {"pil": torchvision.datasets.folder.default_loader, "torchvision": read_rgb}[decoder]
     data = torchvision.datasets.ImageFolder(str(root / "train"), preset, loader=loader)
     cuda = device.type == "cuda"
-    batches_of = DataLoader(data, batch_size=train["batch_size"], shuffle=True, num_workers=workers,
-                            pin_memory=cuda, drop_last=True, persistent_workers=workers > 0)
+    batches_of = DataLoader(
+        data,
+        batch_size=train["batch_size"],
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=cuda,
+        drop_last=True,
+        persistent_workers=workers > 0,
+    )
     layout = torch.channels_last if cuda else torch.preserve_format
     torch.manual_seed(0)
     model = torchvision.models.resnet50(num_classes=len(data.classes)).to(device, memory_format=layout)
     torch.backends.cudnn.benchmark = True
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=train["momentum"],
-                                weight_decay=train["weight_decay"])
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=train["momentum"], weight_decay=train["weight_decay"]
+    )
     criterion = torch.nn.CrossEntropyLoss()
     clock, batches, start = Clock(device), iter(batches_of), None
     for step in range(steps):
@@ -230,14 +268,31 @@ def reference_loop(config: dict, root: Path, device: torch.device, steps: int, s
 
 def run_dtstudy(*args: str) -> None:
     """`python3 -m dtstudy ARGS` from the repository's source, the carried packages' path kept."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "workflow"), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "workflow"), os.environ.get("PYTHONPATH")])),
+    }
     subprocess.run([sys.executable, "-m", "dtstudy", *args], check=True, cwd=REPO, env=env)
 
 
 def study_run(config_path: Path, data: Path, out: Path) -> dict:
     """The study's own path: `python3 -m dtstudy train` (submitit, the launcher, the loop)."""
-    run_dtstudy("train", "--config", str(config_path), "--strategy", "allreduce", "--workers", "1", "--seed", "0",
-                "--data", str(data), "--out", str(out), "--no-tracking")
+    run_dtstudy(
+        "train",
+        "--config",
+        str(config_path),
+        "--strategy",
+        "allreduce",
+        "--workers",
+        "1",
+        "--seed",
+        "0",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--no-tracking",
+    )
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -261,9 +316,16 @@ def epoch_sums(config: dict, data: Path, out: Path, device: torch.device) -> lis
         outside = clock.seconds(begin, clock.mark())
         log = state.log
         parts = {key: sum(getattr(log, key)[before:]) for key in ("data_s", "step_s", "comm_s")}
-        epochs.append({"steps": len(log.step_s) - before, "events_s": outside, "data_s": parts["data_s"],
-                       "compute_s": parts["step_s"] - parts["comm_s"], "comm_s": parts["comm_s"],
-                       "sum_s": parts["data_s"] + parts["step_s"]})
+        epochs.append(
+            {
+                "steps": len(log.step_s) - before,
+                "events_s": outside,
+                "data_s": parts["data_s"],
+                "compute_s": parts["step_s"] - parts["comm_s"],
+                "comm_s": parts["comm_s"],
+                "sum_s": parts["data_s"] + parts["step_s"],
+            }
+        )
 
     loop.train_one_epoch = bracketed
     try:
@@ -299,8 +361,12 @@ def straggler_delay(device: torch.device, delay_s: float = 0.03, repeats: int = 
 
     work(None)  # warm-up
     alone, delayed = zip(*((work(None), work(delay_s)) for _ in range(repeats)))
-    return {"delay_s": delay_s, "work_alone_s": min(alone), "work_and_delay_s": min(delayed),
-            "added_s": min(delayed) - min(alone)}
+    return {
+        "delay_s": delay_s,
+        "work_alone_s": min(alone),
+        "work_and_delay_s": min(delayed),
+        "added_s": min(delayed) - min(alone),
+    }
 
 
 def evaluation(run: Path, data: Path, out: Path) -> dict:
@@ -308,16 +374,21 @@ def evaluation(run: Path, data: Path, out: Path) -> dict:
     run_dtstudy("evaluate", "--run", str(run), "--data", str(data), "--out", str(out))
     result = json.loads(out.read_text())
     return {key: result[key] for key in ("top1", "test_images", "seconds")} | {
-        "device_type": result["environment"]["device_type"], "devices": result["environment"]["devices"]}
+        "device_type": result["environment"]["device_type"],
+        "devices": result["environment"]["devices"],
+    }
 
 
 def started_unpinned(metrics: dict) -> dict:
     """How the study's run started: its ranks' pinned cores (None: none) and rank 0's cores,
     against this process's (what a cluster task's scheduler gave the check)."""
     environment = metrics["environment"]
-    return {"local_processes": metrics["config"]["launcher"]["local_processes"],
-            "pinned_cores": environment["pinned_cores"], "rank0_cores": len(environment["affinity"]),
-            "check_cores": len(os.sched_getaffinity(0))}
+    return {
+        "local_processes": metrics["config"]["launcher"]["local_processes"],
+        "pinned_cores": environment["pinned_cores"],
+        "rank0_cores": len(environment["affinity"]),
+        "check_cores": len(os.sched_getaffinity(0)),
+    }
 
 
 def verdicts(record: dict) -> dict:
@@ -325,22 +396,30 @@ def verdicts(record: dict) -> dict:
     has = lambda *keys: all(record.get(key) is not None for key in keys)  # noqa: E731
     exchanges = record.get("exchange_n2")
     return {
-        "study_run_started_unpinned": (record["start"]["pinned_cores"] is None
-                                       and record["start"]["rank0_cores"] == record["start"]["check_cores"])
-        if has("start") else None,
+        "study_run_started_unpinned": (
+            record["start"]["pinned_cores"] is None and record["start"]["rank0_cores"] == record["start"]["check_cores"]
+        )
+        if has("start")
+        else None,
         "images_per_s_ratio_at_least_0.95": record["images_per_s_ratio"] >= MIN_RATIO
-        if has("images_per_s_ratio") else None,
+        if has("images_per_s_ratio")
+        else None,
         "data_share_under_0.05": record["data_share_of_step"] < MAX_DATA_SHARE if has("data_share_of_step") else None,
         "step_parts_sum_to_events_within_0.05": record["step_parts_sum_error"] <= MAX_SUM_ERROR
-        if has("step_parts_sum_error") else None,
+        if has("step_parts_sum_error")
+        else None,
         "test_pass_on_the_runs_device": record["evaluation"]["device_type"] == record["device_type"]
-        if has("evaluation") else None,
-        "straggler_delay_on_the_device_timeline":
-            record["straggler_delay"]["added_s"] >= MIN_DELAY_SHARE * record["straggler_delay"]["delay_s"]
-            if has("straggler_delay") else None,
-        "n2_exchange_on_the_device_for_every_strategy":
-            all(run["completed"] and not run["off_device"] for run in exchanges)
-            if exchanges is not None and len(exchanges) == record["exchange_runs_planned"] else None,
+        if has("evaluation")
+        else None,
+        "straggler_delay_on_the_device_timeline": record["straggler_delay"]["added_s"]
+        >= MIN_DELAY_SHARE * record["straggler_delay"]["delay_s"]
+        if has("straggler_delay")
+        else None,
+        "n2_exchange_on_the_device_for_every_strategy": all(
+            run["completed"] and not run["off_device"] for run in exchanges
+        )
+        if exchanges is not None and len(exchanges) == record["exchange_runs_planned"]
+        else None,
     }
 
 
@@ -356,8 +435,11 @@ class Record:
     def update(self, **fields) -> None:
         self.fields.update(fields)
         checks = verdicts(self.fields)
-        self.fields.update(checks=checks, passed=all(value is True for value in checks.values()),
-                           seconds=round(time.perf_counter() - self.started, 1))
+        self.fields.update(
+            checks=checks,
+            passed=all(value is True for value in checks.values()),
+            seconds=round(time.perf_counter() - self.started, 1),
+        )
         write_json(self.path, self.fields)
 
 
@@ -367,9 +449,12 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/compute_check"), help="scratch folder")
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny: that every step works")
     parser.add_argument("--steps", type=int, help="steps per run (default 300 on a GPU, 4 dry)")
-    parser.add_argument("--budget-s", type=float,
-                        help=f"the N = 2 exchanges still to run when this is spent are recorded as skipped "
-                             f"(default {BUDGET_S} s on a GPU, none dry)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"the N = 2 exchanges still to run when this is spent are recorded as skipped "
+        f"(default {BUDGET_S} s on a GPU, none dry)",
+    )
     args = parser.parse_args()
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
@@ -388,32 +473,47 @@ def main() -> int:
     # enough images for one epoch of `steps` steps at N = 1, and of the exchanges' at N = 2,
     # after the validation share is held out
     train_images = max(steps, 2 * EXCHANGE_STEPS) * batch
-    root = jpeg_tree(work / "jpeg", int(train_images / (1 - val_fraction(dry))) + batch, 2 * batch,
-                     (80, 96) if dry else (375, 500))
+    root = jpeg_tree(
+        work / "jpeg", int(train_images / (1 - val_fraction(dry))) + batch, 2 * batch, (80, 96) if dry else (375, 500)
+    )
     config = study_config(root, dry, steps, skip)
     config_path = work / "study.yaml"
     config_path.write_text(yaml.safe_dump(config))
     data = work / "data"
     env = {**os.environ, "PYTHONPATH": str(REPO / "workflow")}
-    subprocess.run([sys.executable, "-m", "dtstudy", "prepare-data", "--config", str(config_path), "--out", str(data)],
-                   check=True, cwd=REPO, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "dtstudy", "prepare-data", "--config", str(config_path), "--out", str(data)],
+        check=True,
+        cwd=REPO,
+        env=env,
+    )
     workers = config["loader"]["workers"]
     exchanges_config = exchange_config(config, dry)
     planned = exchange_runs(exchanges_config)
     record = Record(
         args.out / "compute_check.json",
-        what=("ResNet-50, bf16 autocast, channels_last, cuDNN autotuning: the study's allreduce at N=1 "
-              "(python3 -m dtstudy train as one fresh submitit task, config/cluster.yaml on a generated JPEG "
-              "tree) against a torchvision-reference-style loop with the same batch, loader workers and "
-              "decoder (torchvision.io; PIL beside it); then every cluster strategy at N=2 on the one "
-              "device over gloo"),
+        what=(
+            "ResNet-50, bf16 autocast, channels_last, cuDNN autotuning: the study's allreduce at N=1 "
+            "(python3 -m dtstudy train as one fresh submitit task, config/cluster.yaml on a generated JPEG "
+            "tree) against a torchvision-reference-style loop with the same batch, loader workers and "
+            "decoder (torchvision.io; PIL beside it); then every cluster strategy at N=2 on the one "
+            "device over gloo"
+        ),
         command="bash tests/device/compute_check.sh" + (" --dry-run" if dry else ""),
-        dry_run=dry, device_type=device.type, device=torch.cuda.get_device_name(0) if not dry else "cpu",
-        torch=torch.__version__, python=sys.version.split()[0],
-        batch_size=config["train"]["batch_size"], image_size=config["dataset"]["image_size"],
-        precision=config["train"]["precision"], loader_workers=workers, steps=steps, steady_state_skip=skip,
+        dry_run=dry,
+        device_type=device.type,
+        device=torch.cuda.get_device_name(0) if not dry else "cpu",
+        torch=torch.__version__,
+        python=sys.version.split()[0],
+        batch_size=config["train"]["batch_size"],
+        image_size=config["dataset"]["image_size"],
+        precision=config["train"]["precision"],
+        loader_workers=workers,
+        steps=steps,
+        steady_state_skip=skip,
         study_decoder=config["loader"]["decoder"],
-        exchange_runs_planned=len(planned))
+        exchange_runs_planned=len(planned),
+    )
 
     # interleaved: the reference before and after the study's run, so that a drift of the
     # machine's speed shows as a spread of the reference rather than as the study's ratio
@@ -422,19 +522,29 @@ def main() -> int:
     record.update(reference_images_per_s=references, reference_decoder=decoded_by)
     metrics = study_run(config_path, data, work / "run")
     step = metrics["step_time"]
-    record.update(start=started_unpinned(metrics), compute=metrics.get("compute"),
-                  kernels=metrics["environment"].get("kernels"), study_images_per_s=metrics["throughput"],
-                  study_images_per_s_median_window=metrics["throughput_median"], study_step_time_s=step,
-                  data_share_of_step=step["data_s"] / (step["total_s"] + step["data_s"]))
+    record.update(
+        start=started_unpinned(metrics),
+        compute=metrics.get("compute"),
+        kernels=metrics["environment"].get("kernels"),
+        study_images_per_s=metrics["throughput"],
+        study_images_per_s_median_window=metrics["throughput_median"],
+        study_step_time_s=step,
+        data_share_of_step=step["data_s"] / (step["total_s"] + step["data_s"]),
+    )
     references.append(reference_loop(config, root, device, steps, skip, workers, "torchvision")[0])
     reference = sum(references) / len(references)
     record.update(reference_images_per_s=references, images_per_s_ratio=metrics["throughput"] / reference)
     pil, decoded_by = reference_loop(config, root, device, steps, skip, workers, "pil")
-    record.update(reference_pil_images_per_s=pil, reference_beside_decoder=decoded_by,
-                  images_per_s_ratio_to_pil_reference=metrics["throughput"] / pil)
+    record.update(
+        reference_pil_images_per_s=pil,
+        reference_beside_decoder=decoded_by,
+        images_per_s_ratio_to_pil_reference=metrics["throughput"] / pil,
+    )
     epochs = epoch_sums(config, data, work / "inprocess", device)
-    record.update(epochs_timed_outside=epochs,
-                  step_parts_sum_error=max(abs(e["sum_s"] - e["events_s"]) / e["events_s"] for e in epochs))
+    record.update(
+        epochs_timed_outside=epochs,
+        step_parts_sum_error=max(abs(e["sum_s"] - e["events_s"]) / e["events_s"] for e in epochs),
+    )
     record.update(evaluation=evaluation(work / "run", data, work / "eval.json"))
     record.update(straggler_delay=straggler_delay(device))
 
@@ -442,22 +552,46 @@ def main() -> int:
     for label, strategy, run_cfg in planned:
         left_s = min(deadline - time.monotonic(), EXCHANGE_LIMIT_S)  # a hung run is stopped
         if left_s < MIN_EXCHANGE_S:
-            exchanges.append({"strategy": label, "completed": False, "skipped": "the check's time budget is spent",
-                              "off_device": {}})
+            exchanges.append(
+                {"strategy": label, "completed": False, "skipped": "the check's time budget is spent", "off_device": {}}
+            )
         else:
             spec = RunSpec(strategy, 2, 0, run_cfg, str(data), str(work / "exchange" / label))
-            exchanges.append(exchange_check.run_strategy(context, label, spec, device.type,
-                                                         work / "exchange" / label / "logs", left_s))
+            exchanges.append(
+                exchange_check.run_strategy(
+                    context, label, spec, device.type, work / "exchange" / label / "logs", left_s
+                )
+            )
         record.update(exchange_n2=exchanges)
     record.update(complete=True)
-    print(json.dumps({key: record.fields[key] for key in (
-        "device", "start", "reference_images_per_s", "reference_pil_images_per_s", "study_images_per_s",
-        "images_per_s_ratio", "data_share_of_step", "step_parts_sum_error", "evaluation", "straggler_delay",
-        "checks", "passed")}, indent=2))
+    print(
+        json.dumps(
+            {
+                key: record.fields[key]
+                for key in (
+                    "device",
+                    "start",
+                    "reference_images_per_s",
+                    "reference_pil_images_per_s",
+                    "study_images_per_s",
+                    "images_per_s_ratio",
+                    "data_share_of_step",
+                    "step_parts_sum_error",
+                    "evaluation",
+                    "straggler_delay",
+                    "checks",
+                    "passed",
+                )
+            },
+            indent=2,
+        )
+    )
     for run in exchanges:
-        print(f"N=2 {run['strategy']:22s} {'completed' if run['completed'] else 'FAILED'} "
-              f"{run.get('seconds', '-')} s  off the device: {run['off_device'] or 'none'}  "
-              f"{run.get('errors') or run.get('skipped') or ''}")
+        print(
+            f"N=2 {run['strategy']:22s} {'completed' if run['completed'] else 'FAILED'} "
+            f"{run.get('seconds', '-')} s  off the device: {run['off_device'] or 'none'}  "
+            f"{run.get('errors') or run.get('skipped') or ''}"
+        )
     return 0 if dry or record.fields["passed"] else 1
 
 

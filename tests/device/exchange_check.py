@@ -37,8 +37,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "reduce", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+)
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 # P2POp checks its operation against distributed_c10d's own isend and irecv: wrapped there too
 WRAPPED_IN_C10D = ("isend", "irecv")
@@ -75,7 +84,7 @@ class CollectiveRecorder:
         self._gloo_groups: list = []
         self._originals: list[tuple[object, str, object]] = []
 
-    def install(self) -> "CollectiveRecorder":
+    def install(self) -> CollectiveRecorder:
         for name in COLLECTIVES + POINT_TO_POINT:
             self._replace(dist, name, self._wrap(name, getattr(dist, name)))
         for name in WRAPPED_IN_C10D:
@@ -154,14 +163,23 @@ def run_rank(spec, rank: int, device_type: str, init_method: str, log: str, resu
     outcome = {"rank": rank, "ok": False, "error": None}
     try:
         timeout = datetime.timedelta(seconds=launcher["comm_timeout_s"])
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=layout.world_size,
-                                timeout=timeout)
-        worker_group = (dist.new_group(list(range(layout.workers)), timeout=timeout)
-                        if layout.world_size > layout.workers else None)
-        ctx = DistContext(rank=rank, world_size=layout.world_size, workers=layout.workers, local_rank=rank,
-                          device=device, backend="nccl" if device_type == "cuda" else "gloo",
-                          worker_group=worker_group, comm_timeout_s=launcher["comm_timeout_s"],
-                          startup_timeout_s=launcher["timeout_min"] * 60)
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timeout
+        )
+        worker_group = (
+            dist.new_group(list(range(layout.workers)), timeout=timeout) if layout.world_size > layout.workers else None
+        )
+        ctx = DistContext(
+            rank=rank,
+            world_size=layout.world_size,
+            workers=layout.workers,
+            local_rank=rank,
+            device=device,
+            backend="nccl" if device_type == "cuda" else "gloo",
+            worker_group=worker_group,
+            comm_timeout_s=launcher["comm_timeout_s"],
+            startup_timeout_s=launcher["timeout_min"] * 60,
+        )
         metrics = train_worker(spec, ctx)
         if metrics is not None:
             outcome["final_train_loss"] = metrics["train_loss"][-1] if metrics.get("train_loss") else None
@@ -185,8 +203,16 @@ def forkserver():
     paths = [str(here), str(here.parents[1] / "workflow"), os.environ.get("PYTHONPATH")]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "dtstudy.training.loop",
-                                    "dtstudy.strategies.registry", Path(__file__).stem])
+    context.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "torchvision",
+            "dtstudy.training.loop",
+            "dtstudy.strategies.registry",
+            Path(__file__).stem,
+        ]
+    )
     return context
 
 
@@ -200,9 +226,14 @@ def run_strategy(context, label: str, spec, device_type: str, logs: Path, limit_
     results = context.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
-    processes = [context.Process(target=run_rank, args=(spec, rank, device_type, init_method,
-                                                        str(logs / f"rank{rank}.log"), results), daemon=True)
-                 for rank in range(layout.world_size)]
+    processes = [
+        context.Process(
+            target=run_rank,
+            args=(spec, rank, device_type, init_method, str(logs / f"rank{rank}.log"), results),
+            daemon=True,
+        )
+        for rank in range(layout.world_size)
+    ]
     for process in processes:
         process.start()
     reports = []
@@ -223,16 +254,27 @@ def run_strategy(context, label: str, spec, device_type: str, logs: Path, limit_
     seconds = time.monotonic() - start
     reported = {report["rank"] for report in reports}
     errors = {str(r["rank"]): r["error"] + _last_lines(logs / f"rank{r['rank']}.log") for r in reports if not r["ok"]}
-    errors.update({str(rank): f"no report (exit code {processes[rank].exitcode})" + _last_lines(logs / f"rank{rank}.log")
-                   for rank in range(layout.world_size) if rank not in reported})
+    errors.update(
+        {
+            str(rank): f"no report (exit code {processes[rank].exitcode})" + _last_lines(logs / f"rank{rank}.log")
+            for rank in range(layout.world_size)
+            if rank not in reported
+        }
+    )
     rank0 = next((r for r in reports if r["rank"] == 0), {})
     return {
-        "strategy": label, "workers": layout.workers, "processes": layout.world_size,
-        "completed": not errors, "errors": errors, "seconds": round(seconds, 2),
+        "strategy": label,
+        "workers": layout.workers,
+        "processes": layout.world_size,
+        "completed": not errors,
+        "errors": errors,
+        "seconds": round(seconds, 2),
         "timed_out": len(reported) < layout.world_size and seconds >= limit_s,
-        "collectives": dict(sorted(calls.items())), "off_device": dict(sorted(off_device.items())),
+        "collectives": dict(sorted(calls.items())),
+        "off_device": dict(sorted(off_device.items())),
         "staged_point_to_point": sum(r["staged_point_to_point"] for r in reports),
-        "final_train_loss": rank0.get("final_train_loss"), "bytes_per_step": rank0.get("bytes_per_step"),
+        "final_train_loss": rank0.get("final_train_loss"),
+        "bytes_per_step": rank0.get("bytes_per_step"),
     }
 
 

@@ -30,9 +30,11 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_check_config(args) -> None:
     cfg = _config(args)
-    per_kind = [f"{run_kinds.run_count(cfg, kind)} {kind} runs ({len(cfg['strategies'])} strategies x "
-                f"N={run_kinds.workers(cfg, kind)} x seeds {run_kinds.seeds(cfg, kind)})"
-                for kind in run_kinds.kinds_run(cfg)]
+    per_kind = [
+        f"{run_kinds.run_count(cfg, kind)} {kind} runs ({len(cfg['strategies'])} strategies x "
+        f"N={run_kinds.workers(cfg, kind)} x seeds {run_kinds.seeds(cfg, kind)})"
+        for kind in run_kinds.kinds_run(cfg)
+    ]
     total = sum(run_kinds.run_count(cfg, kind) for kind in run_kinds.kinds_run(cfg))
     print(f"config OK: {total} training runs: " + "; ".join(per_kind))
 
@@ -78,12 +80,14 @@ def cmd_init_tracking(args) -> None:
     experiment_id = init_store(uri, tracking["experiment"])
     marker = Path(args.marker)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"tracking_uri": uri, "experiment": tracking["experiment"], "experiment_id": experiment_id}))
+    marker.write_text(
+        json.dumps({"tracking_uri": uri, "experiment": tracking["experiment"], "experiment_id": experiment_id})
+    )
     print(f"MLflow store ready: {uri} (experiment {tracking['experiment']!r}, id {experiment_id})")
 
 
 def cmd_train(args) -> None:
-    from dtstudy.launch.launcher import run_training_job, TrainingJobFailed
+    from dtstudy.launch.launcher import TrainingJobFailed, run_training_job
     from dtstudy.launch_backends.registry import launch_backend
     from dtstudy.projection import budget
     from dtstudy.runspec import RunSpec
@@ -130,8 +134,10 @@ def cmd_evaluate(args) -> None:
         except PoolError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
-        print(f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} "
-              f"on {result['test_images']} images (in the warm pool)")
+        print(
+            f"{result['run_name']}: test top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} "
+            f"on {result['test_images']} images (in the warm pool)"
+        )
         return
     from dtstudy.training.evaluate import evaluate_run
 
@@ -163,8 +169,14 @@ def cmd_aggregate(args) -> None:
     if args.study_run:  # where the study run is, for the steps after this one (the projection)
         from dtstudy.common.atomic_files import write_json
 
-        write_json(args.study_run, {"run_id": done["parent_run_id"], "tracking_uri": done["tracking_uri"],
-                                    "experiment": cfg["tracking"]["experiment"]})
+        write_json(
+            args.study_run,
+            {
+                "run_id": done["parent_run_id"],
+                "tracking_uri": done["tracking_uri"],
+                "experiment": cfg["tracking"]["experiment"],
+            },
+        )
 
 
 def cmd_project_commbench(args) -> None:
@@ -187,8 +199,11 @@ def cmd_project_study(args) -> None:
         from dtstudy.tracking import mlflow_store
 
         study_run = json.loads(Path(args.study_run).read_text())
-        mlflow_store.attach_artifacts(study_run["tracking_uri"], study_run["run_id"],
-                                      dict.fromkeys([args.out, args.out_md, args.plot], "projection"))
+        mlflow_store.attach_artifacts(
+            study_run["tracking_uri"],
+            study_run["run_id"],
+            dict.fromkeys([args.out, args.out_md, args.plot], "projection"),
+        )
         print(f"projection logged to the MLflow study run {study_run['run_id']} (artifacts: projection/)")
 
 
@@ -209,8 +224,12 @@ def _add_project_parser(commands) -> None:
 
     m = modes.add_parser("commbench", help="measure this machine's collectives (the commbench rule)")
     m.add_argument("--out", required=True, help="JSON file to write")
-    m.add_argument("--gloo-loop-nice", type=lambda value: value if value == "idle" else int(value), default=0,
-                   help="gloo's event loops at this priority, idle or a nice value (launcher.gloo_loop_nice)")
+    m.add_argument(
+        "--gloo-loop-nice",
+        type=lambda value: value if value == "idle" else int(value),
+        default=0,
+        help="gloo's event loops at this priority, idle or a nice value (launcher.gloo_loop_nice)",
+    )
     m.set_defaults(func=cmd_project_commbench)
 
     m = modes.add_parser("study", help="project the study's strategies, calibrated on its runs (the project rule)")
@@ -219,14 +238,17 @@ def _add_project_parser(commands) -> None:
     m.add_argument("--out", required=True, help="the CSV table")
     m.add_argument("--out-md", required=True, help="the Markdown table")
     m.add_argument("--plot", required=True, help="the plot (PNG)")
-    m.add_argument("--study-run", help="the aggregate step's record of the MLflow study run (JSON), whose "
-                                       "artifacts the projection joins")
+    m.add_argument(
+        "--study-run",
+        help="the aggregate step's record of the MLflow study run (JSON), whose artifacts the projection joins",
+    )
     _add_config_args(m)
     m.set_defaults(func=cmd_project_study)
 
     m = modes.add_parser("measured", help="project a measurement file's throughput on a hardware profile")
-    m.add_argument("--measured", required=True,
-                   help="measurement file: model, per_worker_batch, throughput {N: images/s}")
+    m.add_argument(
+        "--measured", required=True, help="measurement file: model, per_worker_batch, throughput {N: images/s}"
+    )
     m.add_argument("--hardware", required=True, help="hardware profile: a path or a name in config/hardware/")
     m.add_argument("--strategies", required=True, help="comma-separated strategy names")
     m.add_argument("--workers", required=True, help="comma-separated worker counts N")
@@ -245,8 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("budget", help="the study's predicted wall time and GPU-hours per run, before submitting")
     p.add_argument("--configfile", nargs="*", default=[], help="config files on top of --base, as Snakemake's")
     p.add_argument("--base", default="config/config.yaml", help="the Snakefile's own config (always the base)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="a config key by its dotted name, its value in YAML (train.precision=fp32), last")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key by its dotted name, its value in YAML (train.precision=fp32), last",
+    )
     p.add_argument("--record", help="also write the prediction into this JSON file (docs/records/budget.json)")
     p.add_argument("--record-as", default="cluster", help="with --record: the entry's name in the file")
     p.set_defaults(func=cmd_budget)
@@ -269,8 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="prepared data folder")
     p.add_argument("--out", required=True, help="run folder (metrics.json, model.pt)")
     p.add_argument("--job-dir", help="submitit's folder for the job's logs (default: <out>/submitit)")
-    p.add_argument("--operational-json", help="the run's launch keys as JSON, merged over --config-json (the rules "
-                   "pass them apart: changing them reruns nothing)")
+    p.add_argument(
+        "--operational-json",
+        help="the run's launch keys as JSON, merged over --config-json (the rules "
+        "pass them apart: changing them reruns nothing)",
+    )
     p.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     p.set_defaults(func=cmd_train)
 

@@ -40,8 +40,7 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     for i, name in enumerate(config["strategies"]):
         if name not in SPECS:
             raise ConfigError(
-                f"config key 'strategies[{i}]': unknown strategy {name!r}; "
-                f"allowed: {', '.join(sorted(SPECS))}"
+                f"config key 'strategies[{i}]': unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}"
             )
     # strategy_params' names are the schema's (dtstudy.strategies.specs checks they match SPECS)
     for name in config["strategies"]:
@@ -155,7 +154,8 @@ def check_scaling_steps_fit(config: dict, images: budget.Images) -> None:
             f"{scaling['warmup_steps']} make a scaling run of {wanted} steps, but at N={workers} a worker has "
             f"{steps} step{'' if steps == 1 else 's'} an epoch ({images.train} training images, {images.source}) "
             f"and train.epochs {epochs} stops it after {fits}; allowed: warmup_steps + steps of at most {fits}, "
-            "or more train.epochs or training images")
+            "or more train.epochs or training images"
+        )
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:

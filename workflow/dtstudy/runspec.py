@@ -17,7 +17,7 @@ from dtstudy.strategies.specs import get_spec
 @dataclass(frozen=True)
 class TaskLayout:
     """Where the tasks of a run's job go: N workers and a strategy's extra processes over nodes.
-    
+
     Each node runs the same number of tasks (submitit's tasks_per_node). On every node the
     first tasks are workers (one per GPU), the rest extra processes (parameter-server shards);
     when the extras do not divide evenly over the nodes, the last extra slots stay idle. Ranks
@@ -34,7 +34,7 @@ class TaskLayout:
             raise ValueError(f"{self.workers} workers do not spread evenly over {self.nodes} nodes")
 
     @classmethod
-    def over_nodes(cls, workers: int, extras: int, workers_per_node: int | None) -> "TaskLayout":
+    def over_nodes(cls, workers: int, extras: int, workers_per_node: int | None) -> TaskLayout:
         """The fewest nodes of `workers_per_node` workers that hold all N (None: one node)."""
         nodes = math.ceil(workers / workers_per_node) if workers_per_node else 1
         return cls(workers, extras, nodes)

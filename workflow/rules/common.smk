@@ -72,7 +72,9 @@ def train_threads(wildcards):
         return EMULATED_RUN_THREADS
     if not TRAIN_ON_THIS_MACHINE:
         return 1
-    spec = RunSpec(wildcards.strategy, int(wildcards.workers), 0, study_config.run_config(config, wildcards.strategy), "", "")
+    spec = RunSpec(
+        wildcards.strategy, int(wildcards.workers), 0, study_config.run_config(config, wildcards.strategy), "", ""
+    )
     return spec.processes()
 
 
@@ -87,7 +89,8 @@ def run_config_json(kind):
     """A params function: only what one training run of `kind` computes with, so unrelated
     config edits trigger no rerun (its operational keys: operational_json)."""
     return lambda wildcards: study_config.to_json(
-        study_config.results_part(study_config.run_config(config, wildcards.strategy, kind)))
+        study_config.results_part(study_config.run_config(config, wildcards.strategy, kind))
+    )
 
 
 def operational_json(kind):
@@ -96,7 +99,8 @@ def operational_json(kind):
     `input`, which makes it a derived param that Snakemake does not track: changing one of
     these keys retrains no finished run."""
     return lambda wildcards, input: study_config.to_json(
-        study_config.operational_part(study_config.run_config(config, wildcards.strategy, kind)))
+        study_config.operational_part(study_config.run_config(config, wildcards.strategy, kind))
+    )
 
 
 def folder_of(kind, name):

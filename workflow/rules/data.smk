@@ -6,11 +6,11 @@ rule prepare_data:
         splits=[f"{DATA_DIR}/{name}" for name in prepared_files(config["dataset"]) if name != "meta.json"],
     log:
         "results/logs/prepare_data.log",
+    conda:
+        "../../envs/study.yaml"
     params:
         config=config_json(["dataset"]),
         out=folder_of("output", "meta"),
-    conda:
-        "../../envs/study.yaml"
     shell:
         "python -m dtstudy prepare-data --config-json {params.config:q} --out {params.out} > {log} 2>&1"
 
@@ -26,9 +26,9 @@ rule init_tracking:
         marker=TRACKING_MARKER,
     log:
         "results/logs/init_tracking.log",
-    params:
-        config=config_json(["tracking"]),
     conda:
         "../../envs/study.yaml"
+    params:
+        config=config_json(["tracking"]),
     shell:
         "python -m dtstudy init-tracking --config-json {params.config:q} --marker {output.marker} > {log} 2>&1"

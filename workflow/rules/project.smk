@@ -6,13 +6,13 @@ rule commbench:
         result="results/commbench/commbench.json",
     log:
         "results/logs/commbench.log",
+    conda:
+        "../../envs/study.yaml"
+    # two processes measuring each other: both cores to itself, never beside a training run
+    threads: 2
     params:
         # gloo's event loops as the training runs have them
         gloo_loop_nice=config["launcher"]["gloo_loop_nice"],
-    # two processes measuring each other: both cores to itself, never beside a training run
-    threads: 2
-    conda:
-        "../../envs/study.yaml"
     shell:
         "python -m dtstudy project commbench --out {output.result}"
         " --gloo-loop-nice {params.gloo_loop_nice} > {log} 2>&1"
@@ -27,14 +27,16 @@ rule project:
     output:
         table="results/tables/projection.csv",
         table_md="results/tables/projection.md",
-        table_page=report("results/tables/projection.html", caption="../report/projection_table.rst", category="Scaling"),
+        table_page=report(
+            "results/tables/projection.html", caption="../report/projection_table.rst", category="Scaling"
+        ),
         plot=report("results/plots/projection.png", caption="../report/projection.rst", category="Scaling"),
     log:
         "results/logs/project.log",
-    params:
-        config=config_json(["model", "strategies", "strategy_params", "stragglers", "projection"]),
     conda:
         "../../envs/study.yaml"
+    params:
+        config=config_json(["model", "strategies", "strategy_params", "stragglers", "projection"]),
     shell:
         "python -m dtstudy project study --config-json {params.config:q} --metrics {input.metrics}"
         " --commbench {input.commbench} --out {output.table} --out-md {output.table_md}"

@@ -21,15 +21,15 @@ rule train:
         checkpoint=f"{RUN_DIR}/{MODEL}",
     log:
         "results/logs/train/{strategy}/n{workers}/seed{seed}.log",
+    conda:
+        "../../envs/study.yaml"
+    threads: train_threads
     params:
         config=run_config_json(run_kinds.ACCURACY),
         operational=operational_json(run_kinds.ACCURACY),
         data=folder_of("input", "data"),
         out=folder_of("output", "metrics"),
         job_dir="results/logs/submitit/{strategy}/n{workers}/seed{seed}",
-    threads: train_threads
-    conda:
-        "../../envs/study.yaml"
     shell:
         "python -m dtstudy train --config-json {params.config:q} --operational-json {params.operational:q}"
         " --strategy {wildcards.strategy}"

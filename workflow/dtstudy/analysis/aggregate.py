@@ -15,8 +15,8 @@ from dtstudy.analysis.plots import make_plots
 from dtstudy.analysis.runs import load_run_metrics, load_runs
 from dtstudy.analysis.tables import accuracy_table, noise_summary, scaling_table, write_table
 from dtstudy.common.atomic_files import write_text
-from dtstudy.tracking import mlflow_store
 from dtstudy.common.run_folder import EVALUATION, MLFLOW_PENDING
+from dtstudy.tracking import mlflow_store
 from dtstudy.tracking.live_run import deliver_pending
 
 
@@ -41,7 +41,8 @@ def deliver_kept_results(run_dirs: Iterable[Path], wait_for_server_s: float = 30
                         f"{run_dir}: the results this run kept while MLflow was away ({MLFLOW_PENDING}, {EVALUATION}) "
                         f"could not be delivered in {wait_for_server_s:.0f} s (tracking.wait_for_server_s; "
                         f"{type(error).__name__}: {str(error).splitlines()[0][:300]}); start the tracking server "
-                        "and run the study again") from error
+                        "and run the study again"
+                    ) from error
                 log(f"{run_dir}: MLflow still away ({type(error).__name__}); trying again in {retry_s:.0f} s")
                 time.sleep(retry_s)
         if record is not None:
@@ -81,10 +82,16 @@ def efficiency_by_run(scaling: pd.DataFrame, df: pd.DataFrame) -> dict[str, dict
     return figures
 
 
-def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plots_dir: str | Path,
-        tracking_uri: str | None, experiment: str,
-        strategies_order: Sequence[str] | None = None,
-        study_params: Mapping | None = None, wait_for_server_s: float = 300.0) -> dict:
+def aggregate_study(
+    run_dirs: Iterable[str | Path],
+    tables_dir: str | Path,
+    plots_dir: str | Path,
+    tracking_uri: str | None,
+    experiment: str,
+    strategies_order: Sequence[str] | None = None,
+    study_params: Mapping | None = None,
+    wait_for_server_s: float = 300.0,
+) -> dict:
     """Tables + plots from the run folders, then the MLflow study run that adopts them."""
     run_dirs = [Path(d) for d in run_dirs]
     tables_dir, plots_dir = Path(tables_dir), Path(plots_dir)
@@ -93,12 +100,18 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     run_metrics = load_run_metrics(run_dirs)
     df = host_facts_off_the_clock(load_runs(run_dirs), run_metrics)
     runs_by_kind = {f"{kind}_runs": int(count) for kind, count in df["kind"].value_counts().items()}
-    log(f"loaded {len(df)} runs ({df['strategy'].nunique()} strategies; "
-        + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in runs_by_kind.items()) + ")")
+    log(
+        f"loaded {len(df)} runs ({df['strategy'].nunique()} strategies; "
+        + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in runs_by_kind.items())
+        + ")"
+    )
 
     scaling, noise = scaling_table(df, strategies_order), noise_summary(df)
     accuracy = accuracy_table(df, strategies_order, run_metrics)
-    tables = {"scaling": (scaling, scaling_markdown(scaling, noise)), "accuracy": (accuracy, accuracy_markdown(accuracy))}
+    tables = {
+        "scaling": (scaling, scaling_markdown(scaling, noise)),
+        "accuracy": (accuracy, accuracy_markdown(accuracy)),
+    }
     table_paths = []
     for name, (table, markdown) in tables.items():
         csv_path, md_path = tables_dir / f"{name}.csv", tables_dir / f"{name}.md"
@@ -114,8 +127,15 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     pages = [write_page(path) for path in table_paths if path.suffix == ".md"]
     log(f"wrote {len(table_paths)} tables and {len(pages)} pages of them to {tables_dir}")
 
-    plot_paths = make_plots(df, run_metrics, plots_dir, strategies_order, scaling, accuracy,
-                            clock="emulated cluster's" if cluster else "this machine's")
+    plot_paths = make_plots(
+        df,
+        run_metrics,
+        plots_dir,
+        strategies_order,
+        scaling,
+        accuracy,
+        clock="emulated cluster's" if cluster else "this machine's",
+    )
     log(f"wrote {len(plot_paths)} plots to {plots_dir}")
 
     uri = mlflow_store.resolve_uri(tracking_uri)
@@ -123,10 +143,16 @@ def aggregate_study(run_dirs: Iterable[str | Path], tables_dir: str | Path, plot
     child_run_ids = [run_id for run_id in df["mlflow_run_id"] if run_id]
     artifacts = {**{p: "tables" for p in table_paths}, **{p: "plots" for p in plot_paths}}
     # the study run adopts the runs of both kinds and counts each (scaling_runs, accuracy_runs)
-    parent_run_id = mlflow_store.log_study_run(uri, experiment, child_run_ids, artifacts,
-                                           params=study_params or {}, metrics=runs_by_kind)
+    parent_run_id = mlflow_store.log_study_run(
+        uri, experiment, child_run_ids, artifacts, params=study_params or {}, metrics=runs_by_kind
+    )
     log(f"study run {parent_run_id} logged to {uri} with {len(child_run_ids)} child runs")
     view = mlflow_store.publish_runs_view(uri, mlflow_store.init_store(uri, experiment))
     log(f"in the MLflow UI (mlflow ui --backend-store-uri {uri}): open http://localhost:5000/{view}")
-    return {"runs": len(df), "tables": table_paths, "plots": plot_paths,
-            "parent_run_id": parent_run_id, "tracking_uri": uri}
+    return {
+        "runs": len(df),
+        "tables": table_paths,
+        "plots": plot_paths,
+        "parent_run_id": parent_run_id,
+        "tracking_uri": uri,
+    }

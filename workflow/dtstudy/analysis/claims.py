@@ -53,16 +53,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import pandas as pd
 from scipy import stats
 
+from dtstudy.analysis.runs import read_json, runs_of_kind
+from dtstudy.analysis.tables import GAP_POINTS, with_run_extras
 from dtstudy.common import intervals
 from dtstudy.common.intervals import Interval
 from dtstudy.common.run_folder import RunFolder
-from dtstudy.analysis.runs import read_json, runs_of_kind
-from dtstudy.analysis.tables import GAP_POINTS, with_run_extras
 from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import SPECS
 
@@ -74,7 +73,13 @@ ONEBIT = "allreduce_onebit"
 CHEN_SCALE = 64  # "about 100 workers": the claim is judged at the study's largest N, said short of it below this
 
 HOLDS, PARTLY, UNDECIDED, CANNOT_TELL, DOES_NOT_HOLD, NOT_MEASURED = (
-    "holds", "holds in part", "undecided", "cannot tell", "does not hold", "not measured")
+    "holds",
+    "holds in part",
+    "undecided",
+    "cannot tell",
+    "does not hold",
+    "not measured",
+)
 #: every status a verdict can have, in the order findings.md and the docs list them
 STATUSES = (HOLDS, PARTLY, UNDECIDED, CANNOT_TELL, DOES_NOT_HOLD, NOT_MEASURED)
 
@@ -130,8 +135,11 @@ def grid_spacing(metrics: Mapping) -> tuple[float, float]:
     """(steps, training seconds) between two of a run's validation points, the most between
     any two in a row: a time or steps to the target is known to within one of them."""
     points = metrics.get("val_grid") or metrics.get("val") or []
-    gaps = [(b["step"] - a["step"], b["train_s"] - a["train_s"]) for a, b in zip(points, points[1:])
-            if "step" in a and "train_s" in a and "step" in b and "train_s" in b]
+    gaps = [
+        (b["step"] - a["step"], b["train_s"] - a["train_s"])
+        for a, b in zip(points, points[1:])
+        if "step" in a and "train_s" in a and "step" in b and "train_s" in b
+    ]
     return (float(max(g[0] for g in gaps)), float(max(g[1] for g in gaps))) if gaps else (0.0, 0.0)
 
 
@@ -146,8 +154,12 @@ def study_facts(runs: pd.DataFrame, run_metrics: Mapping[str, Mapping]) -> Study
         spacings = [grid_spacing(run_metrics.get(run_dir, {})) for run_dir in cell["run_dir"]]
         grid[(strategy, int(workers))] = (max(s[0] for s in spacings), max(s[1] for s in spacings))
     known = [int(size) for size in sizes if size]
-    return StudyFacts(rules, min(known) if known else None, grid,
-                      accuracy_runs[["strategy", "workers", "seed", *PAIRED_COLUMNS]].copy())
+    return StudyFacts(
+        rules,
+        min(known) if known else None,
+        grid,
+        accuracy_runs[["strategy", "workers", "seed", *PAIRED_COLUMNS]].copy(),
+    )
 
 
 # --- reading a difference: apart, level within a margin, or undecided ------------------
@@ -255,13 +267,23 @@ def beyond_zero(low: float, high: float) -> str:
     apart, a stricter test) do not call; "" when the range holds zero."""
     if low <= 0 <= high:
         return ""
-    return (f"; that range lies {'above' if low > 0 else 'below'} zero (a difference at about the 95% level), "
-            "but above and below need the two intervals apart")
+    return (
+        f"; that range lies {'above' if low > 0 else 'below'} zero (a difference at about the 95% level), "
+        "but above and below need the two intervals apart"
+    )
 
 
-def read(cell: Interval | Measure, reference: Interval | Measure, quantity: str, versus: str,
-         guard: str | None = None, level: float = intervals.LEVEL, may_differ: bool = True,
-         scale: Scale | None = None, margin: float | None = None) -> Reading:
+def read(
+    cell: Interval | Measure,
+    reference: Interval | Measure,
+    quantity: str,
+    versus: str,
+    guard: str | None = None,
+    level: float = intervals.LEVEL,
+    may_differ: bool = True,
+    scale: Scale | None = None,
+    margin: float | None = None,
+) -> Reading:
     """`cell` against `reference` (`versus` names it, e.g. "N=1's"): BELOW or ABOVE when the
     intervals at `level` are apart (and `may_differ`: read_family says whether Holm lets it);
     LEVEL when the difference's plausible range (difference_range, of the 95% intervals) lies
@@ -277,35 +299,51 @@ def read(cell: Interval | Measure, reference: Interval | Measure, quantity: str,
         side = BELOW if cell.value < reference.value else ABOVE
         at = "" if level == intervals.LEVEL else f" at {level:.4g}, Holm's level for its place among the N"
         return Reading(side, f"{side} {versus} (intervals apart{at})")
-    held = ("; the 95% intervals are apart, but not at Holm's level for the several N"
-            if not may_differ and not intervals.overlaps(cell, reference) else "")
+    held = (
+        "; the 95% intervals are apart, but not at Holm's level for the several N"
+        if not may_differ and not intervals.overlaps(cell, reference)
+        else ""
+    )
     if any(math.isnan(x) for x in (cell.low, cell.high, reference.low, reference.high)):
         return Reading(UNDECIDED_READING, f"undecided against {versus}: no interval (a single value)")
     ranged = [x for x in (cell, reference) if x.kind not in CONFIDENCE_KINDS]
     if ranged:
-        return Reading(UNDECIDED_READING, f"undecided against {versus}: {ranged[0].n} seeds give a range, "
-                       f"not a confidence interval, too few to show a difference small{held}")
+        return Reading(
+            UNDECIDED_READING,
+            f"undecided against {versus}: {ranged[0].n} seeds give a range, "
+            f"not a confidence interval, too few to show a difference small{held}",
+        )
     margin = scale.margin_of(reference) if margin is None else margin
     low, high = difference_range(cell, reference)
     lies = f"the difference lies in [{low:+.3g}, {high:+.3g}]"
     if {BELOW: low >= -margin, ABOVE: high <= margin, None: low >= -margin and high <= margin}[guard]:
-        side = {BELOW: f"not below {versus} by more than {margin:.3g}",
-                ABOVE: f"not above {versus} by more than {margin:.3g}", None: f"level with {versus} within ±{margin:.3g}"}
+        side = {
+            BELOW: f"not below {versus} by more than {margin:.3g}",
+            ABOVE: f"not above {versus} by more than {margin:.3g}",
+            None: f"level with {versus} within ±{margin:.3g}",
+        }
         return Reading(LEVEL, f"{side[guard]}: {lies}")
     wide = cell if cell.high - cell.low >= reference.high - reference.low else reference
     wide_measure = cell_measure if wide is cell else reference_measure
     lo, hi = scale.bounds
-    outside = (f"; it reaches outside [{lo:g}, {hi:g}], where no {scale.noun} lies: too few seeds for their spread"
-               if wide.low < lo or wide.high > hi else "")
+    outside = (
+        f"; it reaches outside [{lo:g}, {hi:g}], where no {scale.noun} lies: too few seeds for their spread"
+        if wide.low < lo or wide.high > hi
+        else ""
+    )
     if wide_measure.resolution >= wide_measure.interval.high - wide_measure.interval.low:
         outside += f"; as wide as its resolution, {wide_measure.resolution:.3g}, what it was measured on can tell"
-    return Reading(UNDECIDED_READING, f"undecided against {versus}: "
-                   + ("the interval" if wide is cell else f"{versus} interval")
-                   + f" [{wide.low:{scale.fmt}}, {wide.high:{scale.fmt}}] is too wide to tell ({wide.n} seeds{outside});"
-                   f" {lies}, wider than a margin of {margin:.3g} allows{beyond_zero(low, high) if not held else held}")
+    return Reading(
+        UNDECIDED_READING,
+        f"undecided against {versus}: "
+        + ("the interval" if wide is cell else f"{versus} interval")
+        + f" [{wide.low:{scale.fmt}}, {wide.high:{scale.fmt}}] is too wide to tell ({wide.n} seeds{outside});"
+        f" {lies}, wider than a margin of {margin:.3g} allows{beyond_zero(low, high) if not held else held}",
+    )
 
 
 # --- several N: Holm's step-down over a claim's comparisons -----------------------------
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -348,9 +386,16 @@ def holm_levels(comparisons: Sequence[Comparison]) -> dict[int, float]:
     every smaller one was. {index: the confidence level at which it is read apart}; the others
     may not read "above" or "below"."""
     # a comparison without an interval (a single value) tests nothing: it is not one of the m
-    answering = [i for i, c in enumerate(comparisons) if c.why is None and not any(
-        math.isnan(x) for side in (c.cell, c.reference) for x in (measured(side).interval.low,
-                                                                  measured(side).interval.high))]
+    answering = [
+        i
+        for i, c in enumerate(comparisons)
+        if c.why is None
+        and not any(
+            math.isnan(x)
+            for side in (c.cell, c.reference)
+            for x in (measured(side).interval.low, measured(side).interval.high)
+        )
+    ]
     p = {i: apart_p(comparisons[i].cell, comparisons[i].reference) for i in answering}
     levels = {}
     for rank, i in enumerate(sorted(answering, key=p.__getitem__)):
@@ -370,12 +415,24 @@ def read_family(comparisons: Sequence[Comparison]) -> list[Reading]:
         if c.why is not None:
             readings.append(Reading(CANNOT_TELL_READING, f"cannot tell: {c.why}"))
             continue
-        readings.append(read(c.cell, c.reference, c.quantity, c.versus, c.guard, level=levels.get(i, intervals.LEVEL),
-                             may_differ=i in levels, scale=c.scale, margin=c.margin))
+        readings.append(
+            read(
+                c.cell,
+                c.reference,
+                c.quantity,
+                c.versus,
+                c.guard,
+                level=levels.get(i, intervals.LEVEL),
+                may_differ=i in levels,
+                scale=c.scale,
+                margin=c.margin,
+            )
+        )
     return readings
 
 
 # --- reading the table ----------------------------------------------------------------
+
 
 def _rows(table: pd.DataFrame, strategy: str) -> pd.DataFrame:
     return table[table["strategy"] == strategy].sort_values("workers")
@@ -415,8 +472,10 @@ def paired(study: StudyFacts, a: str, b: str, workers: int, column: str) -> Meas
     differences = (one - other).dropna()
     if differences.empty:
         return None
-    return Measure(intervals.mean_interval(list(differences)),
-                   study.resolution(column, a, workers) + study.resolution(column, b, workers))
+    return Measure(
+        intervals.mean_interval(list(differences)),
+        study.resolution(column, a, workers) + study.resolution(column, b, workers),
+    )
 
 
 def _compare(study: StudyFacts, a_row, b_row, column: str, versus: str, guard: str | None = None) -> Comparison:
@@ -425,8 +484,15 @@ def _compare(study: StudyFacts, a_row, b_row, column: str, versus: str, guard: s
     difference = paired(study, a_row["strategy"], b_row["strategy"], int(a_row["workers"]), column)
     if difference is None:
         return Comparison(_measure(a_row, column, study), _measure(b_row, column, study), column, versus, guard)
-    return Comparison(difference, ZERO, column, versus + " (paired by seed)", guard, DIFFERENCE_SCALES[column],
-                      SCALES[column].margin_of(_interval(b_row, column)))
+    return Comparison(
+        difference,
+        ZERO,
+        column,
+        versus + " (paired by seed)",
+        guard,
+        DIFFERENCE_SCALES[column],
+        SCALES[column].margin_of(_interval(b_row, column)),
+    )
 
 
 def _cell(row, prefix: str, fmt: str) -> str:
@@ -467,8 +533,11 @@ def to_target(a, b, prefix: str, versus: str, study: StudyFacts = StudyFacts()) 
     if _reached_none(a) and _reached_all(b):
         return Reading(ABOVE, f"above {versus}: only the other reached the target")
     if not (_reached_all(a) and _reached_all(b)):
-        return Reading(UNDECIDED_READING, f"undecided against {versus}: not every seed reached the target "
-                       f"({a['reached_target']} vs {b['reached_target']})")
+        return Reading(
+            UNDECIDED_READING,
+            f"undecided against {versus}: not every seed reached the target "
+            f"({a['reached_target']} vs {b['reached_target']})",
+        )
     return _compare(study, a, b, prefix, versus)
 
 
@@ -481,6 +550,7 @@ def read_with_categories(items: Sequence[Comparison | Reading]) -> list[Reading]
 
 
 # --- did not learn ---------------------------------------------------------------------
+
 
 def learning_bar(table: pd.DataFrame) -> float | None:
     """The mean test top-1 a cell must reach to have learned: LEARNED_SHARE of allreduce's at N=1
@@ -495,8 +565,11 @@ def not_learned(table: pd.DataFrame, strategies: Sequence[str], workers: int) ->
     bar = learning_bar(table)
     if bar is None:
         return None
-    below = [name for name in strategies
-             if ((table["strategy"] == name) & (table["workers"] == workers) & (table["top1"] < bar)).any()]
+    below = [
+        name
+        for name in strategies
+        if ((table["strategy"] == name) & (table["workers"] == workers) & (table["top1"] < bar)).any()
+    ]
     return f"{' and '.join(below)} did not learn" if below else None
 
 
@@ -540,8 +613,11 @@ def not_run(table: pd.DataFrame, strategies: Sequence[str]) -> str | None:
     if not absent:
         return None
     refused = [name for name in absent if SPECS[name].not_emulated_because]
-    why = (f"{', '.join(refused)} cannot be emulated yet: {SPECS[refused[0]].not_emulated_because}" if refused
-           else "the study does not run them")
+    why = (
+        f"{', '.join(refused)} cannot be emulated yet: {SPECS[refused[0]].not_emulated_because}"
+        if refused
+        else "the study does not run them"
+    )
     return f"no runs of {', '.join(absent)}; {why}"
 
 
@@ -552,7 +628,9 @@ def unmeasured(table: pd.DataFrame, strategies: Sequence[str]) -> str | None:
     if why is None:
         single = sorted({name for name in strategies if (_rows(table, name)["seeds"] < 2).any()})
         if single:
-            why = f"{', '.join(single)} ran with a single seed at some N: no interval to tell a difference from the noise"
+            why = (
+                f"{', '.join(single)} ran with a single seed at some N: no interval to tell a difference from the noise"
+            )
     return why
 
 
@@ -561,6 +639,7 @@ def _not_measured(claim: str, source: str, why: str) -> Verdict:
 
 
 # --- the claims -----------------------------------------------------------------------
+
 
 def _silent(ns: Sequence[int], readings: Sequence[Reading], whys: Sequence[str | None]) -> dict[int, str]:
     return {n: why for n, reading, why in zip(ns, readings, whys) if reading.side == CANNOT_TELL_READING}
@@ -576,27 +655,43 @@ def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> 
     undecided N before the break makes it PARTLY (some N kept) or UNDECIDED (none), and the
     summary names it; an N where allreduce did not learn (learning_bar) is neither: the study
     cannot tell there (the budget failed, not the rule), and with no other N it is CANNOT_TELL."""
-    claim, source = "linear learning-rate scaling with warm-up keeps accuracy up to a global batch, then breaks", \
-        "Goyal et al. 2017 (8k images on ImageNet)"
+    claim, source = (
+        "linear learning-rate scaling with warm-up keeps accuracy up to a global batch, then breaks",
+        "Goyal et al. 2017 (8k images on ImageNet)",
+    )
     why = unmeasured(table, [SYNC])
     rows = _rows(table, SYNC)
     if why is None and not ((rows["workers"] == 1).any() and (rows["workers"] > 1).any()):
         why = "allreduce needs N=1 and a larger N"
     if why is None and tuple(study.lr_rules) != ("linear",):
-        why = (f"the study scales the learning rate by the {' and '.join(study.lr_rules)} rule, "
-               "not linearly: the claim is about the linear rule")
+        why = (
+            f"the study scales the learning rate by the {' and '.join(study.lr_rules)} rule, "
+            "not linearly: the claim is about the linear rule"
+        )
     if why:
         return _not_measured(claim, source, why)
     base = rows[rows["workers"] == 1].iloc[0]
     evidence = [f"N=1{_batch(base)}: test top-1 {_cell(base, 'top1', '.4f')} (the reference)"]
     larger = [row for _, row in rows[rows["workers"] > 1].iterrows()]
-    comparisons = [Comparison(_measure(row, "top1", study), _measure(base, "top1", study), "top1", "N=1's", BELOW,
-                              why=not_learned(table, [SYNC], int(row["workers"]))) for row in larger]
+    comparisons = [
+        Comparison(
+            _measure(row, "top1", study),
+            _measure(base, "top1", study),
+            "top1",
+            "N=1's",
+            BELOW,
+            why=not_learned(table, [SYNC], int(row["workers"])),
+        )
+        for row in larger
+    ]
     readings = read_family(comparisons)
     kept, undecided, broken = [], [], None
     for row, reading in zip(larger, readings):
-        evidence.append(f"N={row['workers']}{_batch(row)}: test top-1 {_cell(row, 'top1', '.4f')}, "
-                        + ("kept, " if reading.side in (LEVEL, ABOVE) else "") + reading.text)
+        evidence.append(
+            f"N={row['workers']}{_batch(row)}: test top-1 {_cell(row, 'top1', '.4f')}, "
+            + ("kept, " if reading.side in (LEVEL, ABOVE) else "")
+            + reading.text
+        )
         if broken is not None:
             continue
         if reading.side == BELOW:
@@ -606,8 +701,14 @@ def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> 
         elif reading.side != CANNOT_TELL_READING:
             kept.append(row)
     until = [int(row["workers"]) for row in larger if broken is None or row["workers"] < broken["workers"]]
-    told = cannot_tell(table, {n: why for n, why in _silent([int(r["workers"]) for r in larger], readings,
-                                                            [c.why for c in comparisons]).items() if n in until})
+    told = cannot_tell(
+        table,
+        {
+            n: why
+            for n, why in _silent([int(r["workers"]) for r in larger], readings, [c.why for c in comparisons]).items()
+            if n in until
+        },
+    )
     if not kept and not undecided and broken is None:
         return Verdict(claim, source, CANNOT_TELL, _sentence(told), None, evidence)
     kept_to = f"kept up to N={kept[-1]['workers']}{_batch(kept[-1])}" if kept else ""
@@ -617,31 +718,72 @@ def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> 
         said = "; ".join(x for x in (kept_to, cannot, told, breaks) if x)
         if not kept:
             return Verdict(claim, source, UNDECIDED, f"No N > 1 is kept: {said}.", None, evidence)
-        return Verdict(claim, source, PARTLY, f"Accuracy is {said}: "
-                       + (f"where between N={kept[-1]['workers']} and N={broken['workers']} it breaks is not known."
-                          if broken is not None
-                          else "no break is seen, nor can one be ruled out."), None, evidence)
+        return Verdict(
+            claim,
+            source,
+            PARTLY,
+            f"Accuracy is {said}: "
+            + (
+                f"where between N={kept[-1]['workers']} and N={broken['workers']} it breaks is not known."
+                if broken is not None
+                else "no break is seen, nor can one be ruled out."
+            ),
+            None,
+            evidence,
+        )
     if broken is None:
         last = kept[-1]
         if told:
-            return Verdict(claim, source, HOLDS, f"Accuracy is kept at every N that learned, up to N={last['workers']}"
-                           f"{_batch(last)}; {told}: no break is seen where the runs learned.", None, evidence)
-        return Verdict(claim, source, HOLDS, f"Accuracy is kept at every N up to N={last['workers']}"
-                       f"{_batch(last)}: the limit lies beyond this study.", None, evidence)
+            return Verdict(
+                claim,
+                source,
+                HOLDS,
+                f"Accuracy is kept at every N that learned, up to N={last['workers']}"
+                f"{_batch(last)}; {told}: no break is seen where the runs learned.",
+                None,
+                evidence,
+            )
+        return Verdict(
+            claim,
+            source,
+            HOLDS,
+            f"Accuracy is kept at every N up to N={last['workers']}{_batch(last)}: the limit lies beyond this study.",
+            None,
+            evidence,
+        )
     if not kept:
-        return Verdict(claim, source, DOES_NOT_HOLD, f"Accuracy is below N=1's already at N={broken['workers']}"
-                       f"{_batch(broken)}, the smallest N > 1 that learned: no batch range where the rule keeps it"
-                       + (f"; {told}" if told else "") + ".", int(broken["workers"]), evidence)
-    return Verdict(claim, source, HOLDS, f"Accuracy is {kept_to} and breaks from N={broken['workers']}"
-                   f"{_batch(broken)}" + (f"; {told}" if told else "") + ".", int(broken["workers"]), evidence)
+        return Verdict(
+            claim,
+            source,
+            DOES_NOT_HOLD,
+            f"Accuracy is below N=1's already at N={broken['workers']}"
+            f"{_batch(broken)}, the smallest N > 1 that learned: no batch range where the rule keeps it"
+            + (f"; {told}" if told else "")
+            + ".",
+            int(broken["workers"]),
+            evidence,
+        )
+    return Verdict(
+        claim,
+        source,
+        HOLDS,
+        f"Accuracy is {kept_to} and breaks from N={broken['workers']}"
+        f"{_batch(broken)}" + (f"; {told}" if told else "") + ".",
+        int(broken["workers"]),
+        evidence,
+    )
 
 
 #: what a verdict read on the emulated clock rests on (Jin's times; Chen's gradients dropped or not)
-RESTS_ON_THE_CLOCK = ("rests on the emulated clock: the assumed compute rate (emulate.images_per_s, an estimate, "
-                      "not a measurement) and the straggler model (stragglers)")
+RESTS_ON_THE_CLOCK = (
+    "rests on the emulated clock: the assumed compute rate (emulate.images_per_s, an estimate, "
+    "not a measurement) and the straggler model (stragglers)"
+)
 #: Jin et al.'s decentralised SGD was asynchronous gossip; this study's is not
-SYNCHRONOUS_GOSSIP = ("gossip here is synchronous (every worker averages with its fixed ring neighbours each step), "
-                      "not Jin et al.'s asynchronous gossip")
+SYNCHRONOUS_GOSSIP = (
+    "gossip here is synchronous (every worker averages with its fixed ring neighbours each step), "
+    "not Jin et al.'s asynchronous gossip"
+)
 
 
 def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
@@ -649,7 +791,10 @@ def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) 
     Holm over the N) up to the largest N that can answer; UNDECIDED when that N is undecided;
     DOES_NOT_HOLD when it is level or below there; an N where either did not learn cannot tell,
     and with no other N the claim is CANNOT_TELL."""
-    claim, source = "synchronous SGD with backup workers beats asynchronous SGD at about 100 workers", "Chen et al. 2016"
+    claim, source = (
+        "synchronous SGD with backup workers beats asynchronous SGD at about 100 workers",
+        "Chen et al. 2016",
+    )
     why = unmeasured(table, [BACKUP, ASYNC])
     if why:
         return _not_measured(claim, source, why)
@@ -660,12 +805,18 @@ def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) 
     comparisons = []
     for n in ns:
         why = not_learned(table, [BACKUP, ASYNC], n)
-        comparisons.append(Comparison(None, None, "top1", "ps_async's", why=why) if why
-                           else _compare(study, backup[n], asynchronous[n], "top1", "ps_async's"))
+        comparisons.append(
+            Comparison(None, None, "top1", "ps_async's", why=why)
+            if why
+            else _compare(study, backup[n], asynchronous[n], "top1", "ps_async's")
+        )
     readings = read_family(comparisons)
-    evidence = [f"which of ps_backup's gradients are dropped {RESTS_ON_THE_CLOCK}"] + [f"N={n}: ps_backup top-1 {_cell(backup[n], 'top1', '.4f')} vs ps_async "
-                f"{_cell(asynchronous[n], 'top1', '.4f')}: {reading.text}; time to target {_time(backup[n])} "
-                f"vs {_time(asynchronous[n])}" for n, reading in zip(ns, readings)]
+    evidence = [f"which of ps_backup's gradients are dropped {RESTS_ON_THE_CLOCK}"] + [
+        f"N={n}: ps_backup top-1 {_cell(backup[n], 'top1', '.4f')} vs ps_async "
+        f"{_cell(asynchronous[n], 'top1', '.4f')}: {reading.text}; time to target {_time(backup[n])} "
+        f"vs {_time(asynchronous[n])}"
+        for n, reading in zip(ns, readings)
+    ]
     told = cannot_tell(table, _silent(ns, readings, [c.why for c in comparisons]))
     answering = [(n, r) for n, r in zip(ns, readings) if r.side != CANNOT_TELL_READING]
     if not answering:
@@ -673,20 +824,39 @@ def chen_backup_vs_async(table: pd.DataFrame, study: StudyFacts = StudyFacts()) 
     largest, last = answering[-1]
     tail = f"; {told}" if told else ""
     start = _trailing_start([n for n, _ in answering], [r.side == ABOVE for _, r in answering])
-    short = (f" (this study's largest N that can answer, {largest}, is short of Chen's ~100)"
-             if largest < CHEN_SCALE else "")
+    short = (
+        f" (this study's largest N that can answer, {largest}, is short of Chen's ~100)" if largest < CHEN_SCALE else ""
+    )
     if start is not None:
-        return Verdict(claim, source, HOLDS, f"ps_backup's top-1 is above ps_async's from N={start} up to N={largest}"
-                       f"{short}{tail}.", start, evidence)
+        return Verdict(
+            claim,
+            source,
+            HOLDS,
+            f"ps_backup's top-1 is above ps_async's from N={start} up to N={largest}{short}{tail}.",
+            start,
+            evidence,
+        )
     above = [n for n, reading in answering if reading.side == ABOVE]
     # where it was above before the largest N: the verdict is the largest N's, and says so
     earlier = f"ps_backup's top-1 is above ps_async's at {_ns(above)}, but " if above else ""
     if last.side == UNDECIDED_READING:
-        return Verdict(claim, source, UNDECIDED, f"{earlier}{'a' if earlier else 'A'}t N={largest} the study cannot "
-                       f"tell whether ps_backup's top-1 is above ps_async's (intervals too wide){short}{tail}.", None,
-                       evidence)
-    return Verdict(claim, source, DOES_NOT_HOLD, f"{earlier}{'a' if earlier else 'A'}t N={largest} ps_backup's top-1 "
-                   f"is not above ps_async's{short}{tail}.", None, evidence)
+        return Verdict(
+            claim,
+            source,
+            UNDECIDED,
+            f"{earlier}{'a' if earlier else 'A'}t N={largest} the study cannot "
+            f"tell whether ps_backup's top-1 is above ps_async's (intervals too wide){short}{tail}.",
+            None,
+            evidence,
+        )
+    return Verdict(
+        claim,
+        source,
+        DOES_NOT_HOLD,
+        f"{earlier}{'a' if earlier else 'A'}t N={largest} ps_backup's top-1 is not above ps_async's{short}{tail}.",
+        None,
+        evidence,
+    )
 
 
 def _crossover(table: pd.DataFrame, challenger: str, study: StudyFacts) -> tuple[str, int | None, list[str], str]:
@@ -702,14 +872,16 @@ def _crossover(table: pd.DataFrame, challenger: str, study: StudyFacts) -> tuple
     items = []
     for n in ns:
         why = not_learned(table, [challenger, SYNC], n)
-        items.append(Comparison(None, None, "time_to_accuracy_s", "allreduce's", why=why) if why
-                     else to_target(other[n], sync[n], "time_to_accuracy_s", "allreduce's", study))
+        items.append(
+            Comparison(None, None, "time_to_accuracy_s", "allreduce's", why=why)
+            if why
+            else to_target(other[n], sync[n], "time_to_accuracy_s", "allreduce's", study)
+        )
     readings = read_with_categories(items)
     evidence = []
     for n, reading in zip(ns, readings):
         said = {BELOW: f"{challenger} faster", ABOVE: "allreduce faster"}.get(reading.side, reading.text)
-        evidence.append(f"N={n}: time to target {challenger} {_time(other[n])} vs allreduce {_time(sync[n])}: "
-                        f"{said}")
+        evidence.append(f"N={n}: time to target {challenger} {_time(other[n])} vs allreduce {_time(sync[n])}: {said}")
     told = cannot_tell(table, _silent(ns, readings, [_why(item) for item in items]))
     answering = [(n, r) for n, r in zip(ns, readings) if r.side != CANNOT_TELL_READING]
     if not answering:
@@ -742,22 +914,39 @@ def jin_crossover(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
         evidence += lines
     if not parts:
         return Verdict(claim, source, NOT_MEASURED, "Neither ps_async nor gossip ran.", None, evidence)
-    said = [(f"{name} faster at the smallest N > 1 and allreduce faster from N={n}" if status == HOLDS
-             else f"{name}: undecided, the times' intervals are too wide to tell" if status == UNDECIDED
-             else f"{name}: {told}" if status == CANNOT_TELL
-             else f"{name}: no such crossover" + (f" (allreduce faster from N={n})" if n else ""))
-            + (f" ({told})" if told and status != CANNOT_TELL else "")
-            for name, (status, n, told) in parts.items()]
+    said = [
+        (
+            f"{name} faster at the smallest N > 1 and allreduce faster from N={n}"
+            if status == HOLDS
+            else f"{name}: undecided, the times' intervals are too wide to tell"
+            if status == UNDECIDED
+            else f"{name}: {told}"
+            if status == CANNOT_TELL
+            else f"{name}: no such crossover" + (f" (allreduce faster from N={n})" if n else "")
+        )
+        + (f" ({told})" if told and status != CANNOT_TELL else "")
+        for name, (status, n, told) in parts.items()
+    ]
     held = [name for name, (status, _, _) in parts.items() if status == HOLDS]
     open_ = [name for name, (status, _, _) in parts.items() if status == UNDECIDED]
     silent = [name for name, (status, _, _) in parts.items() if status == CANNOT_TELL]
     missing = [name for name in (ASYNC, DECENTRALISED) if name not in parts]
-    status = (HOLDS if held and len(held) == len(parts) and not missing else PARTLY if held
-              else UNDECIDED if open_ else CANNOT_TELL if len(silent) == len(parts) else DOES_NOT_HOLD)
+    status = (
+        HOLDS
+        if held and len(held) == len(parts) and not missing
+        else PARTLY
+        if held
+        else UNDECIDED
+        if open_
+        else CANNOT_TELL
+        if len(silent) == len(parts)
+        else DOES_NOT_HOLD
+    )
     crossovers = [parts[name][1] for name in held]
     tail = f"; {', '.join(missing)} not measured" if missing else ""
-    return Verdict(claim, source, status, "; ".join(said) + tail + ".", max(crossovers) if crossovers else None,
-                   evidence)
+    return Verdict(
+        claim, source, status, "; ".join(said) + tail + ".", max(crossovers) if crossovers else None, evidence
+    )
 
 
 def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
@@ -782,17 +971,24 @@ def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
     for _, row in rows.iterrows():
         n = int(row["workers"])
         if n > first["workers"]:
-            items["staleness grows"][n] = Comparison(_measure(row, "staleness", study),
-                                                     _measure(first, "staleness", study),
-                                                     "staleness", f"N={first['workers']}'s", ABOVE)
+            items["staleness grows"][n] = Comparison(
+                _measure(row, "staleness", study),
+                _measure(first, "staleness", study),
+                "staleness",
+                f"N={first['workers']}'s",
+                ABOVE,
+            )
         learned = not_learned(table, [ASYNC, SYNC], n)
         if n > 1:
-            items["accuracy is lost"][n] = Comparison(_measure(row, "top1_vs_allreduce", study), ZERO,
-                                                      "top1_vs_allreduce", "allreduce's", BELOW, why=learned)
+            items["accuracy is lost"][n] = Comparison(
+                _measure(row, "top1_vs_allreduce", study), ZERO, "top1_vs_allreduce", "allreduce's", BELOW, why=learned
+            )
         if n > 1 and n in sync:
             items["more steps are needed"][n] = (
-                Comparison(None, None, "steps_to_accuracy", "allreduce's", why=learned) if learned
-                else to_target(row, sync[n], "steps_to_accuracy", "allreduce's", study))
+                Comparison(None, None, "steps_to_accuracy", "allreduce's", why=learned)
+                if learned
+                else to_target(row, sync[n], "steps_to_accuracy", "allreduce's", study)
+            )
     readings = {what: dict(zip(by_n, read_with_categories(list(by_n.values())))) for what, by_n in items.items()}
     found, open_, silent = dict.fromkeys(effects), {what: [] for what in effects}, {what: {} for what in effects}
     for what, by_n in readings.items():
@@ -806,28 +1002,58 @@ def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
     evidence = []
     for _, row in rows.iterrows():
         n = int(row["workers"])
-        steps_vs = (f"; steps to target {_cell(row, 'steps_to_accuracy', '.0f')} vs allreduce "
-                    f"{_cell(sync[n], 'steps_to_accuracy', '.0f')}" if n in sync else "")
-        unsure = [(what, by_n[n]) for what, by_n in readings.items()
-                  if n in by_n and by_n[n].side in (UNDECIDED_READING, CANNOT_TELL_READING)]
-        evidence.append(f"N={n}: mean staleness {_cell(row, 'staleness', '.2f')}; top-1 − allreduce "
-                        f"{_cell(row, 'top1_vs_allreduce', '+.4f')}{steps_vs}"
-                        + "".join(f"; whether {what}: {reading.text}" for what, reading in unsure))
+        steps_vs = (
+            f"; steps to target {_cell(row, 'steps_to_accuracy', '.0f')} vs allreduce "
+            f"{_cell(sync[n], 'steps_to_accuracy', '.0f')}"
+            if n in sync
+            else ""
+        )
+        unsure = [
+            (what, by_n[n])
+            for what, by_n in readings.items()
+            if n in by_n and by_n[n].side in (UNDECIDED_READING, CANNOT_TELL_READING)
+        ]
+        evidence.append(
+            f"N={n}: mean staleness {_cell(row, 'staleness', '.2f')}; top-1 − allreduce "
+            f"{_cell(row, 'top1_vs_allreduce', '+.4f')}{steps_vs}"
+            + "".join(f"; whether {what}: {reading.text}" for what, reading in unsure)
+        )
 
     def effect(what: str) -> str:
         told = cannot_tell(table, silent[what])
         answered = len(readings[what]) > len(silent[what])
-        said = (f"{what} from N={found[what]}" if found[what]
-                else f"whether {what} is undecided ({_ns(open_[what])})" if open_[what]
-                else f"{what} at no N" if answered else f"whether {what}: {told}")
+        said = (
+            f"{what} from N={found[what]}"
+            if found[what]
+            else f"whether {what} is undecided ({_ns(open_[what])})"
+            if open_[what]
+            else f"{what} at no N"
+            if answered
+            else f"whether {what}: {told}"
+        )
         return said + (f" ({told})" if told and answered else "")
 
     held = [n for n in found.values() if n]
     told_nothing = all(len(silent[what]) == len(readings[what]) for what in effects)
-    status = (HOLDS if len(held) == len(found) else PARTLY if held
-              else UNDECIDED if any(open_.values()) else CANNOT_TELL if told_nothing else DOES_NOT_HOLD)
-    return Verdict(claim, source, status, _sentence(*(effect(what) for what in effects)),
-                   max(held) if status == HOLDS else None, evidence)
+    status = (
+        HOLDS
+        if len(held) == len(found)
+        else PARTLY
+        if held
+        else UNDECIDED
+        if any(open_.values())
+        else CANNOT_TELL
+        if told_nothing
+        else DOES_NOT_HOLD
+    )
+    return Verdict(
+        claim,
+        source,
+        status,
+        _sentence(*(effect(what) for what in effects)),
+        max(held) if status == HOLDS else None,
+        evidence,
+    )
 
 
 #: the loss that is still "little" (Seide): a paired top-1 difference apart below it is a loss
@@ -844,17 +1070,21 @@ def _little_loss(cell: Interval | Measure, may_lose: bool = True, level: float =
     measure = measured(cell)
     cell = measure.at()
     if cell.kind not in CONFIDENCE_KINDS or math.isnan(cell.low) or math.isnan(cell.high):
-        return Reading(UNDECIDED_READING, f"undecided: {cell.n} seed(s) give no confidence interval, "
-                       "too few to show a loss small")
+        return Reading(
+            UNDECIDED_READING, f"undecided: {cell.n} seed(s) give no confidence interval, too few to show a loss small"
+        )
     lies = f"the difference lies in [{cell.low:+.3g}, {cell.high:+.3g}]"
     if cell.low >= -margin:
         return Reading(LEVEL, f"not below allreduce's by more than {margin:.3g}: {lies}")
     if may_lose and measure.at(level).high < -margin:
         at = "" if level == intervals.LEVEL else f" (at {level:.4g}, Holm's level for its place among the N)"
         return Reading(BELOW, f"below allreduce's by more than {margin:.3g}: {lies}{at}")
-    held = (", but not at Holm's level for the several N" if cell.high < -margin else "")
-    below_zero = (f"; a loss at about the 95% level, but the seeds cannot tell whether more than {margin:.3g}"
-                  if cell.high < 0 and not held else "")
+    held = ", but not at Holm's level for the several N" if cell.high < -margin else ""
+    below_zero = (
+        f"; a loss at about the 95% level, but the seeds cannot tell whether more than {margin:.3g}"
+        if cell.high < 0 and not held
+        else ""
+    )
     return Reading(UNDECIDED_READING, f"undecided: {lies}, across the margin of {-margin:+.3g}{held}{below_zero}")
 
 
@@ -875,8 +1105,16 @@ def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdi
     if rows.empty:
         return _not_measured(claim, source, "allreduce_onebit ran only at N=1, where it exchanges nothing")
     ns = [int(n) for n in rows["workers"]]
-    comparisons = [Comparison(_measure(row, "top1_vs_allreduce", study), LOSS_LINE, "top1_vs_allreduce", "",
-                              why=not_learned(table, [ONEBIT, SYNC], n)) for n, (_, row) in zip(ns, rows.iterrows())]
+    comparisons = [
+        Comparison(
+            _measure(row, "top1_vs_allreduce", study),
+            LOSS_LINE,
+            "top1_vs_allreduce",
+            "",
+            why=not_learned(table, [ONEBIT, SYNC], n),
+        )
+        for n, (_, row) in zip(ns, rows.iterrows())
+    ]
     levels = holm_levels(comparisons)
     evidence, kept, lost, undecided, silent, without_interval = [], [], [], [], {}, False
     for i, (n, (_, row)) in enumerate(zip(ns, rows.iterrows())):
@@ -888,17 +1126,22 @@ def seide_onebit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdi
             without_interval |= comparison.cell.interval.kind not in CONFIDENCE_KINDS
             reading = _little_loss(comparison.cell, i in levels, levels.get(i, intervals.LEVEL))
             {LEVEL: kept, BELOW: lost, UNDECIDED_READING: undecided}[reading.side].append(n)
-        evidence.append(f"N={n}{_batch(row)}: top-1 {_cell(row, 'top1', '.4f')}, − allreduce "
-                        f"{_cell(row, 'top1_vs_allreduce', '+.4f')}: {reading.text}")
+        evidence.append(
+            f"N={n}{_batch(row)}: top-1 {_cell(row, 'top1', '.4f')}, − allreduce "
+            f"{_cell(row, 'top1_vs_allreduce', '+.4f')}: {reading.text}"
+        )
     told = cannot_tell(table, silent)
     answering = [n for n in ns if n not in silent]
     if not answering:
         return Verdict(claim, source, CANNOT_TELL, _sentence(told), None, evidence)
-    clauses = ([f"keeps its top-1 within {TOP1_MARGIN:.3g} of allreduce's at {_ns(kept)}"] if kept else []) + \
-        ([f"loses more than {TOP1_MARGIN:.3g} against allreduce's at {_ns(lost)}"] if lost else [])
+    clauses = ([f"keeps its top-1 within {TOP1_MARGIN:.3g} of allreduce's at {_ns(kept)}"] if kept else []) + (
+        [f"loses more than {TOP1_MARGIN:.3g} against allreduce's at {_ns(lost)}"] if lost else []
+    )
     said = f"{ONEBIT} " + " and ".join(clauses) if clauses else ""
     if undecided:
-        why = "intervals across the margin" + (", or too few seeds for a confidence interval" if without_interval else "")
+        why = "intervals across the margin" + (
+            ", or too few seeds for a confidence interval" if without_interval else ""
+        )
         said += ("; the" if said else "The") + f" study cannot tell at {_ns(undecided)} ({why})"
     if told:
         said += ("; " if said else "") + (told if said else told[0].upper() + told[1:])

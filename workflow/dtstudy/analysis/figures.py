@@ -58,6 +58,10 @@ DRAWN = {
     "accuracy": Drawn("Test top-1 against N", ("t95", "range"), "mean", "workers"),
     "time_to_accuracy": Drawn("Time to the target accuracy against N", ("t95", "range"), "reached", "workers"),
     "convergence": Drawn("Validation top-1 against training time", (), "lowest", "training_time"),
-    "projection": Drawn("Projected throughput and efficiency against N (lines); measured here (points)",
-                        ("band", "t95", "range"), "runs_mean", "workers"),
+    "projection": Drawn(
+        "Projected throughput and efficiency against N (lines); measured here (points)",
+        ("band", "t95", "range"),
+        "runs_mean",
+        "workers",
+    ),
 }

@@ -11,9 +11,11 @@ from pathlib import Path
 
 from dtstudy.common.atomic_files import write_text
 
-_STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:120em}table{border-collapse:collapse;font-size:90%}"
-          "th,td{border:1px solid #ccc;padding:.2em .5em;text-align:left;white-space:nowrap}th{background:#eee}"
-          "li{margin:.2em 0}")
+_STYLE = (
+    "body{font-family:sans-serif;margin:1.5em;max-width:120em}table{border-collapse:collapse;font-size:90%}"
+    "th,td{border:1px solid #ccc;padding:.2em .5em;text-align:left;white-space:nowrap}th{background:#eee}"
+    "li{margin:.2em 0}"
+)
 _BULLET = re.compile(r"^( *)- (.*)$")
 
 
@@ -59,8 +61,17 @@ def _blocks(markdown: str) -> list[tuple[str, list[str]]]:
     """(kind, lines) of each block: heading, table, list or paragraph."""
     blocks: list[tuple[str, list[str]]] = []
     for line in markdown.splitlines():
-        kind = ("blank" if not line.strip() else "heading" if line.startswith("#") else
-                "table" if line.lstrip().startswith("|") else "list" if _BULLET.match(line) else "paragraph")
+        kind = (
+            "blank"
+            if not line.strip()
+            else "heading"
+            if line.startswith("#")
+            else "table"
+            if line.lstrip().startswith("|")
+            else "list"
+            if _BULLET.match(line)
+            else "paragraph"
+        )
         if kind == "list" and blocks and blocks[-1][0] == "paragraph" and line.startswith(" "):
             kind = "paragraph"  # an indented continuation line
         if blocks and blocks[-1][0] == kind and kind in ("table", "list", "paragraph"):
@@ -85,16 +96,24 @@ def html_page(markdown: str, title: str) -> str:
             body += _list(lines)
         else:
             body.append(f"<p>{_inline(' '.join(line.strip() for line in lines))}</p>")
-    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + html.escape(title) + "</title><style>"
-            + _STYLE + "</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>'
+        + html.escape(title)
+        + "</title><style>"
+        + _STYLE
+        + "</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
 
 
 def write_page(markdown_path: str | Path) -> Path:
     """`<name>.html` beside the Markdown file `<name>.md`, its title the file's first heading."""
     markdown_path = Path(markdown_path)
     markdown = markdown_path.read_text()
-    heading = next((line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")),
-                   markdown_path.stem)
+    heading = next(
+        (line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")), markdown_path.stem
+    )
     path = markdown_path.with_suffix(".html")
     write_text(path, html_page(markdown, heading))
     return path

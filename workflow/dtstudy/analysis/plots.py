@@ -14,20 +14,21 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from dtstudy.analysis.figures import DRAWN
-from dtstudy.common import intervals
 from dtstudy.analysis.runs import runs_of_kind
 from dtstudy.analysis.tables import BASELINE_STRATEGY, accuracy_table, scaling_table, sorted_by_strategy
+from dtstudy.common import intervals
 from dtstudy.common.atomic_files import atomic_write
 from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import FAMILIES, REFERENCE_STRATEGY
-
 
 # One panel per strategy family (FAMILIES), so that no panel holds more than a handful of
 # lines; allreduce (the baseline) and no_exchange (the machine's ceiling) on every panel.
 # What is plotted and from which runs is the figure's title, once; a panel's title is its family.
 
-def _family_panels(table: pd.DataFrame, name: str, source: str, drawn: Iterable[str] | None = None,
-                   ncols: int = 2) -> tuple[Figure, list[tuple[str, object]]]:
+
+def _family_panels(
+    table: pd.DataFrame, name: str, source: str, drawn: Iterable[str] | None = None, ncols: int = 2
+) -> tuple[Figure, list[tuple[str, object]]]:
     """The figure `name` (figures.DRAWN: its title) with a panel per family present in `table`;
     `drawn`: the kinds of interval its rows hold."""
     present = [f for f in FAMILIES if f != "reference" and (table["family"] == f).any()]
@@ -37,8 +38,9 @@ def _family_panels(table: pd.DataFrame, name: str, source: str, drawn: Iterable[
     figure = Figure(figsize=(width, 4.0 * rows), layout="constrained")
     FigureCanvasAgg(figure)  # a bare Figure with an Agg canvas: no pyplot global state
     figure.suptitle(DRAWN[name].title(source, drawn), wrap=True)  # wrapped to the figure's width
-    return figure, [(family, figure.add_subplot(rows, min(ncols, len(present)), i + 1))
-                    for i, family in enumerate(present)]
+    return figure, [
+        (family, figure.add_subplot(rows, min(ncols, len(present)), i + 1)) for i, family in enumerate(present)
+    ]
 
 
 def _family_rows(table: pd.DataFrame, family: str) -> pd.DataFrame:
@@ -78,8 +80,16 @@ def _finish(ax, family: str, ylabel: str, rows: pd.DataFrame | None = None) -> N
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     if rows is not None and "oversubscribed" in rows and rows["oversubscribed"].any():
-        ax.annotate("x = oversubscribed (more processes than cores)", (1, 1), xycoords="axes fraction",
-                    xytext=(-4, -4), textcoords="offset points", fontsize="x-small", ha="right", va="top")
+        ax.annotate(
+            "x = oversubscribed (more processes than cores)",
+            (1, 1),
+            xycoords="axes fraction",
+            xytext=(-4, -4),
+            textcoords="offset points",
+            fontsize="x-small",
+            ha="right",
+            va="top",
+        )
 
 
 def _mark_oversubscribed(ax, rows: pd.DataFrame, column: str) -> None:
@@ -92,11 +102,20 @@ def _plot_strategies(ax, table: pd.DataFrame, family: str, column: str, colors: 
     rows = _family_rows(table, family)
     baseline = table[table["strategy"] == BASELINE_STRATEGY]
     if family != "synchronous" and not baseline.empty:
-        ax.errorbar(baseline["workers"], baseline[column], yerr=_yerr(baseline, column), color="grey",
-                    linewidth=1, capsize=2, alpha=0.7, label="allreduce")
+        ax.errorbar(
+            baseline["workers"],
+            baseline[column],
+            yerr=_yerr(baseline, column),
+            color="grey",
+            linewidth=1,
+            capsize=2,
+            alpha=0.7,
+            label="allreduce",
+        )
     for name, own in rows.groupby("strategy", sort=False):
-        ax.errorbar(own["workers"], own[column], yerr=_yerr(own, column), color=colors[name],
-                    marker="o", capsize=3, label=name)
+        ax.errorbar(
+            own["workers"], own[column], yerr=_yerr(own, column), color=colors[name], marker="o", capsize=3, label=name
+        )
         if "oversubscribed" in own:
             _mark_oversubscribed(ax, own, column)
     return rows
@@ -104,8 +123,15 @@ def _plot_strategies(ax, table: pd.DataFrame, family: str, column: str, colors: 
 
 def _plot_ceiling(ax, ceiling: pd.DataFrame, column: str) -> None:
     if not ceiling.empty:
-        ax.errorbar(ceiling["workers"], ceiling[column], yerr=_yerr(ceiling, column), color="black",
-                    linestyle=":", capsize=2, label="ceiling (no_exchange)")
+        ax.errorbar(
+            ceiling["workers"],
+            ceiling[column],
+            yerr=_yerr(ceiling, column),
+            color="black",
+            linestyle=":",
+            capsize=2,
+            label="ceiling (no_exchange)",
+        )
 
 
 def _source(table: pd.DataFrame) -> str:
@@ -168,8 +194,9 @@ def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this
     its interval (a log scale: it spans orders of magnitude from N=1 to the largest N); `clock`
     says whose seconds they are (an emulated study's are the cluster's)."""
     reached = accuracy["reached_target"].map(lambda fraction: int(fraction.split("/")[0]))
-    figure, panels = _family_panels(accuracy, "time_to_accuracy", _source(accuracy),
-                                    reached.map(intervals.mean_interval_kind))
+    figure, panels = _family_panels(
+        accuracy, "time_to_accuracy", _source(accuracy), reached.map(intervals.mean_interval_kind)
+    )
     colors = _colors(list(dict.fromkeys(accuracy["strategy"])))
     for family, ax in panels:
         rows = _plot_strategies(ax, accuracy, family, "time_to_accuracy_s", colors)
@@ -180,8 +207,16 @@ def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this
             for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
                 axis_ticks(ticker.FuncFormatter(lambda seconds, _position: f"{seconds:g}"))
         if _family_rows(accuracy, family)["time_to_accuracy_s"].isna().any():
-            ax.annotate("no point: no seed reached the target", (0, 0), xycoords="axes fraction", xytext=(4, 4),
-                        textcoords="offset points", fontsize="x-small", ha="left", va="bottom")
+            ax.annotate(
+                "no point: no seed reached the target",
+                (0, 0),
+                xycoords="axes fraction",
+                xytext=(4, 4),
+                textcoords="offset points",
+                fontsize="x-small",
+                ha="left",
+                va="bottom",
+            )
         _finish(ax, family, f"seconds to target ({clock} clock)", rows)
     return _save(figure, path)
 
@@ -200,8 +235,9 @@ def _representative_runs(df: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values("seed").groupby(["strategy", "workers"], sort=False).head(1)
 
 
-def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Path,
-                     strategies_order: Sequence[str] | None = None) -> Path:
+def plot_convergence(
+    df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Path, strategies_order: Sequence[str] | None = None
+) -> Path:
     """Validation top-1 against training time, per family (the lowest seed of each run), of the accuracy runs."""
     df = runs_of_kind(df, ACCURACY)
     runs = sorted_by_strategy(_representative_runs(df[df["strategy"] != REFERENCE_STRATEGY]), strategies_order)
@@ -216,8 +252,15 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
             targets.add(metrics.get("target_accuracy"))
             val = metrics.get("val_grid") or metrics.get("val") or []
             style = linestyles[worker_counts.index(run.workers) % len(linestyles)]
-            ax.plot([v.get("train_s", v["wall_s"]) for v in val], [v["top1"] for v in val], color=colors[run.strategy],
-                    linestyle=style, marker=".", markersize=3, label=f"{run.strategy} N={run.workers}")
+            ax.plot(
+                [v.get("train_s", v["wall_s"]) for v in val],
+                [v["top1"] for v in val],
+                color=colors[run.strategy],
+                linestyle=style,
+                marker=".",
+                markersize=3,
+                label=f"{run.strategy} N={run.workers}",
+            )
         for target in sorted(targets - {None}):
             ax.axhline(target, color="grey", linewidth=0.8, linestyle=":", label=f"target_accuracy {target:g}")
         ax.set_xlabel(DRAWN["convergence"].x_label)
@@ -225,9 +268,15 @@ def plot_convergence(df: pd.DataFrame, run_metrics: Mapping[str, dict], path: Pa
     return _save(figure, path)
 
 
-def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_dir: str | Path,
-               strategies_order: Sequence[str] | None = None, scaling: pd.DataFrame | None = None,
-               accuracy: pd.DataFrame | None = None, clock: str = "this machine's") -> list[Path]:
+def make_plots(
+    df: pd.DataFrame,
+    run_metrics: Mapping[str | Path, dict],
+    plots_dir: str | Path,
+    strategies_order: Sequence[str] | None = None,
+    scaling: pd.DataFrame | None = None,
+    accuracy: pd.DataFrame | None = None,
+    clock: str = "this machine's",
+) -> list[Path]:
     """throughput.png, efficiency.png, accuracy.png, time_to_accuracy.png, convergence.png from
     the per-run frame (and its tables, when the caller has them already: the scaling table's
     bootstraps are the step's largest cost); `clock`: whose seconds the runs' times are."""
@@ -242,4 +291,3 @@ def make_plots(df: pd.DataFrame, run_metrics: Mapping[str | Path, dict], plots_d
         plot_time_to_accuracy(with_oversubscribed(accuracy, df), plots_dir / "time_to_accuracy.png", clock),
         plot_convergence(df, metrics_by_dir, plots_dir / "convergence.png", strategies_order),
     ]
-

@@ -27,6 +27,7 @@ FAMILY_OF = {name: spec.family for name, spec in SPECS.items()}
 
 # --- arithmetic -----------------------------------------------------------------------
 
+
 def speedup(throughput: float, base_throughput: float | None) -> float:
     """S = thr / thr_base; NaN when there is no usable baseline."""
     if base_throughput is None or not base_throughput > 0:  # also catches NaN
@@ -46,6 +47,7 @@ def mean_of_reached(times: Iterable[float | None]) -> float:
 
 
 # --- loading --------------------------------------------------------------------------
+
 
 def read_json(path: str | Path) -> dict:
     """A JSON object from `path`; errors name the file."""
@@ -101,8 +103,11 @@ def _run_row(run_dir: Path) -> dict:
     evaluation = read_json(eval_path) if run_kinds.KINDS[kind].tested else {"top1": math.nan, "top5": math.nan}
     step_time = _field(metrics, "step_time", metrics_path, convert=dict)
     # a run whose MLflow record was delivered late (tracking.live_run.deliver_pending) has it in RunFolder.mlflow_run
-    run_id = ((metrics.get("mlflow") or {}).get("run_id") or evaluation.get("mlflow_run_id")
-              or (recorded_run(run_dir) or {}).get("run_id"))
+    run_id = (
+        (metrics.get("mlflow") or {}).get("run_id")
+        or evaluation.get("mlflow_run_id")
+        or (recorded_run(run_dir) or {}).get("run_id")
+    )
     time_to_accuracy = metrics.get("time_to_accuracy_s")
     throughput = _field(metrics, "throughput_median" if "throughput_median" in metrics else "throughput", metrics_path)
     return {
@@ -137,8 +142,9 @@ def load_runs(run_dirs: Iterable[str | Path]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     duplicated = df[df.duplicated(["kind", "strategy", "workers", "seed"], keep=False)]
     if not duplicated.empty:
-        raise ValueError("several folders hold the same (kind, strategy, workers, seed): "
-                         + ", ".join(duplicated["run_dir"]))
+        raise ValueError(
+            "several folders hold the same (kind, strategy, workers, seed): " + ", ".join(duplicated["run_dir"])
+        )
     return df
 
 

@@ -20,38 +20,93 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dtstudy.common import intervals
-from dtstudy.common.intervals import Interval
 from dtstudy.analysis.runs import FAMILY_OF, efficiency, runs_of_kind, speedup, throughput_kind
+from dtstudy.common import intervals
 from dtstudy.common.atomic_files import write_text
+from dtstudy.common.intervals import Interval
 from dtstudy.config.run_kinds import ACCURACY
 from dtstudy.strategies.specs import REFERENCE_STRATEGY
 
 BASELINE_STRATEGY = "allreduce"
 GAP_POINTS = 3  # a strategy more than this many points of top-1 below allreduce is marked
-SCALING_COLUMNS = ["from_runs", "strategy", "family", "workers", "extra_processes", "seeds", "windows",
-                   "throughput", "throughput_low", "throughput_high",
-                   "speedup", "speedup_low", "speedup_high",
-                   "efficiency", "efficiency_low", "efficiency_high", "ceiling_efficiency",
-                   "efficiency_vs_ceiling", "efficiency_vs_ceiling_low", "efficiency_vs_ceiling_high",
-                   "speedup_vs_allreduce_1", "compute_s", "comm_s", "bytes_per_step", "oversubscribed", "pinned"]
-ACCURACY_COLUMNS = ["from_runs", "strategy", "family", "workers", "global_batch", "seeds",
-                    "top1", "top1_low", "top1_high", "top1_interval",
-                    "top5", "top5_low", "top5_high",
-                    "top1_vs_allreduce", "top1_vs_allreduce_low", "top1_vs_allreduce_high", "paired_seeds",
-                    "below_allreduce", "time_to_accuracy_s", "time_to_accuracy_s_low", "time_to_accuracy_s_high",
-                    "reached_target", "steps_to_accuracy", "steps_to_accuracy_low", "steps_to_accuracy_high",
-                    "staleness", "staleness_low", "staleness_high"]
+SCALING_COLUMNS = [
+    "from_runs",
+    "strategy",
+    "family",
+    "workers",
+    "extra_processes",
+    "seeds",
+    "windows",
+    "throughput",
+    "throughput_low",
+    "throughput_high",
+    "speedup",
+    "speedup_low",
+    "speedup_high",
+    "efficiency",
+    "efficiency_low",
+    "efficiency_high",
+    "ceiling_efficiency",
+    "efficiency_vs_ceiling",
+    "efficiency_vs_ceiling_low",
+    "efficiency_vs_ceiling_high",
+    "speedup_vs_allreduce_1",
+    "compute_s",
+    "comm_s",
+    "bytes_per_step",
+    "oversubscribed",
+    "pinned",
+]
+ACCURACY_COLUMNS = [
+    "from_runs",
+    "strategy",
+    "family",
+    "workers",
+    "global_batch",
+    "seeds",
+    "top1",
+    "top1_low",
+    "top1_high",
+    "top1_interval",
+    "top5",
+    "top5_low",
+    "top5_high",
+    "top1_vs_allreduce",
+    "top1_vs_allreduce_low",
+    "top1_vs_allreduce_high",
+    "paired_seeds",
+    "below_allreduce",
+    "time_to_accuracy_s",
+    "time_to_accuracy_s_low",
+    "time_to_accuracy_s_high",
+    "reached_target",
+    "steps_to_accuracy",
+    "steps_to_accuracy_low",
+    "steps_to_accuracy_high",
+    "staleness",
+    "staleness_low",
+    "staleness_high",
+]
 #: what accuracy_table reads from each run's metrics.json beyond the runs frame (NaN when absent)
 RUN_EXTRAS = ("global_batch", "steps_to_accuracy", "staleness")
-OVERSUBSCRIBED_NOTE = ("Note: rows marked oversubscribed ran more workers than CPU cores, "
-                       "so their throughput (and timings) are not meaningful.")
-_FLOAT_FORMATS = {"throughput": ".1f", "throughput_low": ".1f", "throughput_high": ".1f", "bytes_per_step": ".0f",
-                  "compute_s": ".5f", "comm_s": ".5f", "time_to_accuracy_s": ".1f"}
+OVERSUBSCRIBED_NOTE = (
+    "Note: rows marked oversubscribed ran more workers than CPU cores, "
+    "so their throughput (and timings) are not meaningful."
+)
+_FLOAT_FORMATS = {
+    "throughput": ".1f",
+    "throughput_low": ".1f",
+    "throughput_high": ".1f",
+    "bytes_per_step": ".0f",
+    "compute_s": ".5f",
+    "comm_s": ".5f",
+    "time_to_accuracy_s": ".1f",
+}
 _DEFAULT_FLOAT_FORMAT = ".4f"
 
 
 # --- tables ---------------------------------------------------------------------------
+
 
 def sorted_by_strategy(table: pd.DataFrame, strategies_order: Sequence[str] | None) -> pd.DataFrame:
     """Rows by strategy (config order, then unlisted ones alphabetically), then workers."""
@@ -59,8 +114,7 @@ def sorted_by_strategy(table: pd.DataFrame, strategies_order: Sequence[str] | No
     unlisted = sorted(set(table["strategy"]) - set(listed))
     rank = {name: i for i, name in enumerate(listed + unlisted)}
     order = table["strategy"].map(rank)
-    return (table.assign(_rank=order).sort_values(["_rank", "workers"])
-            .drop(columns="_rank").reset_index(drop=True))
+    return table.assign(_rank=order).sort_values(["_rank", "workers"]).drop(columns="_rank").reset_index(drop=True)
 
 
 def _per_config(df: pd.DataFrame):
@@ -98,28 +152,36 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
             speedup_ci = intervals.bootstrap({"n": here, "one": one}, lambda m: speedup(m["n"], m["one"]))
             vs_ceiling = intervals.bootstrap(
                 {"n": here, "one": one, "c": ceiling, "c1": ceiling_one},
-                lambda m: speedup(m["n"], m["one"]) / speedup(m["c"], m["c1"]))
-            ceiling_efficiency = intervals.bootstrap({"c": ceiling, "c1": ceiling_one},
-                                                     lambda m: efficiency(speedup(m["c"], m["c1"]), workers))
+                lambda m: speedup(m["n"], m["one"]) / speedup(m["c"], m["c1"]),
+            )
+            ceiling_efficiency = intervals.bootstrap(
+                {"c": ceiling, "c1": ceiling_one}, lambda m: efficiency(speedup(m["c"], m["c1"]), workers)
+            )
         # E = S / N: the speedup's interval, divided (a quantile commutes with the scaling)
         efficiency_ci = intervals.scaled(speedup_ci, 1 / workers)
-        rows.append({
-            "from_runs": kind, "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
-            # a parameter server's shards (one per node by default): part of what is being scaled
-            "extra_processes": runs["extra_processes"].max(),
-            "seeds": runs["seed"].nunique(), "windows": sum(len(w) for w in here),
-            **_columns("throughput", intervals.median_interval(here)),
-            **_columns("speedup", speedup_ci),
-            **_columns("efficiency", efficiency_ci),
-            "ceiling_efficiency": ceiling_efficiency.value,
-            **_columns("efficiency_vs_ceiling", vs_ceiling),
-            "speedup_vs_allreduce_1": speedup(intervals.pooled_median(here), intervals.pooled_median(base)),
-            "compute_s": runs["compute_s"].mean(),
-            "comm_s": runs["comm_s"].mean(),
-            "bytes_per_step": runs["bytes_per_step"].mean(),
-            "oversubscribed": bool(runs["oversubscribed"].any()),
-            "pinned": bool(runs["pinned"].all()),
-        })
+        rows.append(
+            {
+                "from_runs": kind,
+                "strategy": name,
+                "family": FAMILY_OF.get(name, "unknown"),
+                "workers": workers,
+                # a parameter server's shards (one per node by default): part of what is being scaled
+                "extra_processes": runs["extra_processes"].max(),
+                "seeds": runs["seed"].nunique(),
+                "windows": sum(len(w) for w in here),
+                **_columns("throughput", intervals.median_interval(here)),
+                **_columns("speedup", speedup_ci),
+                **_columns("efficiency", efficiency_ci),
+                "ceiling_efficiency": ceiling_efficiency.value,
+                **_columns("efficiency_vs_ceiling", vs_ceiling),
+                "speedup_vs_allreduce_1": speedup(intervals.pooled_median(here), intervals.pooled_median(base)),
+                "compute_s": runs["compute_s"].mean(),
+                "comm_s": runs["comm_s"].mean(),
+                "bytes_per_step": runs["bytes_per_step"].mean(),
+                "oversubscribed": bool(runs["oversubscribed"].any()),
+                "pinned": bool(runs["pinned"].all()),
+            }
+        )
     return sorted_by_strategy(pd.DataFrame(rows), strategies_order)[SCALING_COLUMNS]
 
 
@@ -141,9 +203,11 @@ def run_extras(metrics: Mapping) -> dict:
     mean staleness of the gradients it applied (the asynchronous parameter servers record it,
     strategy_metrics.staleness_mean); NaN for what the run does not record."""
     staleness = (metrics.get("strategy_metrics") or {}).get("staleness_mean")
-    return {"global_batch": float(metrics.get("global_batch") or math.nan),
-            "steps_to_accuracy": steps_to_accuracy(metrics),
-            "staleness": math.nan if staleness is None else float(staleness)}
+    return {
+        "global_batch": float(metrics.get("global_batch") or math.nan),
+        "steps_to_accuracy": steps_to_accuracy(metrics),
+        "staleness": math.nan if staleness is None else float(staleness),
+    }
 
 
 def with_run_extras(df: pd.DataFrame, run_metrics: Mapping[str, Mapping] | None) -> pd.DataFrame:
@@ -153,8 +217,9 @@ def with_run_extras(df: pd.DataFrame, run_metrics: Mapping[str, Mapping] | None)
     return df.assign(**{key: [e[key] for e in extras] for key in RUN_EXTRAS})
 
 
-def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = None,
-                   run_metrics: Mapping[str, Mapping] | None = None) -> pd.DataFrame:
+def accuracy_table(
+    df: pd.DataFrame, strategies_order: Sequence[str] | None = None, run_metrics: Mapping[str, Mapping] | None = None
+) -> pd.DataFrame:
     """Final test top-1/top-5 per (strategy, N): the mean over seeds with its interval
     (dtstudy.common.intervals: t 95% CI from 3 seeds, the range of 2), and the paired difference
     to allreduce at the same N and seed. The reference (no_exchange) has no accuracy to
@@ -167,23 +232,34 @@ def accuracy_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = No
     base = df[df["strategy"] == BASELINE_STRATEGY].set_index(["workers", "seed"])["top1"]
     for (name, workers), runs in _per_config(df[df["strategy"] != REFERENCE_STRATEGY]):
         top1 = intervals.mean_interval(runs["top1"])
-        paired = [top1_seed - base[(workers, seed)] for seed, top1_seed in zip(runs["seed"], runs["top1"])
-                  if (workers, seed) in base.index]
+        paired = [
+            top1_seed - base[(workers, seed)]
+            for seed, top1_seed in zip(runs["seed"], runs["top1"])
+            if (workers, seed) in base.index
+        ]
         difference = intervals.mean_interval(paired) if name != BASELINE_STRATEGY else intervals.NAN_INTERVAL
         batches = runs["global_batch"].dropna()
-        rows.append({
-            "from_runs": ACCURACY, "strategy": name, "family": FAMILY_OF.get(name, "unknown"), "workers": workers,
-            "global_batch": batches.iloc[0] if len(batches) else math.nan, "seeds": runs["seed"].nunique(),
-            **_columns("top1", top1), "top1_interval": top1.kind,
-            **_columns("top5", intervals.mean_interval(runs["top5"])),
-            **_columns("top1_vs_allreduce", difference), "paired_seeds": difference.n,
-            "below_allreduce": bool(difference.value < -GAP_POINTS / 100),
-            # the mean over the seeds that reached the target, with its interval
-            **_columns("time_to_accuracy_s", intervals.mean_interval(runs["time_to_accuracy_s"].dropna())),
-            "reached_target": _reached_fraction(runs["time_to_accuracy_s"]),
-            **_columns("steps_to_accuracy", intervals.mean_interval(runs["steps_to_accuracy"].dropna())),
-            **_columns("staleness", intervals.mean_interval(runs["staleness"].dropna())),
-        })
+        rows.append(
+            {
+                "from_runs": ACCURACY,
+                "strategy": name,
+                "family": FAMILY_OF.get(name, "unknown"),
+                "workers": workers,
+                "global_batch": batches.iloc[0] if len(batches) else math.nan,
+                "seeds": runs["seed"].nunique(),
+                **_columns("top1", top1),
+                "top1_interval": top1.kind,
+                **_columns("top5", intervals.mean_interval(runs["top5"])),
+                **_columns("top1_vs_allreduce", difference),
+                "paired_seeds": difference.n,
+                "below_allreduce": bool(difference.value < -GAP_POINTS / 100),
+                # the mean over the seeds that reached the target, with its interval
+                **_columns("time_to_accuracy_s", intervals.mean_interval(runs["time_to_accuracy_s"].dropna())),
+                "reached_target": _reached_fraction(runs["time_to_accuracy_s"]),
+                **_columns("steps_to_accuracy", intervals.mean_interval(runs["steps_to_accuracy"].dropna())),
+                **_columns("staleness", intervals.mean_interval(runs["staleness"].dropna())),
+            }
+        )
     return sorted_by_strategy(pd.DataFrame(rows), strategies_order)[ACCURACY_COLUMNS]
 
 
@@ -199,12 +275,17 @@ def noise_summary(df: pd.DataFrame) -> dict:
     window_cvs = [float(np.std(w, ddof=1) / np.mean(w)) for w in df["windows"] if len(w) > 1]
     noise = {"n1_runs": len(medians), "window_cv": float(np.median(window_cvs)) if window_cvs else math.nan}
     if len(medians) >= 2:
-        noise.update(n1_min=min(medians), n1_max=max(medians), n1_ratio=max(medians) / min(medians),
-                     n1_cv=float(np.std(medians, ddof=1) / np.mean(medians)))
+        noise.update(
+            n1_min=min(medians),
+            n1_max=max(medians),
+            n1_ratio=max(medians) / min(medians),
+            n1_cv=float(np.std(medians, ddof=1) / np.mean(medians)),
+        )
     return noise
 
 
 # --- writing --------------------------------------------------------------------------
+
 
 def to_markdown(df: pd.DataFrame, title: str, notes: Sequence[str] = (), formatted: bool = False) -> str:
     """A one-line title, notes (and the oversubscription note if needed), then the table;
@@ -215,13 +296,17 @@ def to_markdown(df: pd.DataFrame, title: str, notes: Sequence[str] = (), formatt
         lines += [note, ""]
     if "oversubscribed" in df.columns and df["oversubscribed"].any():
         lines += [OVERSUBSCRIBED_NOTE, ""]
-    lines.append(df.to_markdown(index=False, disable_numparse=True) if formatted
-                 else df.to_markdown(index=False, floatfmt=floatfmt))
+    lines.append(
+        df.to_markdown(index=False, disable_numparse=True)
+        if formatted
+        else df.to_markdown(index=False, floatfmt=floatfmt)
+    )
     return "\n".join(lines) + "\n"
 
 
-def write_table(df: pd.DataFrame, csv_path: str | Path, md_path: str | Path,
-                title: str | None = None, markdown: str | None = None) -> None:
+def write_table(
+    df: pd.DataFrame, csv_path: str | Path, md_path: str | Path, title: str | None = None, markdown: str | None = None
+) -> None:
     """CSV + Markdown twin, each written atomically. Title defaults to the file's stem;
     `markdown` replaces the plain rendering of the CSV's columns."""
     csv_path, md_path = Path(csv_path), Path(md_path)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:

@@ -107,9 +107,13 @@ def pooled_median(groups: Sequence[Sequence[float]]) -> float:
     return float(np.median(pooled)) if pooled else math.nan
 
 
-def bootstrap(samples: Mapping[str, Sequence[Sequence[float]]],
-              statistic: Callable[[Mapping[str, float]], float],
-              level: float = LEVEL, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Interval:
+def bootstrap(
+    samples: Mapping[str, Sequence[Sequence[float]]],
+    statistic: Callable[[Mapping[str, float]], float],
+    level: float = LEVEL,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> Interval:
     """`statistic` of the medians of several pooled samples, with a percentile bootstrap
     interval. `samples[name]` is a list of groups (one per run) of window values; each
     resample redraws the runs, then their windows, of every sample independently."""

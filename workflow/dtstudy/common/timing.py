@@ -14,8 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 Mark = Any  # what a clock's mark() returns: a float (host), a CUDA event, a fake's time
 
@@ -135,8 +136,13 @@ class StepTimer:
 
     def _record(self, entry) -> None:
         data, step, end, exchange, images, record = entry
-        record(self.clock.seconds(data, step), self.clock.seconds(step, end), exchange.comm_seconds(),
-               exchange.bytes_sent, images)
+        record(
+            self.clock.seconds(data, step),
+            self.clock.seconds(step, end),
+            exchange.comm_seconds(),
+            exchange.bytes_sent,
+            images,
+        )
 
 
 @dataclass

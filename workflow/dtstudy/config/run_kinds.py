@@ -19,8 +19,8 @@ run config (`run_config_changes`) and metrics.json's `kind`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dtstudy.errors import ConfigError
 
@@ -49,8 +49,9 @@ class RunKind:
 KINDS = {
     SCALING: RunKind(SCALING, "scaling", tested=False, train_changes=_scaling_train, gives="the scaling table"),
     # an accuracy run's config is the one every run had before there were kinds: a finished run is not rerun
-    ACCURACY: RunKind(ACCURACY, "", tested=True, train_changes=lambda config: {},
-                      gives="the accuracy table and time-to-accuracy"),
+    ACCURACY: RunKind(
+        ACCURACY, "", tested=True, train_changes=lambda config: {}, gives="the accuracy table and time-to-accuracy"
+    ),
 }
 
 
@@ -100,15 +101,18 @@ def check(config: dict) -> None:
             if scaling[key] is not None:
                 raise ConfigError(
                     f"config key 'scaling.{key}': {scaling[key]} is set, but scaling.steps is null (no scaling runs: "
-                    f"the throughput comes from the accuracy runs); allowed: null, or set scaling.steps")
+                    f"the throughput comes from the accuracy runs); allowed: null, or set scaling.steps"
+                )
     elif scaling["warmup_steps"] > scaling["steps"]:
         # a run leaves out of its throughput at most its first half (dtstudy.training.measurements)
         raise ConfigError(
             f"config key 'scaling.warmup_steps': {scaling['warmup_steps']} is more than scaling.steps "
-            f"{scaling['steps']}; allowed: 0 to scaling.steps (a run leaves at most its first half out of its timing)")
+            f"{scaling['steps']}; allowed: 0 to scaling.steps (a run leaves at most its first half out of its timing)"
+        )
     for kind in KINDS:
         for i, n in enumerate(config[kind]["workers"] or []):
             if n not in config["workers"]:
                 raise ConfigError(
                     f"config key '{kind}.workers[{i}]': {n} is not in workers {config['workers']}; allowed: "
-                    f"N of workers (every N the study runs at), or null for all of them")
+                    f"N of workers (every N the study runs at), or null for all of them"
+                )

@@ -16,8 +16,9 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -98,8 +99,15 @@ def validate_config(config: dict) -> dict:
 
 # ----- messages -------------------------------------------------------------------------
 
-_NOUNS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
-          "array": "a list", "object": "a mapping", "null": "null"}
+_NOUNS = {
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "true or false",
+    "array": "a list",
+    "object": "a mapping",
+    "null": "null",
+}
 _BOUNDED_BY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")
 
 
@@ -164,12 +172,17 @@ def messages(error, prefix: tuple = (), subject: str = "config key") -> list[str
     if error.validator == "additionalProperties" and isinstance(value, dict):
         names = sorted(schema.get("properties", {}))
         extras = sorted(set(value) - set(names), key=str)
-        return [f"{subject} '{key_path((*path, key))}': {_unknown_key(path, key)}; allowed: "
-                f"{', '.join(names) or 'none'}" for key in extras]
+        return [
+            f"{subject} '{key_path((*path, key))}': {_unknown_key(path, key)}; allowed: {', '.join(names) or 'none'}"
+            for key in extras
+        ]
     if error.validator == "required":
-        return [f"{subject} '{key_path((*path, key))}' is missing; allowed: "
-                f"{allowed(schema.get('properties', {}).get(key, {})) or 'any value'}"
-                for key in error.validator_value if key not in value]
+        return [
+            f"{subject} '{key_path((*path, key))}' is missing; allowed: "
+            f"{allowed(schema.get('properties', {}).get(key, {})) or 'any value'}"
+            for key in error.validator_value
+            if key not in value
+        ]
     if error.validator == "type":
         text = f"{value!r} is not {_types_in_words(error.validator_value)}"
         if allowed(schema) != _types_in_words(error.validator_value):
@@ -183,8 +196,9 @@ def messages(error, prefix: tuple = (), subject: str = "config key") -> list[str
     return [f"{subject} '{key_path(path)}': {text}"]
 
 
-def problems(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False,
-             subject: str = "config key") -> list[str]:
+def problems(
+    instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False, subject: str = "config key"
+) -> list[str]:
     """Every problem of `instance` (found at config key `prefix`) against `schema`, one line
     each with its key; `fill_defaults`: also write the defaults in, in place."""
     validator = validator_class(fill_defaults)(schema, registry=_registry())
@@ -193,14 +207,24 @@ def problems(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: boo
     # key a second one on the required key it was meant to be
     mistyped = {tuple(e.absolute_path) for e in errors if e.validator == "type"}
     misspelt = {tuple(e.absolute_path) for e in errors if e.validator == "additionalProperties"}
-    errors = [e for e in errors if (e.validator == "type" or tuple(e.absolute_path) not in mistyped)
-              and not (e.validator == "required" and tuple(e.absolute_path) in misspelt)]
+    errors = [
+        e
+        for e in errors
+        if (e.validator == "type" or tuple(e.absolute_path) not in mistyped)
+        and not (e.validator == "required" and tuple(e.absolute_path) in misspelt)
+    ]
     lines = [line for error in errors for line in messages(error, prefix, subject)]
     return list(dict.fromkeys(lines))  # a `required` error per missing key, each listing them all
 
 
-def check(instance: Any, schema: dict, prefix: tuple = (), fill_defaults: bool = False,
-          subject: str = "config key", title: str = "invalid config") -> None:
+def check(
+    instance: Any,
+    schema: dict,
+    prefix: tuple = (),
+    fill_defaults: bool = False,
+    subject: str = "config key",
+    title: str = "invalid config",
+) -> None:
     """Raise ConfigError listing every problem of `instance` (see `problems`), under `title`
     when there are several."""
     lines = problems(instance, schema, prefix, fill_defaults, subject)

@@ -20,8 +20,18 @@ from dtstudy.config import run_kinds, schema
 from dtstudy.errors import ConfigError
 from dtstudy.launch_backends.registry import launch_backend
 
-__all__ = ["ConfigError", "OPERATIONAL_KEYS", "deep_merge", "operational_part", "read_yaml", "results_part",
-           "results_sha256", "retype_command_line", "run_config", "validate_schema"]
+__all__ = [
+    "ConfigError",
+    "OPERATIONAL_KEYS",
+    "deep_merge",
+    "operational_part",
+    "read_yaml",
+    "results_part",
+    "results_sha256",
+    "retype_command_line",
+    "run_config",
+    "validate_schema",
+]
 
 #: the keys of a run's config that decide how it is launched, watched and paid for, not what it
 #: computes: a longer time limit, more requeues, another MLflow server address or a budget must
@@ -29,8 +39,20 @@ __all__ = ["ConfigError", "OPERATIONAL_KEYS", "deep_merge", "operational_part", 
 #: rules pass these apart, untracked, common.smk) nor void an interrupted run's checkpoint
 #: (dtstudy.training.checkpoint.run_identity hashes results_part)
 OPERATIONAL_KEYS = {
-    "launcher": ("timeout_min", "comm_timeout_s", "signal_delay_s", "max_requeues", "max_resubmits", "hardware",
-                 "time_limit_margin", "gpu_hour_budget", "budget_train_images", "mem_gb", "account", "qos"),
+    "launcher": (
+        "timeout_min",
+        "comm_timeout_s",
+        "signal_delay_s",
+        "max_requeues",
+        "max_resubmits",
+        "hardware",
+        "time_limit_margin",
+        "gpu_hour_budget",
+        "budget_train_images",
+        "mem_gb",
+        "account",
+        "qos",
+    ),
     "tracking": ("uri", "wait_for_server_s"),
 }
 
@@ -57,6 +79,7 @@ def retype_command_line(config: dict, command_line: Mapping) -> dict:
     null, true and false as text, which the strict schema would refuse ("'1' is not an
     integer"). Only `command_line`'s values change, in `config` (where Snakemake merged them):
     a config file's "64" stays text and is refused. Returns `config`."""
+
     def typed(value):
         if isinstance(value, Mapping):
             return {key: typed(item) for key, item in value.items()}
@@ -131,7 +154,17 @@ def run_config(config: dict, strategy: str, kind: str = run_kinds.ACCURACY) -> d
     Rules pass exactly this to the training CLI, so that a change of, say, the list of
     workers does not make Snakemake rerun every finished training run.
     """
-    keys = ("dataset", "loader", "model", "model_options", "train", "stragglers", "target_accuracy", "launcher", "tracking")
+    keys = (
+        "dataset",
+        "loader",
+        "model",
+        "model_options",
+        "train",
+        "stragglers",
+        "target_accuracy",
+        "launcher",
+        "tracking",
+    )
     selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
     if launch_backend(config).emulated:  # its clock's hardware (absent otherwise: no rerun of real runs)
@@ -157,8 +190,11 @@ def results_sha256(run_cfg: dict) -> str:
 
 def operational_part(run_cfg: dict) -> dict:
     """A run config's OPERATIONAL_KEYS alone; deep_merge(results_part(c), operational_part(c)) == c."""
-    return {section: {key: copy.deepcopy(run_cfg[section][key]) for key in keys if key in run_cfg.get(section, {})}
-            for section, keys in OPERATIONAL_KEYS.items() if section in run_cfg}
+    return {
+        section: {key: copy.deepcopy(run_cfg[section][key]) for key in keys if key in run_cfg.get(section, {})}
+        for section, keys in OPERATIONAL_KEYS.items()
+        if section in run_cfg
+    }
 
 
 def tracking_uri(uri: str | None, results_dir: str | Path = "results") -> str:
@@ -170,4 +206,3 @@ def tracking_uri(uri: str | None, results_dir: str | Path = "results") -> str:
 
 def to_json(config: dict) -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
-

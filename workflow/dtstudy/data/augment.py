@@ -93,8 +93,9 @@ class RandomResizedCropFlip:
 
     def apply(self, image: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
         top, left, h, w, flip = plan.tolist()
-        out = F.resized_crop(image, top, left, h, w, [self.size, self.size],
-                             interpolation=InterpolationMode.BILINEAR, antialias=True)
+        out = F.resized_crop(
+            image, top, left, h, w, [self.size, self.size], interpolation=InterpolationMode.BILINEAR, antialias=True
+        )
         return F.horizontal_flip(out) if flip else out
 
     def apply_to_region(self, region: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
@@ -116,8 +117,9 @@ class ResizeCenterCrop:
         return torch.empty(0, dtype=torch.int64)
 
     def apply(self, image: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
-        image = F.resize(image, [int(self.size * EVAL_RESIZE)], interpolation=InterpolationMode.BILINEAR,
-                         antialias=True)
+        image = F.resize(
+            image, [int(self.size * EVAL_RESIZE)], interpolation=InterpolationMode.BILINEAR, antialias=True
+        )
         return F.center_crop(image, [self.size, self.size])
 
 

@@ -11,8 +11,14 @@ import os
 from pathlib import Path
 
 from dtstudy.data.errors import DataConfigError
-from dtstudy.data.formats import (CIFAR10_DIR, CIFAR10_FILES, DEFAULT_FASHION_MNIST_ROOT, FASHION_MNIST_FILES,
-                                  check_idx_file, find_fashion_mnist_files)
+from dtstudy.data.formats import (
+    CIFAR10_DIR,
+    CIFAR10_FILES,
+    DEFAULT_FASHION_MNIST_ROOT,
+    FASHION_MNIST_FILES,
+    check_idx_file,
+    find_fashion_mnist_files,
+)
 from dtstudy.data.image_folder import held_out_counts, image_tree
 
 FASHION_MNIST_TRAIN_SIZE = 60000
@@ -110,9 +116,7 @@ def _check_fashion_mnist(cfg: dict) -> int:
                 f"shapes {images} and {labels} (expected [n, height, width] images and [n] labels)"
             )
         if images[0] != labels[0]:
-            raise DataConfigError(
-                f"dataset.root: '{root}' has {images[0]} {split} images but {labels[0]} labels"
-            )
+            raise DataConfigError(f"dataset.root: '{root}' has {images[0]} {split} images but {labels[0]} labels")
     return dims["train_images"][0]
 
 

@@ -263,14 +263,19 @@ def _dali_slice_pipeline(batch_size: int):
     that region, decoded alone; fed and run one batch at a time in the calling thread."""
     from nvidia.dali import fn, pipeline_def, types
 
-    @pipeline_def(batch_size=batch_size, num_threads=1, device_id=None, prefetch_queue_depth=1,
-                  exec_async=False, exec_pipelined=False)
+    @pipeline_def(
+        batch_size=batch_size,
+        num_threads=1,
+        device_id=None,
+        prefetch_queue_depth=1,
+        exec_async=False,
+        exec_pipelined=False,
+    )
     def region_of_each():
         jpegs = fn.external_source(name="jpegs")
         anchors = fn.external_source(name="anchors")
         shapes = fn.external_source(name="shapes")
-        return fn.decoders.image_slice(jpegs, anchors, shapes, device="cpu", output_type=types.RGB,
-                                       axis_names="HW")
+        return fn.decoders.image_slice(jpegs, anchors, shapes, device="cpu", output_type=types.RGB, axis_names="HW")
 
     pipeline = region_of_each()
     pipeline.build()

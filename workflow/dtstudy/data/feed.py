@@ -19,7 +19,6 @@ from dtstudy.data.augment import Draws, ResizeCenterCrop, split_transform
 from dtstudy.data.decoding import DECODERS, CpuDecoder, decode_torchvision
 from dtstudy.data.storage import FileStore
 
-
 #: the most loader processes `loader.workers: null` starts per training process: torchvision's
 #: references/classification default (`--workers 16`), which keeps a GPU fed with ResNet-50
 MAX_LOADER_WORKERS = 16
@@ -53,8 +52,15 @@ class ImageFolderSplit(Dataset):
 
     is_in_memory = False
 
-    def __init__(self, meta: dict, samples: list, split: str, loader: dict | None = None,
-                 device: torch.device | str = "cpu", store=None):
+    def __init__(
+        self,
+        meta: dict,
+        samples: list,
+        split: str,
+        loader: dict | None = None,
+        device: torch.device | str = "cpu",
+        store=None,
+    ):
         self.root = Path(meta["root"])
         self.samples = [(path, int(label)) for path, label in samples]
         self.store = store if store is not None else FileStore(self.root, [path for path, _ in self.samples])
@@ -101,9 +107,13 @@ class ImageFolderSplit(Dataset):
 
     def describe(self) -> dict:
         """What this split's pipeline does, for the run's log."""
-        return {"transform": self.transform.name, "decoder": self.decoder_name,
-                "workers": self.workers, "prefetch": self.prefetch if self.workers else 0,
-                "pin_memory": self.device.type == "cuda"}
+        return {
+            "transform": self.transform.name,
+            "decoder": self.decoder_name,
+            "workers": self.workers,
+            "prefetch": self.prefetch if self.workers else 0,
+            "pin_memory": self.device.type == "cuda",
+        }
 
 
 class Normalise:
@@ -156,8 +166,10 @@ class _Collate:
         self.decoder, self.transform = decoder, transform
 
     def __call__(self, items):
-        return (self.decoder.collate([item for item, _ in items], self.transform),
-                torch.tensor([label for _, label in items]))
+        return (
+            self.decoder.collate([item for item, _ in items], self.transform),
+            torch.tensor([label for _, label in items]),
+        )
 
 
 class Feed:
@@ -168,11 +180,23 @@ class Feed:
         self.device, self.decoder, self.transform = split.device, split.decoder, split.transform
         self.batch_sampler = _SwappableBatches()
         workers = split.workers
-        options = {"persistent_workers": True, "prefetch_factor": split.prefetch,
-                   "multiprocessing_context": split.decoder.worker_start_method} if workers else {}
-        self.loader = DataLoader(_Items(split), batch_sampler=self.batch_sampler, num_workers=workers,
-                                 collate_fn=_Collate(split.decoder, split.transform),
-                                 pin_memory=split.device.type == "cuda", **options)
+        options = (
+            {
+                "persistent_workers": True,
+                "prefetch_factor": split.prefetch,
+                "multiprocessing_context": split.decoder.worker_start_method,
+            }
+            if workers
+            else {}
+        )
+        self.loader = DataLoader(
+            _Items(split),
+            batch_sampler=self.batch_sampler,
+            num_workers=workers,
+            collate_fn=_Collate(split.decoder, split.transform),
+            pin_memory=split.device.type == "cuda",
+            **options,
+        )
         self.normalise = Normalise(split.mean, split.std, split.device)
 
     def __call__(self, index_batches, draws: Draws):

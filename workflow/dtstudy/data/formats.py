@@ -125,8 +125,12 @@ def read_cifar_batch(path: Path):
     data = entry.get("data") if isinstance(entry, dict) else None
     labels = entry.get("labels") if isinstance(entry, dict) else None
     ok = (
-        isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
-        and data.shape[1] == 3 * 32 * 32 and labels is not None and len(labels) == len(data)
+        isinstance(data, np.ndarray)
+        and data.dtype == np.uint8
+        and data.ndim == 2
+        and data.shape[1] == 3 * 32 * 32
+        and labels is not None
+        and len(labels) == len(data)
     )
     if not ok:
         raise DataConfigError(

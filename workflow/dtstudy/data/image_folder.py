@@ -82,9 +82,7 @@ def _class_files(folder: Path, root: Path) -> dict[str, list[str]]:
             ]
         classes[name] = files
     if not classes:
-        raise DataConfigError(
-            f"dataset.root: '{folder}' has no class folders (expected {folder}/<class>/<image>)"
-        )
+        raise DataConfigError(f"dataset.root: '{folder}' has no class folders (expected {folder}/<class>/<image>)")
     empty = [name for name, files in classes.items() if not files]
     if empty:
         raise DataConfigError(

@@ -50,8 +50,7 @@ def _load_split(data_dir: str | Path, split: str, loader: dict | None, device):
         from dtstudy.data.storage import shard_store
 
         index = json.loads((data_dir / "index.json").read_text())
-        return ImageFolderSplit(meta, index[split], split, loader, device,
-                                shard_store(data_dir, meta, split))
+        return ImageFolderSplit(meta, index[split], split, loader, device, shard_store(data_dir, meta, split))
     return TensorSplit(meta, data_dir / f"{split}.pt")
 
 

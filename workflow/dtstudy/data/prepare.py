@@ -16,8 +16,15 @@ from pathlib import Path
 from dtstudy.common.atomic_files import atomic_write, write_json
 from dtstudy.data.checks import check_dataset, check_val_split
 from dtstudy.data.errors import DataConfigError
-from dtstudy.data.formats import (CIFAR10_DIR, CIFAR10_FILES, DEFAULT_FASHION_MNIST_ROOT, find_fashion_mnist_files,
-                                  read_cifar_batch, read_idx, sha256)
+from dtstudy.data.formats import (
+    CIFAR10_DIR,
+    CIFAR10_FILES,
+    DEFAULT_FASHION_MNIST_ROOT,
+    find_fashion_mnist_files,
+    read_cifar_batch,
+    read_idx,
+    sha256,
+)
 from dtstudy.data.image_folder import decodable, hold_out_test, image_tree
 from dtstudy.data.storage import SHARDS_INDEX, remove_shards, write_shards
 
@@ -208,8 +215,7 @@ def _prepare_imagefolder(cfg: dict, out_dir: Path) -> dict:
     subset = cfg.get("subset")
     if subset is not None and len(samples) < subset:
         raise DataConfigError(
-            f"dataset.subset: {subset} is larger than the {len(samples)} decodable training images "
-            f"under '{root}'"
+            f"dataset.subset: {subset} is larger than the {len(samples)} decodable training images under '{root}'"
         )
     if not test:
         raise DataConfigError(f"dataset.root: no decodable test image is left under '{root}'")

@@ -61,8 +61,10 @@ class ShardStore:
         shard, offset, size = self.locations[i]
         data = os.pread(self._descriptor(shard), size, offset)
         if len(data) != size:
-            raise OSError(f"shard '{self.folder / self.files[shard]}' ends before byte {offset + size} "
-                          f"(image {i} of the split); rerun prepare_data")
+            raise OSError(
+                f"shard '{self.folder / self.files[shard]}' ends before byte {offset + size} "
+                f"(image {i} of the split); rerun prepare_data"
+            )
         return np.frombuffer(data, dtype=np.uint8)
 
     def _descriptor(self, shard: int) -> int:
@@ -117,8 +119,7 @@ def write_shards(root: Path, splits: dict[str, list], out_dir: Path, shard_mb: f
             offsets = _data_offsets(folder / name)
             locations[split] += [[len(files), *offsets[_key(i) + _suffix(samples[i][0])]] for i in range(start, stop)]
             files.append(name)
-            print(f"prepare imagefolder: {split} shard {name}: images {start + 1}-{stop} of {len(samples)}",
-                  flush=True)
+            print(f"prepare imagefolder: {split} shard {name}: images {start + 1}-{stop} of {len(samples)}", flush=True)
             start = stop
     write_json(Path(out_dir) / SHARDS_INDEX, {"shard_mb": shard_mb, "files": files, "locations": locations})
     return {"shard_mb": shard_mb, "count": len(files), "folder": SHARDS_DIR}

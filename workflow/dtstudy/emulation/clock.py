@@ -29,7 +29,7 @@ import random
 
 from dtstudy.perfmodel.collectives import allgather_time, allreduce_time, alltoall_time
 from dtstudy.perfmodel.machine import Machine
-from dtstudy.perfmodel.steps import memory_passes_time, SERVER_PASSES_PER_GRADIENT, SERVER_PASSES_PER_UPDATE
+from dtstudy.perfmodel.steps import SERVER_PASSES_PER_GRADIENT, SERVER_PASSES_PER_UPDATE, memory_passes_time
 
 
 class ExchangeCosts:

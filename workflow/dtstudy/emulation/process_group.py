@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
-    _create_work_from_future,
     AllgatherOptions,
     AllreduceCoalescedOptions,
     AllreduceOptions,
@@ -37,6 +37,7 @@ from torch._C._distributed_c10d import (
     BroadcastOptions,
     GatherOptions,
     ReduceScatterOptions,
+    _create_work_from_future,
 )
 
 BACKEND = "emulated"
@@ -116,7 +117,7 @@ class ThreadLocalWorld:
 
 
 @contextlib.contextmanager
-def installed(world: "EmulatedWorld"):
+def installed(world: EmulatedWorld):
     """torch.distributed made thread-local for the emulated run `world` (one at a time per process)."""
     global _active
     if _active is not None:
@@ -137,10 +138,11 @@ def installed(world: "EmulatedWorld"):
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
 
 
-_active: "EmulatedWorld | None" = None
+_active: EmulatedWorld | None = None
 
 
 # ----- what the threads share ------------------------------------------------------------------
+
 
 @dataclass
 class _Collective:
@@ -228,7 +230,7 @@ class _SendWork(dist.Work):
 class _RecvWork(dist.Work):
     """A receive: waits (gives the baton away) until a matching message is in the mailbox."""
 
-    def __init__(self, group: "EmulatedProcessGroup", tensors, src: int | None, tag: int):
+    def __init__(self, group: EmulatedProcessGroup, tensors, src: int | None, tag: int):
         super().__init__()
         self.tensors, self.src, self.tag = tensors, src, tag
         # its key now, on the receiving thread: the readiness check runs on whichever thread
@@ -323,8 +325,11 @@ class EmulatedProcessGroup(dist.ProcessGroup):
 
     def _global(self, group_rank: int) -> int:
         if group_rank not in self._globals:
-            self._globals[group_rank] = dist.get_global_rank(self, group_rank) \
-                if self is not dist.distributed_c10d._world.default_pg else group_rank
+            self._globals[group_rank] = (
+                dist.get_global_rank(self, group_rank)
+                if self is not dist.distributed_c10d._world.default_pg
+                else group_rank
+            )
         return self._globals[group_rank]
 
     # ----- the collectives -------------------------------------------------------------------
@@ -396,8 +401,9 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         def maths(data):  # only the root has output lists (the others pass none)
             root_outputs = data[root][0]
             for i in range(len(data[0][1])):
-                torch._foreach_copy_([output.detach() for output in root_outputs[i]],
-                                     [ranks_inputs[i] for _, ranks_inputs in data])
+                torch._foreach_copy_(
+                    [output.detach() for output in root_outputs[i]], [ranks_inputs[i] for _, ranks_inputs in data]
+                )
 
         return self._collective("gather", (output_lists, inputs), _nbytes(inputs), maths, output_lists)
 
@@ -469,20 +475,24 @@ class EmulatedProcessGroup(dist.ProcessGroup):
                 return
             sent = [pieces(inp, inp_splits) for _, inp, _, inp_splits in data]
             for dest, (out, _, out_splits, _) in enumerate(data):
-                torch._foreach_copy_([piece.detach() for piece in pieces(out, out_splits)],
-                                     [pieces_of_src[dest] for pieces_of_src in sent])
+                torch._foreach_copy_(
+                    [piece.detach() for piece in pieces(out, out_splits)],
+                    [pieces_of_src[dest] for pieces_of_src in sent],
+                )
 
         # timed as every worker sending its 1/N of the input to each of the others
-        return self._collective("alltoall", (output, input, output_splits, input_splits),
-                                _nbytes([input]) // size, maths, [output])
+        return self._collective(
+            "alltoall", (output, input, output_splits, input_splits), _nbytes([input]) // size, maths, [output]
+        )
 
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
         def maths(data):
             for dest, (outs, _) in enumerate(data):
                 torch._foreach_copy_([out.detach() for out in outs], [ins[dest] for _, ins in data])
 
-        return self._collective("alltoall", (outputs, inputs), max((_nbytes([t]) for t in inputs), default=0),
-                                maths, outputs)
+        return self._collective(
+            "alltoall", (outputs, inputs), max((_nbytes([t]) for t in inputs), default=0), maths, outputs
+        )
 
     # ----- point to point --------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
@@ -490,7 +500,8 @@ class EmulatedProcessGroup(dist.ProcessGroup):
         nbytes = _nbytes(tensors)
         arrival = self._world.arrival(nbytes, me, receiver)
         self._world._mail[(self.group_name, dst)][tag].append(
-            _Message(self._rank, tag, tensors[0].detach().clone(), arrival))
+            _Message(self._rank, tag, tensors[0].detach().clone(), arrival)
+        )
         self._world.scheduler.touch((receiver,))  # a receive it waits in may match this message
         return _SendWork(arrival, tensors)
 

@@ -25,7 +25,7 @@ from dtstudy.config.study_config import per_worker_batch
 from dtstudy.data.loading import shared_splits
 from dtstudy.emulation.clock import EmulatedClock, ExchangeCosts, ShardClock
 from dtstudy.emulation.process_group import BACKEND
-from dtstudy.emulation.settings import emulated_cluster, EmulatedCluster
+from dtstudy.emulation.settings import EmulatedCluster, emulated_cluster
 from dtstudy.emulation.workers import LogicalWorkers
 from dtstudy.launch.process_group import pick_device
 from dtstudy.launch_backends.emulate import EMULATE
@@ -86,9 +86,16 @@ class EmulatedRun:
         def train(rank: int) -> dict | None:
             # with extra processes, a workers-only group, made by every rank (join_process_group's)
             worker_group = dist.new_group(list(range(workers))) if self.world_size > workers else None
-            ctx = DistContext(rank=rank, world_size=self.world_size, workers=workers, local_rank=rank,
-                              device=self.device if rank < workers else torch.device("cpu"), backend=BACKEND,
-                              worker_group=worker_group, concurrent_ranks=1)
+            ctx = DistContext(
+                rank=rank,
+                world_size=self.world_size,
+                workers=workers,
+                local_rank=rank,
+                device=self.device if rank < workers else torch.device("cpu"),
+                backend=BACKEND,
+                worker_group=worker_group,
+                concurrent_ranks=1,
+            )
             return train_worker(self.spec, ctx, timings={**timings, "process_start": time.time()})
 
         with shared_splits():

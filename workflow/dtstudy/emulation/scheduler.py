@@ -29,12 +29,12 @@ from __future__ import annotations
 import os
 import random
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 #: when a waiting thread may go on (emulated seconds), or None while it cannot
-Ready = Callable[[], Optional[float]]
+Ready = Callable[[], float | None]
 
 #: re-read every waiting thread's answer at every pass and check the kept ones (tests)
 VERIFY = os.environ.get("DTSTUDY_EMULATION_VERIFY", "") == "1"
@@ -134,8 +134,10 @@ class BatonScheduler:
             self._turn[chosen].notify()
         elif len(self._finished) < self.workers:
             stuck = sorted(self._waiting)
-            self.failure = Deadlock(f"logical workers {stuck} all wait and none can go on (mismatched collectives "
-                                    f"or a receive without a send); finished: {sorted(self._finished)}")
+            self.failure = Deadlock(
+                f"logical workers {stuck} all wait and none can go on (mismatched collectives "
+                f"or a receive without a send); finished: {sorted(self._finished)}"
+            )
             self._holder = None
             self._wake_all()
         else:
@@ -151,8 +153,9 @@ class BatonScheduler:
         if VERIFY:
             for rank, ready in waiting.items():
                 if when[rank] != ready():
-                    raise AssertionError(f"logical worker {rank}'s kept answer {when[rank]} went stale "
-                                         f"(now {ready()}): a missing touch")
+                    raise AssertionError(
+                        f"logical worker {rank}'s kept answer {when[rank]} went stale (now {ready()}): a missing touch"
+                    )
         return [(t, rank) for rank, t in when.items() if t is not None]
 
     def _wake_all(self) -> None:

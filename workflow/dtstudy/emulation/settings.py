@@ -13,6 +13,7 @@ from dtstudy.perfmodel.machine import Machine
 from dtstudy.projection import hardware
 from dtstudy.strategies.specs import SPECS
 
+
 @dataclass(frozen=True)
 class EmulatedCluster:
     """What the clock of an emulated run is made of."""
@@ -35,9 +36,11 @@ def emulated_cluster(config: dict) -> EmulatedCluster:
     emulate = config["emulate"]
     profile = hardware.load_profile(emulate["hardware"], "emulate.hardware")
     if hardware.measured_here(profile):
-        raise ConfigError(f"config key 'emulate.hardware': {emulate['hardware']!r} has intra_node: measured (this "
-                          "machine's communication benchmark), which an emulated run does not read yet; allowed: "
-                          "a profile whose intra_node gives its links (e.g. h100_ib400)")
+        raise ConfigError(
+            f"config key 'emulate.hardware': {emulate['hardware']!r} has intra_node: measured (this "
+            "machine's communication benchmark), which an emulated run does not read yet; allowed: "
+            "a profile whose intra_node gives its links (e.g. h100_ib400)"
+        )
     machine, _ = hardware.study_machine(profile)
     model, precision = config["model"], config["train"]["precision"]
     rate = emulate["images_per_s"]
@@ -46,11 +49,14 @@ def emulated_cluster(config: dict) -> EmulatedCluster:
         rate = profile.get("train_images_per_s", {}).get(model, {}).get(precision)
         source = f"profile {profile['name']}: train_images_per_s.{model}.{precision}"
     if rate is None:
-        raise ConfigError(f"config key 'emulate.images_per_s': null, and profile {profile['name']!r} "
-                          f"(emulate.hardware) has no train_images_per_s.{model}.{precision}; allowed: one GPU's "
-                          f"training rate of model {model!r} in images/s (a number > 0), or a profile that gives it")
-    placements = {name: knobs["placement"] for name, knobs in profile.get("strategy_params", {}).items()
-                  if "placement" in knobs}
+        raise ConfigError(
+            f"config key 'emulate.images_per_s': null, and profile {profile['name']!r} "
+            f"(emulate.hardware) has no train_images_per_s.{model}.{precision}; allowed: one GPU's "
+            f"training rate of model {model!r} in images/s (a number > 0), or a profile that gives it"
+        )
+    placements = {
+        name: knobs["placement"] for name, knobs in profile.get("strategy_params", {}).items() if "placement" in knobs
+    }
     return EmulatedCluster(profile["name"], machine, float(rate), source, placements)
 
 
@@ -62,7 +68,9 @@ def check_emulate(config: dict) -> None:
     for i, name in enumerate(config["strategies"]):
         why = SPECS[name].not_emulated_because
         if why:
-            raise ConfigError(f"config key 'strategies[{i}]': strategy {name!r} is not yet emulated "
-                              f"(launcher.cluster: emulate): {why}; allowed with emulate: "
-                              f"{', '.join(sorted(n for n, s in SPECS.items() if not s.not_emulated_because))}")
+            raise ConfigError(
+                f"config key 'strategies[{i}]': strategy {name!r} is not yet emulated "
+                f"(launcher.cluster: emulate): {why}; allowed with emulate: "
+                f"{', '.join(sorted(n for n, s in SPECS.items() if not s.not_emulated_because))}"
+            )
     emulated_cluster(config)

@@ -6,13 +6,14 @@ process group, running one body function; the first error of any is raised."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
-from dtstudy.emulation.process_group import BACKEND, bind_thread, EmulatedWorld, installed
-from dtstudy.emulation.scheduler import BatonScheduler, EmulationAborted
 from dtstudy.common.timing import install_clock
+from dtstudy.emulation.process_group import BACKEND, EmulatedWorld, bind_thread, installed
+from dtstudy.emulation.scheduler import BatonScheduler, EmulationAborted
 
 
 class LogicalWorkerFailed(RuntimeError):
@@ -36,8 +37,10 @@ class LogicalWorkers:
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
         with installed(self.world):
-            threads = [threading.Thread(target=self._thread, args=(rank, body, results, errors),
-                                        name=f"emulated-rank-{rank}") for rank in range(self.workers)]
+            threads = [
+                threading.Thread(target=self._thread, args=(rank, body, results, errors), name=f"emulated-rank-{rank}")
+                for rank in range(self.workers)
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:

@@ -95,7 +95,7 @@ def cores_per_rank(workers: int, extra: int, on_gpu: bool, loader_workers: int |
 def split(cores: list[int], counts: list[int]) -> list[list[int]]:
     """`cores` cut into consecutive groups of `counts` (rank by rank)."""
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [cores[start:start + count] for start, count in zip(starts, counts)]
+    return [cores[start : start + count] for start, count in zip(starts, counts)]
 
 
 def pin(cores: Iterable[int]) -> None:

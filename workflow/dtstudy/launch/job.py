@@ -16,6 +16,7 @@ import submitit
 from dtstudy.launch.pool.client import apply_environment, request_training
 from dtstudy.runspec import RunSpec
 
+
 class TrainingJob(submitit.helpers.Checkpointable):
     """The callable that submitit runs in each task (worker or extra process) of a run.
 
@@ -45,8 +46,13 @@ class PooledTrainingJob(submitit.helpers.Checkpointable):
     """A local run as one light submitit task: the warm pool forks the run's processes and
     this task waits for them, printing rank 0's progress into its own log."""
 
-    def __init__(self, spec: RunSpec, pool_address: str, timings: dict | None = None,
-                 environ: dict[str, str | None] | None = None):
+    def __init__(
+        self,
+        spec: RunSpec,
+        pool_address: str,
+        timings: dict | None = None,
+        environ: dict[str, str | None] | None = None,
+    ):
         self.spec, self.pool_address = spec, pool_address
         self.timings = timings or {}
         self.environ = environ or {}  # LaunchBackend.job_environment; the pool hands it to the ranks
@@ -55,9 +61,17 @@ class PooledTrainingJob(submitit.helpers.Checkpointable):
         apply_environment(self.environ)  # also what a pool this task starts inherits
 
         env = submitit.JobEnvironment()
-        return request_training(self.pool_address, self.spec, str(env.job_id), str(env.paths.stdout),
-                                str(env.paths.folder), self.timings, self.environ)
+        return request_training(
+            self.pool_address,
+            self.spec,
+            str(env.job_id),
+            str(env.paths.stdout),
+            str(env.paths.folder),
+            self.timings,
+            self.environ,
+        )
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission:
-        return submitit.helpers.DelayedSubmission(PooledTrainingJob(self.spec, self.pool_address, self.timings,
-                                                                    self.environ))
+        return submitit.helpers.DelayedSubmission(
+            PooledTrainingJob(self.spec, self.pool_address, self.timings, self.environ)
+        )

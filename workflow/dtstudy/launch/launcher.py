@@ -92,8 +92,9 @@ class _LogFollower:
             sys.stdout.flush()
 
 
-def run_training_job(spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05,
-                     time_limit_min: int | None = None) -> dict:
+def run_training_job(
+    spec: RunSpec, job_dir: str | Path, poll_s: float = 0.05, time_limit_min: int | None = None
+) -> dict:
     """Run the job to its end; return rank 0's metrics. Raises on failure (metrics.json absent,
     the run's MLflow run marked FAILED). On SLURM a job that lost a process or its node is
     submitted again to resume from the run's checkpoint (resubmission_refused says when it is
@@ -119,8 +120,10 @@ class RunLauncher:
         spec.folder.metrics.unlink(missing_ok=True)  # a stale file must not pass for this run's result
         self.backend = launch_backend(spec.config)
         if self.backend.emulated:  # not a job: `python -m dtstudy train` runs it in-process
-            raise ValueError(f"{spec.run_name}: launcher.cluster {self.backend.kind!r} runs in the calling "
-                             "process (dtstudy.emulation.runner.run_emulated), not as a submitit job")
+            raise ValueError(
+                f"{spec.run_name}: launcher.cluster {self.backend.kind!r} runs in the calling "
+                "process (dtstudy.emulation.runner.run_emulated), not as a submitit job"
+            )
         # spec.folder.resume stays: a run that died resumes from its last checkpoint (dtstudy.training.checkpoint;
         # a finished run leaves none, and state of another config is not used)
         launcher = spec.config["launcher"]
@@ -132,8 +135,11 @@ class RunLauncher:
             os.environ["MASTER_PORT"] = str(free_port())
         self.job = None
         environ = self.backend.job_environment()
-        self.callable = (PooledTrainingJob(spec, pool_address(), timings, environ) if self.pooled
-                         else TrainingJob(spec, timings, environ))
+        self.callable = (
+            PooledTrainingJob(spec, pool_address(), timings, environ)
+            if self.pooled
+            else TrainingJob(spec, timings, environ)
+        )
 
     @functools.cached_property
     def config_sha256(self) -> str:
@@ -144,6 +150,7 @@ class RunLauncher:
         """SIGINT and SIGTERM cancel the job while the block runs. Installed before the job
         starts: a local job's processes then get SIGINT's default disposition even where ours
         was inherited as "ignored" (a shell's `&`), and cancel works."""
+
         def cancel(signum, _frame):
             if self.job is not None:
                 print(f"{self.spec.run_name}: signal {signum}, cancelling job {self.job.job_id}", flush=True)
@@ -165,15 +172,21 @@ class RunLauncher:
         if self.job is None:
             self.submit()
             return
-        print(f"{self.spec.run_name}: job {self.job.job_id}, submitted by an earlier launcher of this run, is still "
-              f"{self.job.state}: waiting for it rather than submitting another; logs in {self.job_dir}", flush=True)
+        print(
+            f"{self.spec.run_name}: job {self.job.job_id}, submitted by an earlier launcher of this run, is still "
+            f"{self.job.state}: waiting for it rather than submitting another; logs in {self.job_dir}",
+            flush=True,
+        )
 
     def submit(self) -> None:
         spec = self.spec
         spec.folder.mlflow_run.unlink(missing_ok=True)  # an earlier MLflow run is not marked
         self.job = make_executor(spec, self.job_dir, self.pooled, self.time_limit_min).submit(self.callable)
-        what = (f"1 task (the warm pool forks its {spec.processes()} processes)" if self.pooled
-                else f"{spec.processes()} tasks")
+        what = (
+            f"1 task (the warm pool forks its {spec.processes()} processes)"
+            if self.pooled
+            else f"{spec.processes()} tasks"
+        )
         print(f"{spec.run_name}: submitted job {self.job.job_id} with {what}; logs in {self.job_dir}", flush=True)
         self.backend.record_job(self.job_dir, self.job, spec.run_name, self.config_sha256)
 
@@ -190,12 +203,16 @@ class RunLauncher:
         mark_failed(spec, f"job {job.job_id} failed: {lost}")
         why_not = resubmission_refused(spec, self.resubmissions, self.max_resubmits)
         if why_not is not None:
-            raise TrainingJobFailed(f"{spec.run_name}: job {job.job_id} failed; {lost}; "
-                                    f"rank 0's stderr: {job.paths.stderr}{why_not}")
+            raise TrainingJobFailed(
+                f"{spec.run_name}: job {job.job_id} failed; {lost}; rank 0's stderr: {job.paths.stderr}{why_not}"
+            )
         self.resubmissions += 1
-        print(f"{spec.run_name}: job {job.job_id} failed: {lost}; resubmitting it to resume from the "
-              f"checkpoint in {spec.folder.resume} (resubmission {self.resubmissions} of at most "
-              f"{self.max_resubmits}, launcher.max_resubmits)", flush=True)
+        print(
+            f"{spec.run_name}: job {job.job_id} failed: {lost}; resubmitting it to resume from the "
+            f"checkpoint in {spec.folder.resume} (resubmission {self.resubmissions} of at most "
+            f"{self.max_resubmits}, launcher.max_resubmits)",
+            flush=True,
+        )
         self.submit()
 
     def results(self) -> dict | None:
@@ -217,8 +234,10 @@ class RunLauncher:
         metrics_path, job = self.spec.folder.metrics, self.job
         if metrics is None or not metrics_path.exists():
             mark_failed(self.spec, f"job {job.job_id} ended without writing {metrics_path}")
-            raise TrainingJobFailed(f"{self.spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
-                                    f"its stderr: {job.paths.stderr}")
+            raise TrainingJobFailed(
+                f"{self.spec.run_name}: job {job.job_id} ended without writing {metrics_path}; "
+                f"its stderr: {job.paths.stderr}"
+            )
         return metrics
 
 
@@ -261,11 +280,14 @@ def resubmission_refused(spec: RunSpec, attempt: int, max_resubmits: int) -> str
         return ""
     if attempt >= max_resubmits:
         return f"; not resubmitted: launcher.max_resubmits is {max_resubmits}" + (
-            f" and it was resubmitted {attempt} times" if attempt else "")
+            f" and it was resubmitted {attempt} times" if attempt else ""
+        )
     missing = missing_checkpoints(spec)
     if missing:
-        return (f"; not resubmitted: no checkpoint to resume from in {spec.folder.resume} "
-                f"({missing}; train.checkpoint_every_min)")
+        return (
+            f"; not resubmitted: no checkpoint to resume from in {spec.folder.resume} "
+            f"({missing}; train.checkpoint_every_min)"
+        )
     return None
 
 
@@ -274,8 +296,11 @@ def missing_checkpoints(spec: RunSpec) -> str:
     Only that the files are there: the resumed job checks them (run, config, sha256) and starts
     from step 0 if none is usable, saying why."""
     folder = spec.folder
-    missing = [folder.rank_file(rank).name for rank in range(spec.workers)
-               if not (folder.rank_file(rank).exists() or folder.previous_rank_file(rank).exists())]
+    missing = [
+        folder.rank_file(rank).name
+        for rank in range(spec.workers)
+        if not (folder.rank_file(rank).exists() or folder.previous_rank_file(rank).exists())
+    ]
     return f"{', '.join(missing)} missing" if missing else ""
 
 

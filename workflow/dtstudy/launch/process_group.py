@@ -33,15 +33,15 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from dtstudy.common.atomic_files import write_json, write_text
-from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.common.ports import free_port
+from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.runspec import TaskLayout
 from dtstudy.strategies.base import DistContext
 
@@ -60,7 +60,8 @@ def pick_device(preference: str, local_rank: int, workers_per_node: int = 1) -> 
         raise RuntimeError(
             f"launcher.device {preference!r}: {workers_per_node} workers on this node but {gpus} visible "
             f"GPU(s); NCCL needs one GPU per worker. Use workers <= {gpus} per node "
-            "(launcher.gpus_per_node on SLURM), or launcher.device: cpu (gloo)")
+            "(launcher.gpus_per_node on SLURM), or launcher.device: cpu (gloo)"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -83,9 +84,14 @@ def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:
     return int(path.read_text())
 
 
-def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: int = 30,
-                       comm_timeout_s: float = 45, gloo_loop_nice: int | str = 0,
-                       port_from_master_task: bool = False) -> DistContext | None:
+def init_from_submitit(
+    layout: TaskLayout,
+    device_preference: str,
+    timeout_min: int = 30,
+    comm_timeout_s: float = 45,
+    gloo_loop_nice: int | str = 0,
+    port_from_master_task: bool = False,
+) -> DistContext | None:
     """Join the job's process group: gloo on CPU (one torch thread per worker), NCCL on GPU.
 
     `layout` (RunSpec.layout) maps the job's tasks to ranks: workers first, then a
@@ -103,12 +109,20 @@ def init_from_submitit(layout: TaskLayout, device_preference: str, timeout_min: 
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_env, job_env.global_rank == 0, timeout_min * 60))
     # MASTER_ADDR (the first node), and locally MASTER_PORT as the launcher pinned it
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    return join_process_group(layout, rank, env.local_rank, device_preference, timeout_min, comm_timeout_s,
-                              gloo_loop_nice)
+    return join_process_group(
+        layout, rank, env.local_rank, device_preference, timeout_min, comm_timeout_s, gloo_loop_nice
+    )
 
 
-def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_preference: str,
-                       timeout_min: float, comm_timeout_s: float = 45, gloo_loop_nice: int | str = 0) -> DistContext:
+def join_process_group(
+    layout: TaskLayout,
+    rank: int,
+    local_rank: int,
+    device_preference: str,
+    timeout_min: float,
+    comm_timeout_s: float = 45,
+    gloo_loop_nice: int | str = 0,
+) -> DistContext:
     """Join the run's process group as `rank` (MASTER_ADDR/MASTER_PORT in the environment):
     gloo on CPU (one torch thread per worker), NCCL on GPU. The rendezvous may take up to
     `timeout_min` (tasks start when the scheduler starts them); every wait after it, at
@@ -127,12 +141,19 @@ def join_process_group(layout: TaskLayout, rank: int, local_rank: int, device_pr
         torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world_size))
     if rank != 0:  # a master this rank can never reach is an error now, not at the job's time limit
-        wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, comm_timeout_s,
-                        timeout_min * 60)
+        wait_for_master(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, comm_timeout_s, timeout_min * 60
+        )
     # the store of the rendezvous waits as long as the job may; the groups' waits are bounded
     # apart from it (a lost peer must not hold the others for the job's time limit)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size,
-                          is_master=rank == 0, timeout=datetime.timedelta(minutes=timeout_min), multi_tenant=True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        layout.world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(minutes=timeout_min),
+        multi_tenant=True,
+    )
     timeout = datetime.timedelta(seconds=comm_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=layout.world_size, timeout=timeout)
     worker_group = None
@@ -190,7 +211,8 @@ def wait_for_master(master: str, port: int, rank: int, unreachable_s: float, tim
                 f"{waited:.0f} s: {failure}. Every node must reach the job's first node at that address: "
                 "check that its host name resolves to an interface the other nodes can route to "
                 "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the interface the process groups use) and "
-                "that TCP ports between the nodes are open (docs/cluster.md, 'Multi-node runs')")
+                "that TCP ports between the nodes are open (docs/cluster.md, 'Multi-node runs')"
+            )
         time.sleep(0.5)
 
 
@@ -207,8 +229,15 @@ class PeerWatch:
     `quiet()`: true while this process is stopping on purpose (a preemption: rank 0 requeues
     and its peers end after it), when peers leave without saying so."""
 
-    def __init__(self, rank: int, world_size: int, comm_timeout_s: float, log: str, record: str | Path,
-                 quiet: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        comm_timeout_s: float,
+        log: str,
+        record: str | Path,
+        quiet: Callable[[], bool] = lambda: False,
+    ):
         self.rank, self.world_size, self.limit_s = rank, world_size, comm_timeout_s
         # unseen this long: lost, before a wait on it times out (so that it is named, and killed)
         self.unseen_limit_s = comm_timeout_s / 2
@@ -220,11 +249,15 @@ class PeerWatch:
         self._left = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> PeerWatch:
         if self.world_size == 1:
             return self
-        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                   timeout=datetime.timedelta(seconds=max(self.limit_s, 10)))
+        self.store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(self.limit_s, 10)),
+        )
         me = {"host": socket.gethostname(), "pid": os.getpid(), "log": self.log}
         self.store.set(f"dtstudy/peer/{self.rank}", json.dumps(me))
         self.store.add(f"dtstudy/beat/{self.rank}", 1)
@@ -262,8 +295,9 @@ class PeerWatch:
 
     def _every_peer_said(self) -> bool:
         """Whether every peer has said that it failed or left (so none was killed)."""
-        return all(self.store.check([f"dtstudy/failed/{r}"]) or self.store.check([f"dtstudy/left/{r}"])
-                   for r in self.peers)
+        return all(
+            self.store.check([f"dtstudy/failed/{r}"]) or self.store.check([f"dtstudy/left/{r}"]) for r in self.peers
+        )
 
     def _stop_watching(self, how: str) -> bool:
         if self._left.is_set() or self._thread is None:
@@ -286,8 +320,11 @@ class PeerWatch:
                 self._info[r] = json.loads(self.store.get(f"dtstudy/peer/{r}"))
         gone = [(r, self._why_lost(self._info.get(r), now - self._seen[r])) for r in self.peers]
         # read after the observation: a peer that left or failed said so before it went
-        return [(r, why, self.store.check([f"dtstudy/failed/{r}"])) for r, why in gone
-                if why and not self.store.check([f"dtstudy/left/{r}"])]
+        return [
+            (r, why, self.store.check([f"dtstudy/failed/{r}"]))
+            for r, why in gone
+            if why and not self.store.check([f"dtstudy/left/{r}"])
+        ]
 
     def _watch(self) -> None:
         store_gone_since = None
@@ -318,8 +355,10 @@ class PeerWatch:
         if peer is not None and peer["host"] == socket.gethostname() and not _alive(peer["pid"]):
             return f"its process {peer['pid']} on {peer['host']} is gone"
         if unseen_s > self.unseen_limit_s:
-            return (f"no heartbeat for {unseen_s:.0f} s (half of launcher.comm_timeout_s: {self.limit_s:g}): "
-                    "its process or node is frozen or gone")
+            return (
+                f"no heartbeat for {unseen_s:.0f} s (half of launcher.comm_timeout_s: {self.limit_s:g}): "
+                "its process or node is frozen or gone"
+            )
         return None
 
     def _record(self, rank: int, why: str) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from dtstudy.launch.process_group import init_from_submitit, join_process_group, PeerWatch
+from dtstudy.launch.process_group import PeerWatch, init_from_submitit, join_process_group
 from dtstudy.launch_backends.registry import launch_backend
-from dtstudy.training.checkpoint import Preemption
-from dtstudy.runspec import lost_rank_path, RunSpec
+from dtstudy.runspec import RunSpec, lost_rank_path
 from dtstudy.strategies.base import DistContext
 from dtstudy.strategies.registry import get_strategy
+from dtstudy.training.checkpoint import Preemption
 from dtstudy.training.loop import train_worker
 
 
@@ -19,16 +19,27 @@ def run_submitit_task(spec: RunSpec, timings: dict) -> dict | None:
     import submitit
 
     launcher = spec.config["launcher"]
-    ctx = init_from_submitit(spec.layout(), launcher["device"], launcher["timeout_min"], launcher["comm_timeout_s"],
-                             launcher["gloo_loop_nice"], launch_backend(spec.config).port_from_master_task)
+    ctx = init_from_submitit(
+        spec.layout(),
+        launcher["device"],
+        launcher["timeout_min"],
+        launcher["comm_timeout_s"],
+        launcher["gloo_loop_nice"],
+        launch_backend(spec.config).port_from_master_task,
+    )
     if ctx is None:  # an idle slot of the job's task layout
         return None
     # nothing but the peers stops the others when one is lost (submitit's local controller
     # waits for every task): each task watches the rest
     job_env = submitit.JobEnvironment()
-    watch = lambda quiet: PeerWatch(ctx.rank, ctx.world_size, launcher["comm_timeout_s"],  # noqa: E731
-                                    str(job_env.paths.stderr), lost_rank_path(job_env.paths.folder, job_env.job_id),
-                                    quiet)
+    watch = lambda quiet: PeerWatch(
+        ctx.rank,
+        ctx.world_size,
+        launcher["comm_timeout_s"],  # noqa: E731
+        str(job_env.paths.stderr),
+        lost_rank_path(job_env.paths.folder, job_env.job_id),
+        quiet,
+    )
     return _train_in_group(spec, ctx, timings, watch)
 
 
@@ -36,16 +47,29 @@ def run_forked_process(spec: RunSpec, rank: int, timings: dict) -> dict | None:
     """Rank `rank` of a local run; MASTER_ADDR/MASTER_PORT are set by the pool (which
     watches the ranks itself and stops them all when one dies)."""
     launcher = spec.config["launcher"]
-    ctx = join_process_group(spec.layout(), rank, rank, launcher["device"], launcher["timeout_min"],
-                             launcher["comm_timeout_s"], launcher["gloo_loop_nice"])
+    ctx = join_process_group(
+        spec.layout(),
+        rank,
+        rank,
+        launcher["device"],
+        launcher["timeout_min"],
+        launcher["comm_timeout_s"],
+        launcher["gloo_loop_nice"],
+    )
     return _train_in_group(spec, ctx, timings)
 
 
 def _train_in_group(spec: RunSpec, ctx: DistContext, timings: dict, watch=None) -> dict | None:
     train = spec.config["train"]
-    preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device, train["preempt_check_every"],
-                            lockstep=get_strategy(spec.strategy).resumable,
-                            checkpoint_every_s=_minutes_as_s(train["checkpoint_every_min"])).install()
+    preemption = Preemption(
+        ctx.rank,
+        spec.workers,
+        ctx.worker_group,
+        ctx.device,
+        train["preempt_check_every"],
+        lockstep=get_strategy(spec.strategy).resumable,
+        checkpoint_every_s=_minutes_as_s(train["checkpoint_every_min"]),
+    ).install()
     # a preempted process's peers end after it on purpose: not a loss
     peers = watch(lambda: preemption.signalled or preemption.stopping).start() if watch else None
     try:
@@ -61,8 +85,9 @@ def _train_in_group(spec: RunSpec, ctx: DistContext, timings: dict, watch=None) 
             peers.fail()  # and names a peer that was killed, when that was the cause
         if isinstance(error, Exception) and preemption.ends_quietly():
             # rank 0 requeues the job (its exchanges fail once it is gone)
-            raise SystemExit(f"rank {ctx.rank}: preempted; stopped "
-                             f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
+            raise SystemExit(
+                f"rank {ctx.rank}: preempted; stopped ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            ) from error
         raise
     finally:
         dist.destroy_process_group()

@@ -71,8 +71,9 @@ class LaunchBackend:
         import submitit
 
         # a requeue after a time-out counts against max_requeues; preemptions do not (submitit)
-        executor = submitit.AutoExecutor(folder=job_dir, cluster=self.kind,
-                                         slurm_max_num_timeout=launcher["max_requeues"])
+        executor = submitit.AutoExecutor(
+            folder=job_dir, cluster=self.kind, slurm_max_num_timeout=launcher["max_requeues"]
+        )
         self.set_parameters(executor, parameters)
         return executor
 

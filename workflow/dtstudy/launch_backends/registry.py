@@ -21,5 +21,6 @@ def launch_backend(config: dict) -> LaunchBackend:
     try:
         return BACKENDS[kind]
     except (KeyError, TypeError):  # TypeError: an unhashable value
-        raise ConfigError(f"config key 'launcher.cluster': {kind!r} is not a launch backend; "
-                          f"allowed: {', '.join(BACKENDS)}") from None
+        raise ConfigError(
+            f"config key 'launcher.cluster': {kind!r} is not a launch backend; allowed: {', '.join(BACKENDS)}"
+        ) from None

@@ -19,9 +19,22 @@ ACTIVE_JOB_FILE = "active_job.json"
 
 class SlurmBackend(LaunchBackend):
     kind = "slurm"
-    own_keys = ("max_requeues", "max_resubmits", "gpus_per_node", "workers_per_node", "gpu_request", "hardware",
-                "time_limit_margin", "gpu_hour_budget", "mem_gb", "partition", "account", "qos", "constraint",
-                "additional_parameters")
+    own_keys = (
+        "max_requeues",
+        "max_resubmits",
+        "gpus_per_node",
+        "workers_per_node",
+        "gpu_request",
+        "hardware",
+        "time_limit_margin",
+        "gpu_hour_budget",
+        "mem_gb",
+        "partition",
+        "account",
+        "qos",
+        "constraint",
+        "additional_parameters",
+    )
     resubmits = True
     # a port derived from the job id alone can be taken on a shared node, and one chosen on
     # the login node says nothing about the nodes (dtstudy.launch.process_group.rendezvous_port)
@@ -69,16 +82,20 @@ class SlurmBackend(LaunchBackend):
             record_path.unlink(missing_ok=True)
             return None
         if record.get("config_sha256") != config_sha256:
-            print(f"{run_name}: cancelling job {job.job_id}, submitted by an earlier launcher of this run: it "
-                  "trains another config", flush=True)
+            print(
+                f"{run_name}: cancelling job {job.job_id}, submitted by an earlier launcher of this run: it "
+                "trains another config",
+                flush=True,
+            )
             cancel_and_wait(job, wait_s=60)
             record_path.unlink(missing_ok=True)
             return None
         return job
 
     def record_job(self, job_dir: Path, job, run_name: str, config_sha256: str) -> None:
-        write_json(job_dir / ACTIVE_JOB_FILE, {"job_id": job.job_id, "run_name": run_name,
-                                               "config_sha256": config_sha256})
+        write_json(
+            job_dir / ACTIVE_JOB_FILE, {"job_id": job.job_id, "run_name": run_name, "config_sha256": config_sha256}
+        )
 
     def forget_job(self, job_dir: Path) -> None:
         (job_dir / ACTIVE_JOB_FILE).unlink(missing_ok=True)
@@ -95,8 +112,12 @@ class SlurmBackend(LaunchBackend):
         resources["cpus_per_task"] = launcher["cpus_per_task"]
         if launcher["mem_gb"] is not None:  # a node's memory for its training tasks: one GPU's share of it
             resources["mem_mb"] = math.ceil(launcher["mem_gb"] * 1024 / launcher["gpus_per_node"])  # --mem=XG
-        for key, resource in (("partition", "slurm_partition"), ("account", "slurm_account"),
-                              ("qos", "qos"), ("constraint", "constraint")):
+        for key, resource in (
+            ("partition", "slurm_partition"),
+            ("account", "slurm_account"),
+            ("qos", "qos"),
+            ("constraint", "constraint"),
+        ):
             if launcher[key] is not None:
                 resources[resource] = launcher[key]
         return resources

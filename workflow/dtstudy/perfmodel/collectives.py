@@ -62,7 +62,9 @@ def allgather_time(nbytes_each: float, workers: int, machine: Machine, messages:
     if local > 1:
         t += (local - 1) * messages * machine.intra.latency_s + (local - 1) * nbytes_each / machine.intra.bandwidth
     if nodes > 1:
-        t += (nodes - 1) * messages * machine.inter.latency_s + (workers - local) * nbytes_each / machine.inter.bandwidth
+        t += (nodes - 1) * messages * machine.inter.latency_s + (
+            workers - local
+        ) * nbytes_each / machine.inter.bandwidth
     return t
 
 

@@ -160,8 +160,12 @@ class Stragglers:
         if not stragglers:
             return cls()
         count = len(stragglers["ranks"]) if stragglers.get("ranks") else None
-        return cls(delay_s=stragglers.get("delay_ms", 0) / 1000.0, distribution=stragglers.get("distribution", "fixed"),
-                   fraction=stragglers.get("fraction", 0.0), count=count)
+        return cls(
+            delay_s=stragglers.get("delay_ms", 0) / 1000.0,
+            distribution=stragglers.get("distribution", "fixed"),
+            fraction=stragglers.get("fraction", 0.0),
+            count=count,
+        )
 
     def slow(self, workers: int) -> int:
         if self.delay_s <= 0:

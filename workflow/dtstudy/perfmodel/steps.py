@@ -62,8 +62,9 @@ def wait_free_exposed(timeline: list[tuple[float, ...]], backward_s: float) -> f
     return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
 
 
-def overlapped(workload: Workload, machine: Machine, exchange: float | tuple[float, ...],
-               bucket_cap_mb: float) -> float:
+def overlapped(
+    workload: Workload, machine: Machine, exchange: float | tuple[float, ...], bucket_cap_mb: float
+) -> float:
     """The exchange's exposed part: with the workload's layer profile, its buckets' timeline
     (each bucket's exchange the total's share of its bytes: latency and compression spread
     with them); without, the machine's fixed share of compute hides it. `exchange`: its
@@ -76,8 +77,9 @@ def overlapped(workload: Workload, machine: Machine, exchange: float | tuple[flo
     groups = layers.buckets(bucket_cap_mb * 2**20, workload.bytes_per_parameter)
     total = sum(size for size, _ in groups)
     backward = layers.backward_share * workload.compute_s
-    return wait_free_exposed([(ready * backward, *(stage * size / total for stage in stages))
-                              for size, ready in groups], backward)
+    return wait_free_exposed(
+        [(ready * backward, *(stage * size / total for stage in stages)) for size, ready in groups], backward
+    )
 
 
 def overlap_used(overlaps_backward: bool, workload: Workload, machine: Machine) -> str:
@@ -91,8 +93,18 @@ def overlap_used(overlaps_backward: bool, workload: Workload, machine: Machine) 
 
 # ----- all-reduce and all-gather, overlapped with backward -------------------------------
 
-def allreduce_step(strategy: str, wire_bytes: float, compression_passes: float, workload, machine, workers,
-                   params, stragglers, messages_per_bucket: int = 1) -> Step:
+
+def allreduce_step(
+    strategy: str,
+    wire_bytes: float,
+    compression_passes: float,
+    workload,
+    machine,
+    workers,
+    params,
+    stragglers,
+    messages_per_bucket: int = 1,
+) -> Step:
     """The gradient (`wire_bytes` of it on the wire) all-reduced in DDP's buckets, overlapped
     with backward, plus the compression's own work where it has some."""
     compute = workload.compute_s
@@ -102,9 +114,15 @@ def allreduce_step(strategy: str, wire_bytes: float, compression_passes: float, 
     exchange = allreduce_time(wire_bytes, workers, machine, messages)
     if compression_passes:
         exchange += kernel_time(strategy, compression_passes, workload.model_bytes, machine)
-    return finish(strategy, workload, workers, compute, exchange,
-                  overlapped(workload, machine, exchange, params["bucket_cap_mb"]),
-                  straggler=synchronous_wait(stragglers, workers))
+    return finish(
+        strategy,
+        workload,
+        workers,
+        compute,
+        exchange,
+        overlapped(workload, machine, exchange, params["bucket_cap_mb"]),
+        straggler=synchronous_wait(stragglers, workers),
+    )
 
 
 def onebit_level_bytes(workload: Workload, quantizer: str | None) -> float:
@@ -136,9 +154,15 @@ def onebit_step(strategy: str, compression_passes: float, workload, machine, wor
         # quantise once, dequantise N messages: half the passes each way
         compression = per_byte / 2 + per_byte / 2 * workers
         exchange = allgather_time(message, workers, machine, messages) + compression
-    return finish(strategy, workload, workers, compute, exchange,
-                  overlapped(workload, machine, exchange, params["bucket_cap_mb"]),
-                  straggler=synchronous_wait(stragglers, workers))
+    return finish(
+        strategy,
+        workload,
+        workers,
+        compute,
+        exchange,
+        overlapped(workload, machine, exchange, params["bucket_cap_mb"]),
+        straggler=synchronous_wait(stragglers, workers),
+    )
 
 
 def independent_step(strategy: str, workload, workers, stragglers) -> Step:
@@ -146,8 +170,8 @@ def independent_step(strategy: str, workload, workers, stragglers) -> Step:
     return finish(strategy, workload, workers, workload.compute_s, 0.0, 0.0, straggler=mean_delay(stragglers, workers))
 
 
-
 # ----- hybrid: data-parallel convolutions, model-parallel fully connected layers -------------
+
 
 def hybrid_exchanges(linear, batch: int, workers: int, bytes_per_value: float) -> list[tuple[str, float]]:
     """The activation exchanges of one forward pass of hybrid (Krizhevsky 2014), as (kind,
@@ -170,8 +194,9 @@ def hybrid_bytes_per_step(linear, batch: int, workers: int, other_parameters: in
     2 (N-1)/N of its bytes."""
     if workers == 1:
         return 0.0
-    activations = sum(2 * (workers - 1) * nbytes for _, nbytes in hybrid_exchanges(linear, batch, workers,
-                                                                                   bytes_per_value))
+    activations = sum(
+        2 * (workers - 1) * nbytes for _, nbytes in hybrid_exchanges(linear, batch, workers, bytes_per_value)
+    )
     return activations + ring_allreduce_bytes(other_parameters * bytes_per_value, workers)
 
 
@@ -184,22 +209,38 @@ def hybrid_step(strategy, workload, machine, workers, params, stragglers) -> Ste
     if workers == 1:
         return alone(strategy, workload, stragglers)
     if not workload.fully_connected:
-        raise ValueError("hybrid needs the model's fully connected layers (a layer profile of the model, "
-                         "or the 2-d weights of a run's model.pt)")
+        raise ValueError(
+            "hybrid needs the model's fully connected layers (a layer profile of the model, "
+            "or the 2-d weights of a run's model.pt)"
+        )
     times = {"allgather": allgather_time, "alltoall": alltoall_time}
-    activations = 2 * sum(times[kind](nbytes, workers, machine)
-                          for kind, nbytes in hybrid_exchanges(workload.fully_connected, workload.batch, workers,
-                                                               workload.bytes_per_parameter))
-    others = dataclasses.replace(workload, parameters=workload.parameters - workload.linear_parameters,
-                                 layers=workload.layers.without_linear() if workload.layers else None)
+    activations = 2 * sum(
+        times[kind](nbytes, workers, machine)
+        for kind, nbytes in hybrid_exchanges(
+            workload.fully_connected, workload.batch, workers, workload.bytes_per_parameter
+        )
+    )
+    others = dataclasses.replace(
+        workload,
+        parameters=workload.parameters - workload.linear_parameters,
+        layers=workload.layers.without_linear() if workload.layers else None,
+    )
     cap = params["bucket_cap_mb"]
     gradient = allreduce_time(others.model_bytes, workers, machine, buckets(others.model_bytes, cap))
     exposed = overlapped(others, machine, gradient, cap) + activations
-    return finish(strategy, workload, workers, workload.compute_s, gradient + activations, exposed,
-                  straggler=synchronous_wait(stragglers, workers))
+    return finish(
+        strategy,
+        workload,
+        workers,
+        workload.compute_s,
+        gradient + activations,
+        exposed,
+        straggler=synchronous_wait(stragglers, workers),
+    )
 
 
 # ----- parameter servers ---------------------------------------------------------------
+
 
 def ps_phase_time(workload: Workload, machine: Machine, workers: int, shards: int, placement: str) -> float:
     """One direction of a parameter-server exchange (all pushes, or all pulls): the busiest
@@ -272,8 +313,7 @@ def ps_round_step(strategy, workload, machine, workers, params, stragglers, quor
     # push, then the pull of the new parameters (no overlap: update() blocks); each worker's
     # round trip also pays the protocol's own cost, in parallel with the others'
     exchange = 2 * phase + machine.ps_request_s
-    return finish(strategy, workload, workers, workload.compute_s, exchange, exchange, server=server,
-                  straggler=wait)
+    return finish(strategy, workload, workers, workload.compute_s, exchange, exchange, server=server, straggler=wait)
 
 
 def shard_reply_time(workload: Workload, machine: Machine, workers: int, shards: int, placement: str) -> float:
@@ -317,17 +357,33 @@ def ps_async_step(strategy, workload, machine, workers, params, stragglers, wind
     if round_s > demand_round:
         bound = "server" if serve_round > link_round and one_gradient > reply else "network"
     else:
-        parts = {"compute": workload.compute_s, "network": round_trip, "server": one_gradient,
-                 "straggler": demand_round - cycle}
+        parts = {
+            "compute": workload.compute_s,
+            "network": round_trip,
+            "server": one_gradient,
+            "straggler": demand_round - cycle,
+        }
         bound = max(parts, key=parts.get)
-    return Step(strategy, workers, round_s, workload.compute_s, round_trip, round_trip, one_gradient,
-                max(0.0, demand_round - cycle), workers * workload.batch / round_s, bound)
+    return Step(
+        strategy,
+        workers,
+        round_s,
+        workload.compute_s,
+        round_trip,
+        round_trip,
+        one_gradient,
+        max(0.0, demand_round - cycle),
+        workers * workload.batch / round_s,
+        bound,
+    )
 
 
 # ----- periodic averaging and gossip -----------------------------------------------------
 
-def periodic_allreduce_step(strategy, averaged_bytes: float, period: int, workload, machine, workers,
-                            stragglers) -> Step:
+
+def periodic_allreduce_step(
+    strategy, averaged_bytes: float, period: int, workload, machine, workers, stragglers
+) -> Step:
     """`period` local steps, then `averaged_bytes` all-reduced (blocking): 1/period of it per
     step (a warm-up phase is left out: steady state); the barrier waits over the window."""
     if workers == 1:

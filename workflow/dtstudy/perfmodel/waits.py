@@ -7,6 +7,7 @@ import math
 
 from dtstudy.perfmodel.machine import Machine, Stragglers
 
+
 def expected_order_statistic(distribution: str, mean_s: float, j: int, k: int) -> float:
     """E of the j-th smallest of k iid delays (j = k: the maximum): fixed = mean; uniform on
     [0, 2 mean]: 2 mean j/(k+1); exponential: mean * sum_{i<j} 1/(k-i) (the max: mean H_k)."""
@@ -32,7 +33,8 @@ def expected_max_of_window_means(distribution: str, mean_s: float, k: int, windo
     # the sum of `window` draws has an Erlang (exponential) or Irwin-Hall (uniform) law;
     # E[max] = integral of 1 - F(x)^k, on a grid
     upper = mean_s * window * (2.0 if distribution == "uniform" else 1.0) + (
-        0.0 if distribution == "uniform" else 12 * mean_s * math.sqrt(window))
+        0.0 if distribution == "uniform" else 12 * mean_s * math.sqrt(window)
+    )
     points = 4000
     dx = upper / points
     total = 0.0
@@ -60,7 +62,7 @@ def _window_cdf(distribution: str, mean_s: float, window: int, x: float) -> floa
     return sum((-1) ** i * math.comb(window, i) * (y - i) ** window for i in range(int(y) + 1)) / math.factorial(window)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def expected_normal_order_statistic(j: int, k: int) -> float:
     """E of the j-th smallest of k standard normal draws (numerically, in logs so that large
     k stays finite; j = k: the maximum)."""
@@ -80,8 +82,9 @@ def expected_normal_order_statistic(j: int, k: int) -> float:
     return total
 
 
-def natural_wait(machine: Machine, compute_s: float, participants: int, window: int = 1,
-                 waits_for: int | None = None) -> float:
+def natural_wait(
+    machine: Machine, compute_s: float, participants: int, window: int = 1, waits_for: int | None = None
+) -> float:
     """What a barrier over `participants` identical workers waits for their natural jitter:
     sigma = skew_fraction sqrt(pi) compute (E[max of 2] - mean = sigma / sqrt(pi)), the
     mean over `window` steps (sigma / sqrt(window)), Gaussian order statistics."""

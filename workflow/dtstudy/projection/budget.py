@@ -76,8 +76,10 @@ def images_from_meta(data_dir: str | Path) -> Images:
     try:
         sizes = json.loads(path.read_text())["sizes"]
     except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(f"launcher.hardware: a job's time limit needs the prepared data's split sizes, "
-                          f"but {path} cannot be read ({err})") from None
+        raise ConfigError(
+            f"launcher.hardware: a job's time limit needs the prepared data's split sizes, "
+            f"but {path} cannot be read ({err})"
+        ) from None
     return Images(sizes["train"], sizes["val"], f"the prepared data set ({path})")
 
 
@@ -88,9 +90,11 @@ def study_images(config: dict, counted: int | None, why_not: str = "") -> Images
         return split(counted, config["dataset"], f"the {config['dataset']['name']} data set on disk")
     given = config["launcher"]["budget_train_images"]
     if given is None:
-        raise ConfigError(f"config key 'launcher.budget_train_images': null, and the data set cannot be counted "
-                          f"({why_not}); give its training images before the validation split "
-                          f"(ImageNet-1k: 1281167), or make the data set readable here")
+        raise ConfigError(
+            f"config key 'launcher.budget_train_images': null, and the data set cannot be counted "
+            f"({why_not}); give its training images before the validation split "
+            f"(ImageNet-1k: 1281167), or make the data set readable here"
+        )
     return split(given, config["dataset"], "config key 'launcher.budget_train_images'")
 
 
@@ -128,9 +132,11 @@ def load_costing(name_or_path: str, config: dict, key: str) -> Costing:
     model, precision = config["model"], config["train"]["precision"]
     found = costing(hardware.load_profile(name_or_path, key), model, precision)
     if isinstance(found, str):
-        raise ConfigError(f"config key '{key}': profile {name_or_path!r} cannot cost model {model!r} at "
-                          f"train.precision {precision!r}: {found}; give the profile one GPU's training rate, "
-                          f"train_images_per_s: {{{model}: {{{precision}: images/s}}}} (config/hardware/README.md)")
+        raise ConfigError(
+            f"config key '{key}': profile {name_or_path!r} cannot cost model {model!r} at "
+            f"train.precision {precision!r}: {found}; give the profile one GPU's training rate, "
+            f"train_images_per_s: {{{model}: {{{precision}: images/s}}}} (config/hardware/README.md)"
+        )
     return found
 
 
@@ -142,9 +148,16 @@ def workload(config: dict, images_per_s: float, workers: int) -> Workload:
     matrices = layer_profiles.matrices(model, "config key 'model'")
     batch = per_worker_batch(config["train"], workers)
     tensors, groups = calibration.counts_for_onebit(layers)
-    return Workload(parameters=sum(n * m for n, m in matrices), bytes_per_parameter=BYTES_PER_PARAMETER,
-                    batch=batch, compute_s=batch / images_per_s, tensors=tensors, column_groups=groups,
-                    matrices=calibration.as_matrices(matrices), layers=layers)
+    return Workload(
+        parameters=sum(n * m for n, m in matrices),
+        bytes_per_parameter=BYTES_PER_PARAMETER,
+        batch=batch,
+        compute_s=batch / images_per_s,
+        tensors=tensors,
+        column_groups=groups,
+        matrices=calibration.as_matrices(matrices),
+        layers=layers,
+    )
 
 
 # ----- one run --------------------------------------------------------------------------------
@@ -228,13 +241,15 @@ def time_limit(wall_s: float, attempts: int, launcher: dict) -> int:
     return min(cap, max(floor, math.ceil(wall_s * launcher["time_limit_margin"] / 60)))
 
 
-def run_cost(config: dict, strategy: str, workers: int, images: Images, where: Costing,
-             stragglers: Stragglers | None = None) -> RunCost:
+def run_cost(
+    config: dict, strategy: str, workers: int, images: Images, where: Costing, stragglers: Stragglers | None = None
+) -> RunCost:
     """One run of `config` (a run config, or kind_config's study config: its train section is the run's)."""
     params = run_params(config, strategy, workers, where.profile)
     load = workload(config, where.images_per_s, workers)
-    step = model_step(strategy, load, where.machine, workers, params,
-                      stragglers or Stragglers.from_config(config.get("stragglers")))
+    step = model_step(
+        strategy, load, where.machine, workers, params, stragglers or Stragglers.from_config(config.get("stragglers"))
+    )
     count = steps(config, strategy, workers, images, params)
     forward_share = 1.0 - load.layers.backward_share
     eval_s = eval_images(config, images, count, workers) * forward_share / where.images_per_s
@@ -243,9 +258,20 @@ def run_cost(config: dict, strategy: str, workers: int, images: Images, where: C
     # attempts: how many time limits of timeout_min the run needs, each with its own start-up
     attempts = max(1, math.ceil((work_s + STARTUP_S) * launcher["time_limit_margin"] / (launcher["timeout_min"] * 60)))
     wall_s = work_s + STARTUP_S * attempts
-    return RunCost(kind=run_kinds.kind_of_run_config(config), strategy=strategy, workers=workers, steps=count, step_s=step.step_s, train_s=count * step.step_s,
-                   eval_s=eval_s, startup_s=STARTUP_S * attempts, attempts=attempts, wall_s=wall_s, gpus=workers,
-                   time_limit_min=time_limit(wall_s, attempts, launcher))
+    return RunCost(
+        kind=run_kinds.kind_of_run_config(config),
+        strategy=strategy,
+        workers=workers,
+        steps=count,
+        step_s=step.step_s,
+        train_s=count * step.step_s,
+        eval_s=eval_s,
+        startup_s=STARTUP_S * attempts,
+        attempts=attempts,
+        wall_s=wall_s,
+        gpus=workers,
+        time_limit_min=time_limit(wall_s, attempts, launcher),
+    )
 
 
 def kind_config(config: dict, kind: str) -> dict:
@@ -260,8 +286,11 @@ def study_costs(config: dict, images: Images, where: Costing) -> list[RunCost]:
     costs = []
     for kind in run_kinds.kinds_run(config):
         as_run, seeds = kind_config(config, kind), len(run_kinds.seeds(config, kind))
-        costs += [dataclasses.replace(run_cost(as_run, name, n, images, where, stragglers), seeds=seeds)
-                  for name in config["strategies"] for n in run_kinds.workers(config, kind)]
+        costs += [
+            dataclasses.replace(run_cost(as_run, name, n, images, where, stragglers), seeds=seeds)
+            for name in config["strategies"]
+            for n in run_kinds.workers(config, kind)
+        ]
     return costs
 
 
@@ -280,9 +309,11 @@ def cluster_costing(config: dict) -> Costing | None:
         return None
     where = load_costing(launcher["hardware"], config, "launcher.hardware")
     if where.machine.gpus_per_node != launcher["gpus_per_node"]:
-        raise ConfigError(f"config key 'launcher.gpus_per_node': {launcher['gpus_per_node']}, but launcher.hardware "
-                          f"{launcher['hardware']!r} has {where.machine.gpus_per_node} GPUs per node; give the profile "
-                          f"of your nodes (a copy with its gpus_per_node and links) or set gpus_per_node to match")
+        raise ConfigError(
+            f"config key 'launcher.gpus_per_node': {launcher['gpus_per_node']}, but launcher.hardware "
+            f"{launcher['hardware']!r} has {where.machine.gpus_per_node} GPUs per node; give the profile "
+            f"of your nodes (a copy with its gpus_per_node and links) or set gpus_per_node to match"
+        )
     return where
 
 
@@ -295,8 +326,10 @@ def check_study(config: dict, images: Images) -> None:
     where = cluster_costing(config)
     if where is None:
         if launcher["gpu_hour_budget"] is not None:
-            raise ConfigError(f"config key 'launcher.gpu_hour_budget': {launcher['gpu_hour_budget']:g} needs a "
-                              f"prediction to hold the study to; set launcher.hardware to the profile of your nodes")
+            raise ConfigError(
+                f"config key 'launcher.gpu_hour_budget': {launcher['gpu_hour_budget']:g} needs a "
+                f"prediction to hold the study to; set launcher.hardware to the profile of your nodes"
+            )
         return
     costs = study_costs(config, images, where)
     allowed = launcher["max_requeues"] + 1
@@ -307,7 +340,8 @@ def check_study(config: dict, images: Images) -> None:
                 f"the {cost.kind} run of {cost.strategy} at N={cost.workers}: predicted {cost.wall_s / SECONDS_PER_HOUR:.1f} h on "
                 f"{where.name} x time_limit_margin {launcher['time_limit_margin']:g} needs {cost.attempts} jobs of "
                 f"launcher.timeout_min {launcher['timeout_min']} min; raise max_requeues to {cost.attempts - 1} "
-                f"or timeout_min")
+                f"or timeout_min"
+            )
     total = total_gpu_hours(costs)
     budget = launcher["gpu_hour_budget"]
     if budget is not None and total > budget:
@@ -315,7 +349,8 @@ def check_study(config: dict, images: Images) -> None:
         raise ConfigError(
             f"config key 'launcher.gpu_hour_budget': the study is predicted to cost {total:.0f} GPU-hours on "
             f"{where.name}, over the budget of {budget:g}; the cost grows with strategies, workers, seeds, "
-            f"train.epochs (accuracy runs) and scaling.steps (scaling runs) (the dearest strategy: {dearest}); `python -m dtstudy budget` prints every run")
+            f"train.epochs (accuracy runs) and scaling.steps (scaling runs) (the dearest strategy: {dearest}); `python -m dtstudy budget` prints every run"
+        )
 
 
 def job_time_limit_min(config: dict, strategy: str, workers: int, data_dir: str | Path) -> int | None:
@@ -347,16 +382,34 @@ def profile_names(config: dict) -> list[tuple[str, str]]:
 def report(config: dict, images: Images) -> dict:
     """The prediction on every profile the config names that can cost its model: per run,
     per strategy and in total (the budget command's record), and why any other is skipped."""
-    kinds = {kind: {"runs": run_kinds.run_count(config, kind), "workers": run_kinds.workers(config, kind),
-                    "seeds": run_kinds.seeds(config, kind), "gives": run_kinds.KINDS[kind].gives}
-             for kind in run_kinds.kinds_run(config)}
+    kinds = {
+        kind: {
+            "runs": run_kinds.run_count(config, kind),
+            "workers": run_kinds.workers(config, kind),
+            "seeds": run_kinds.seeds(config, kind),
+            "gives": run_kinds.KINDS[kind].gives,
+        }
+        for kind in run_kinds.kinds_run(config)
+    }
     if run_kinds.has_scaling_runs(config):
-        kinds[run_kinds.SCALING].update(warmup_steps=config["scaling"]["warmup_steps"], steps=config["scaling"]["steps"])
-    out = {"model": config["model"], "precision": config["train"]["precision"],
-           "runs": sum(kind["runs"] for kind in kinds.values()), "kinds": kinds, "train_images": images.train, "val_images": images.val, "images_from": images.source,
-           "startup_s": STARTUP_S, "time_limit_margin": config["launcher"]["time_limit_margin"],
-           "time_limit_floor_min": TIME_LIMIT_FLOOR_MIN, "timeout_min": config["launcher"]["timeout_min"],
-           "profiles": {}, "skipped": {}}
+        kinds[run_kinds.SCALING].update(
+            warmup_steps=config["scaling"]["warmup_steps"], steps=config["scaling"]["steps"]
+        )
+    out = {
+        "model": config["model"],
+        "precision": config["train"]["precision"],
+        "runs": sum(kind["runs"] for kind in kinds.values()),
+        "kinds": kinds,
+        "train_images": images.train,
+        "val_images": images.val,
+        "images_from": images.source,
+        "startup_s": STARTUP_S,
+        "time_limit_margin": config["launcher"]["time_limit_margin"],
+        "time_limit_floor_min": TIME_LIMIT_FLOOR_MIN,
+        "timeout_min": config["launcher"]["timeout_min"],
+        "profiles": {},
+        "skipped": {},
+    }
     for name, key in profile_names(config):
         where = costing(hardware.load_profile(name, key), config["model"], config["train"]["precision"])
         if isinstance(where, str):
@@ -365,13 +418,20 @@ def report(config: dict, images: Images) -> dict:
         costs = study_costs(config, images, where)
         longest = max(costs, key=lambda c: c.wall_s)
         out["profiles"][where.name] = {
-            "named_by": key, "images_per_s": where.images_per_s, "gpus_per_node": where.machine.gpus_per_node,
+            "named_by": key,
+            "images_per_s": where.images_per_s,
+            "gpus_per_node": where.machine.gpus_per_node,
             "total_gpu_hours": total_gpu_hours(costs),
             "by_kind_gpu_hours": {kind: total_gpu_hours([c for c in costs if c.kind == kind]) for kind in kinds},
-            "by_strategy_gpu_hours": {s: total_gpu_hours([c for c in costs if c.strategy == s])
-                                      for s in config["strategies"]},
-            "longest_run": {"kind": longest.kind, "strategy": longest.strategy, "workers": longest.workers,
-                            "hours": longest.wall_s / SECONDS_PER_HOUR},
+            "by_strategy_gpu_hours": {
+                s: total_gpu_hours([c for c in costs if c.strategy == s]) for s in config["strategies"]
+            },
+            "longest_run": {
+                "kind": longest.kind,
+                "strategy": longest.strategy,
+                "workers": longest.workers,
+                "hours": longest.wall_s / SECONDS_PER_HOUR,
+            },
             "runs": [cost.row() for cost in costs],
         }
     return out
@@ -384,38 +444,53 @@ def _hours(seconds: float) -> str:
 def render(result: dict, budget: float | None = None) -> str:
     """The report as text: a table per profile (one line per kind, strategy and N; each of the
     kind's seeds runs it once)."""
-    kinds = "; ".join(f"{kind['runs']} {name} runs ({len(kind['seeds'])} seed{'s' * (len(kind['seeds']) != 1)} each, "
-                      f"{kind['gives']})"
-                      for name, kind in result["kinds"].items())
-    lines = [f"Predicted cost of the study: {kinds}; of {result['model']} at {result['precision']} "
-             f"on {result['train_images']} training and {result['val_images']} validation images "
-             f"({result['images_from']}); start-up {result['startup_s']:g} s per job attempt (assumed), "
-             f"time limit = prediction x {result['time_limit_margin']:g}"]
+    kinds = "; ".join(
+        f"{kind['runs']} {name} runs ({len(kind['seeds'])} seed{'s' * (len(kind['seeds']) != 1)} each, {kind['gives']})"
+        for name, kind in result["kinds"].items()
+    )
+    lines = [
+        f"Predicted cost of the study: {kinds}; of {result['model']} at {result['precision']} "
+        f"on {result['train_images']} training and {result['val_images']} validation images "
+        f"({result['images_from']}); start-up {result['startup_s']:g} s per job attempt (assumed), "
+        f"time limit = prediction x {result['time_limit_margin']:g}"
+    ]
     for name, profile in result["profiles"].items():
-        lines += ["", f"{name} ({profile['named_by']}): {profile['images_per_s']:g} images/s per GPU at N=1, "
-                      f"{profile['gpus_per_node']} GPUs per node",
-                  f"{'kind':<10}{'strategy':<20}{'N':>4}{'steps':>9}{'step':>10}{'wall':>11}{'GPUs':>6}{'GPU-h/run':>11}"
-                  f"{'limit':>9}{'jobs':>6}"]
+        lines += [
+            "",
+            f"{name} ({profile['named_by']}): {profile['images_per_s']:g} images/s per GPU at N=1, "
+            f"{profile['gpus_per_node']} GPUs per node",
+            f"{'kind':<10}{'strategy':<20}{'N':>4}{'steps':>9}{'step':>10}{'wall':>11}{'GPUs':>6}{'GPU-h/run':>11}"
+            f"{'limit':>9}{'jobs':>6}",
+        ]
         for run in profile["runs"]:
-            lines.append(f"{run['kind']:<10}{run['strategy']:<20}{run['workers']:>4}{run['steps']:>9}{run['step_s'] * 1000:>8.1f}ms"
-                         f"{_hours(run['wall_s']):>11}{run['gpus']:>6}{run['gpu_hours']:>11.2f}"
-                         f"{run['time_limit_min']:>5} min{run['attempts']:>6}")
+            lines.append(
+                f"{run['kind']:<10}{run['strategy']:<20}{run['workers']:>4}{run['steps']:>9}{run['step_s'] * 1000:>8.1f}ms"
+                f"{_hours(run['wall_s']):>11}{run['gpus']:>6}{run['gpu_hours']:>11.2f}"
+                f"{run['time_limit_min']:>5} min{run['attempts']:>6}"
+            )
         per = ", ".join(f"{s} {h:.0f}" for s, h in profile["by_strategy_gpu_hours"].items())
         per_kind = ", ".join(f"{kind} runs {h:.0f}" for kind, h in profile["by_kind_gpu_hours"].items())
         longest = profile["longest_run"]
-        lines += [f"GPU-hours per strategy (all kinds, N and seeds): {per}",
-                  f"GPU-hours per kind of run: {per_kind}",
-                  f"total: {profile['total_gpu_hours']:.0f} GPU-hours on {name}; the longest run "
-                  f"{longest['strategy']} at N={longest['workers']} ({longest['kind']}), {longest['hours']:.1f} h"]
+        lines += [
+            f"GPU-hours per strategy (all kinds, N and seeds): {per}",
+            f"GPU-hours per kind of run: {per_kind}",
+            f"total: {profile['total_gpu_hours']:.0f} GPU-hours on {name}; the longest run "
+            f"{longest['strategy']} at N={longest['workers']} ({longest['kind']}), {longest['hours']:.1f} h",
+        ]
         if budget is not None and profile["named_by"] == "launcher.hardware":
-            lines.append(f"launcher.gpu_hour_budget: {budget:g} GPU-hours "
-                         + ("(over it: the study is refused)" if profile["total_gpu_hours"] > budget else "(within it)"))
+            lines.append(
+                f"launcher.gpu_hour_budget: {budget:g} GPU-hours "
+                + ("(over it: the study is refused)" if profile["total_gpu_hours"] > budget else "(within it)")
+            )
     for name, why in result["skipped"].items():
         lines += ["", f"{name}: not costed, {why}"]
     if not result["profiles"]:
-        lines += ["", f"no profile of launcher.hardware or projection.hardware can cost {result['model']} at "
-                      f"{result['precision']}: give one train_images_per_s.{result['model']}.{result['precision']} "
-                      f"(config/hardware/README.md)"]
+        lines += [
+            "",
+            f"no profile of launcher.hardware or projection.hardware can cost {result['model']} at "
+            f"{result['precision']}: give one train_images_per_s.{result['model']}.{result['precision']} "
+            f"(config/hardware/README.md)",
+        ]
     return "\n".join(lines)
 
 
@@ -441,11 +516,12 @@ def write_record(path: str | Path, name: str, configs: list[str], settings: list
     """The prediction as entry `name` of a JSON record (others kept), with what reproduces it."""
     path = Path(path)
     record = json.loads(path.read_text()) if path.exists() else {}
-    record["about"] = ("the cost of a study as the performance model predicts it (dtstudy.projection.budget), "
-                       "per hardware profile; each entry's command reproduces it, and tests/test_budget.py "
-                       "recomputes every entry")
+    record["about"] = (
+        "the cost of a study as the performance model predicts it (dtstudy.projection.budget), "
+        "per hardware profile; each entry's command reproduces it, and tests/test_budget.py "
+        "recomputes every entry"
+    )
     command = ["python -m dtstudy budget", *(f"--configfile {c}" for c in configs[1:])]
     command += [f"--set {s}" for s in settings]
     record[name] = {"command": " ".join(command), "configs": configs, "set": list(settings), **result}
     write_json(path, record)
-

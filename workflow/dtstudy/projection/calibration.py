@@ -11,11 +11,11 @@ from pathlib import Path
 import yaml
 from scipy import stats
 
-from dtstudy.projection import hardware, layer_profiles
 from dtstudy.common import intervals
 from dtstudy.errors import ConfigError
 from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.perfmodel.machine import LayerProfile, Link, Workload
+from dtstudy.projection import hardware, layer_profiles
 from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS, model_step
 
 
@@ -41,8 +41,10 @@ def allreduce_link(intercept: float, slope: float, participants: int) -> dict:
     """Per-link alpha and B of a ring all-reduce over p processes, t = 2 (p-1) alpha + 2 (p-1)/p m / B,
     from the line t = intercept + slope m."""
     p = participants
-    return {"latency_s": max(intercept, 0.0) / (2 * (p - 1)),
-            "bandwidth": 2 * (p - 1) / p / slope if slope > 0 else math.inf}
+    return {
+        "latency_s": max(intercept, 0.0) / (2 * (p - 1)),
+        "bandwidth": 2 * (p - 1) / p / slope if slope > 0 else math.inf,
+    }
 
 
 def fit_p2p(points: list[list[float]]) -> dict:
@@ -63,8 +65,10 @@ def line_intervals(points: list[list[float]], level: float = intervals.LEVEL) ->
         return None
     fit = stats.linregress([x for x, _ in points], [y for _, y in points])
     t = stats.t.ppf(0.5 + level / 2, len(points) - 2)
-    return ((fit.intercept - t * fit.intercept_stderr, fit.intercept + t * fit.intercept_stderr),
-            (fit.slope - t * fit.stderr, fit.slope + t * fit.stderr))
+    return (
+        (fit.intercept - t * fit.intercept_stderr, fit.intercept + t * fit.intercept_stderr),
+        (fit.slope - t * fit.stderr, fit.slope + t * fit.stderr),
+    )
 
 
 def benchmark_link_ends(commbench: dict) -> tuple[dict, dict] | None:
@@ -73,8 +77,10 @@ def benchmark_link_ends(commbench: dict) -> tuple[dict, dict] | None:
     the fast end (both at the bottom), for the projection's band; None when the benchmark's
     points are not there (3 sizes or more each)."""
     ends = ({}, {})
-    for key, field, link in (("allreduce", "intra", lambda a, b: allreduce_link(a, b, commbench["processes"])),
-                             ("p2p", "intra_p2p", p2p_link)):
+    for key, field, link in (
+        ("allreduce", "intra", lambda a, b: allreduce_link(a, b, commbench["processes"])),
+        ("p2p", "intra_p2p", p2p_link),
+    ):
         bounds = line_intervals(commbench.get(key) or [])
         if bounds is None:
             return None
@@ -129,15 +135,19 @@ def load_measured(path: str | Path) -> dict:
             raise ConfigError(f"{where}: key 'throughput.{n}': N must be a whole number") from None
         measured[workers] = float(_positive(value, f"throughput.{n}", where))
     if 1 not in measured:
-        raise ConfigError(f"{where}: key 'throughput': {sorted(measured)} has no N=1; the images/s of one "
-                          f"worker is required (it calibrates the compute time)")
+        raise ConfigError(
+            f"{where}: key 'throughput': {sorted(measured)} has no N=1; the images/s of one "
+            f"worker is required (it calibrates the compute time)"
+        )
     layers = None
     if "layer_profile" in model:
         layers = layer_profiles.load(model["layer_profile"], f"{where}: key 'model.layer_profile'")
         mismatch = profile_mismatch(layers, model["parameters"])
         if mismatch:
-            raise ConfigError(f"{where}: key 'model.layer_profile': {mismatch} (key 'model.parameters'); allowed: "
-                              f"a profile within {PROFILE_PARAMETER_TOLERANCE:.0%} of the model's parameters")
+            raise ConfigError(
+                f"{where}: key 'model.layer_profile': {mismatch} (key 'model.parameters'); allowed: "
+                f"a profile within {PROFILE_PARAMETER_TOLERANCE:.0%} of the model's parameters"
+            )
     return {"model": model, "per_worker_batch": batch, "throughput": measured, "source": str(path), "layers": layers}
 
 
@@ -176,10 +186,16 @@ def workload_from_measured(measured: dict) -> Workload:
     batch = measured["per_worker_batch"]
     layers = measured.get("layers")
     tensors, groups = counts_for_onebit(layers)
-    return Workload(parameters=int(model["parameters"]), bytes_per_parameter=int(model["bytes_per_parameter"]),
-                    batch=batch, compute_s=batch / measured["throughput"][1],
-                    tensors=int(model.get("tensors", tensors)), column_groups=int(model.get("column_groups", groups)),
-                    matrices=as_matrices(model["matrices"]) if model.get("matrices") else None, layers=layers)
+    return Workload(
+        parameters=int(model["parameters"]),
+        bytes_per_parameter=int(model["bytes_per_parameter"]),
+        batch=batch,
+        compute_s=batch / measured["throughput"][1],
+        tensors=int(model.get("tensors", tensors)),
+        column_groups=int(model.get("column_groups", groups)),
+        matrices=as_matrices(model["matrices"]) if model.get("matrices") else None,
+        layers=layers,
+    )
 
 
 def counts_for_onebit(layers) -> tuple[int, int]:
@@ -206,13 +222,22 @@ def read_runs(paths: list[str | Path]) -> list[dict]:
     for path in paths:
         m = json.loads(Path(path).read_text())
         st = m["step_time"]
-        runs.append({
-            "strategy": m["strategy"], "workers": m["workers"], "seed": m["seed"], "throughput": m["throughput"],
-            "compute_s": st["compute_s"], "comm_s": st["comm_s"], "data_s": st["data_s"], "total_s": st["total_s"],
-            "bytes_per_step": m["bytes_per_step"], "per_worker_batch": m["per_worker_batch"],
-            "oversubscribed": m["environment"].get("oversubscribed", False),
-            "strategy_params": m.get("strategy_params", {}),
-        })
+        runs.append(
+            {
+                "strategy": m["strategy"],
+                "workers": m["workers"],
+                "seed": m["seed"],
+                "throughput": m["throughput"],
+                "compute_s": st["compute_s"],
+                "comm_s": st["comm_s"],
+                "data_s": st["data_s"],
+                "total_s": st["total_s"],
+                "bytes_per_step": m["bytes_per_step"],
+                "per_worker_batch": m["per_worker_batch"],
+                "oversubscribed": m["environment"].get("oversubscribed", False),
+                "strategy_params": m.get("strategy_params", {}),
+            }
+        )
     return runs
 
 
@@ -223,11 +248,15 @@ def compute_samples(runs: list[dict]) -> tuple[list[float], str]:
     that ran."""
     single = [r for r in runs if r["workers"] == 1 and r["comm_s"] == 0]
     if single:
-        return [r["total_s"] + r["data_s"] for r in single], f"step (total + data) of {len(single)} N=1 run(s) without exchange"
+        return [
+            r["total_s"] + r["data_s"] for r in single
+        ], f"step (total + data) of {len(single)} N=1 run(s) without exchange"
     smallest = min(r["workers"] for r in runs)
     single = [r for r in runs if r["workers"] == smallest]
-    return ([r["compute_s"] + r["data_s"] for r in single],
-            f"per-worker compute + data of {len(single)} run(s) at N={smallest} (no N=1 ran)")
+    return (
+        [r["compute_s"] + r["data_s"] for r in single],
+        f"per-worker compute + data of {len(single)} run(s) at N={smallest} (no N=1 ran)",
+    )
 
 
 def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> tuple[Workload, dict]:
@@ -241,10 +270,18 @@ def workload_from_runs(runs: list[dict], parameters: int, tensors: int = 0) -> t
     for r in runs:
         if SPECS[r["strategy"]].needs_matrices and r["workers"] > 1 and r["strategy"] not in shares:
             shares[r["strategy"]] = r["bytes_per_step"] / ring_allreduce_bytes(parameters * 4, r["workers"])
-    workload = Workload(parameters=parameters, bytes_per_parameter=4, batch=batch, compute_s=sum(samples) / len(samples),
-                        tensors=tensors, measured_share=shares)
+    workload = Workload(
+        parameters=parameters,
+        bytes_per_parameter=4,
+        batch=batch,
+        compute_s=sum(samples) / len(samples),
+        tensors=tensors,
+        measured_share=shares,
+    )
     source = {"compute_s": "mean " + what}
-    source.update({f"{name} bytes": f"measured bytes_per_step: {share:.4g} of allreduce's" for name, share in shares.items()})
+    source.update(
+        {f"{name} bytes": f"measured bytes_per_step: {share:.4g} of allreduce's" for name, share in shares.items()}
+    )
     return workload, source
 
 
@@ -255,8 +292,11 @@ def matrices_from_checkpoint(path: str | Path) -> list[list[int]]:
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-    return [[t.shape[0] if t.dim() else 1, t[0].numel() if t.dim() > 1 else 1] for k, t in state.items()
-            if t.is_floating_point() and "running_" not in k]
+    return [
+        [t.shape[0] if t.dim() else 1, t[0].numel() if t.dim() > 1 else 1]
+        for k, t in state.items()
+        if t.is_floating_point() and "running_" not in k
+    ]
 
 
 def linear_from_checkpoint(path: str | Path) -> tuple[tuple[int, int], ...]:
@@ -272,14 +312,17 @@ def parameters_from_runs(runs: list[dict]) -> int | None:
     """The model's parameter count, from the bytes the first run whose strategy can say it
     sent (its spec's parameters_from_bytes: e.g. a plain all-reduce's 2 (N-1)/N x 4 P)."""
     for r in runs:
-        parameters = SPECS[r["strategy"]].parameters_from_bytes(r["bytes_per_step"], r["workers"],
-                                                                r.get("strategy_params", {}))
+        parameters = SPECS[r["strategy"]].parameters_from_bytes(
+            r["bytes_per_step"], r["workers"], r.get("strategy_params", {})
+        )
         if parameters is not None:
             return parameters
     return None
 
 
-def ps_request_samples(runs: list[dict], workload: Workload, machine, params: dict[str, dict]) -> list[tuple[float, float]]:
+def ps_request_samples(
+    runs: list[dict], workload: Workload, machine, params: dict[str, dict]
+) -> list[tuple[float, float]]:
     """(measured, modelled) exchange of each N=1 parameter-server run: a worker's comm_s (push,
     the shard's update, the reply) and what the model gives it from `machine`'s links and the
     shard's update; r is what the first has beyond the second."""
@@ -287,7 +330,9 @@ def ps_request_samples(runs: list[dict], workload: Workload, machine, params: di
     pairs = []
     for r in runs:
         if r["workers"] == 1 and r["strategy"] in PARAMETER_SERVERS:
-            step = model_step(r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]})
+            step = model_step(
+                r["strategy"], workload, bare, 1, {**params.get(r["strategy"], {}), **r["strategy_params"]}
+            )
             pairs.append((r["comm_s"], step.step_s - step.compute_s))
     return pairs
 
@@ -301,9 +346,11 @@ def ps_request_from_runs(runs: list[dict], workload: Workload, machine, params: 
         return 0.0, "not measured (no N=1 parameter-server run): 0"
     measured = sum(m for m, _ in pairs) / len(pairs)
     model = sum(x for _, x in pairs) / len(pairs)
-    return max(0.0, measured - model), (f"measured: the mean exchange of {len(pairs)} N=1 parameter-server run(s), "
-                                        f"{measured * 1e3:.3g} ms a step, less the {model * 1e3:.3g} ms the links "
-                                        f"and the shard's update give it")
+    return max(0.0, measured - model), (
+        f"measured: the mean exchange of {len(pairs)} N=1 parameter-server run(s), "
+        f"{measured * 1e3:.3g} ms a step, less the {model * 1e3:.3g} ms the links "
+        f"and the shard's update give it"
+    )
 
 
 def with_ps_request(machine, profile: dict, runs: list[dict], workload: Workload, params: dict[str, dict]):
@@ -326,8 +373,9 @@ def _ends(interval: intervals.Interval) -> tuple[float, ...]:
     return interval.low, interval.high
 
 
-def band_variants(workload: Workload, machine, profile: dict, runs: list[dict], params: dict[str, dict],
-                  commbench: dict | None) -> tuple[list[tuple[Workload, object]], str]:
+def band_variants(
+    workload: Workload, machine, profile: dict, runs: list[dict], params: dict[str, dict], commbench: dict | None
+) -> tuple[list[tuple[Workload, object]], str]:
     """The (workload, machine) pairs at the corners of the measured inputs' 95% intervals:
     t_c over its runs (intervals.mean_interval of compute_samples: a t interval from 3
     runs, their range with 2), this machine's links (benchmark_link_ends) where the profile
@@ -344,12 +392,14 @@ def band_variants(workload: Workload, machine, profile: dict, runs: list[dict], 
         if ends is not None:
             links = list(ends)
             slow, fast = ends
-            spans.append(f"this machine's all-reduce link {fast['intra'].latency_s * 1e6:.3g}-"
-                         f"{slow['intra'].latency_s * 1e6:.3g} us, {slow['intra'].bandwidth / 1e9:.3g}-"
-                         f"{fast['intra'].bandwidth / 1e9:.3g} GB/s and send/recv link "
-                         f"{fast['intra_p2p'].latency_s * 1e6:.3g}-{slow['intra_p2p'].latency_s * 1e6:.3g} us, "
-                         f"{slow['intra_p2p'].bandwidth / 1e9:.3g}-{fast['intra_p2p'].bandwidth / 1e9:.3g} GB/s "
-                         f"(t intervals of the benchmark's least-squares fits)")
+            spans.append(
+                f"this machine's all-reduce link {fast['intra'].latency_s * 1e6:.3g}-"
+                f"{slow['intra'].latency_s * 1e6:.3g} us, {slow['intra'].bandwidth / 1e9:.3g}-"
+                f"{fast['intra'].bandwidth / 1e9:.3g} GB/s and send/recv link "
+                f"{fast['intra_p2p'].latency_s * 1e6:.3g}-{slow['intra_p2p'].latency_s * 1e6:.3g} us, "
+                f"{slow['intra_p2p'].bandwidth / 1e9:.3g}-{fast['intra_p2p'].bandwidth / 1e9:.3g} GB/s "
+                f"(t intervals of the benchmark's least-squares fits)"
+            )
     measured_request = profile.get("ps_request_us") == hardware.PS_REQUEST_MEASURED
     variants, request_varied = [], False
     for t_c, link in itertools.product(_ends(compute), links):

@@ -20,8 +20,7 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2]
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gloo_loop_nice: int | str,
-            queue) -> None:
+def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, gloo_loop_nice: int | str, queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -77,9 +76,20 @@ def _lenet_sized():
     from torch import nn
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
-                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84),
-                        nn.ReLU(), nn.Linear(84, 10))
+    net = nn.Sequential(
+        nn.Conv2d(1, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(400, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, 10),
+    )
     return net, torch.randn(64, 1, 28, 28)
 
 
@@ -183,12 +193,13 @@ def exchange_seconds_per_byte(name: str, group, repeats: int) -> float:
     of 1-bit's exchange on LeNet-5, and the model overpredicted its throughput."""
     import torch
 
-    from dtstudy.strategies.registry import STRATEGIES
     from dtstudy.strategies.base import DistContext
+    from dtstudy.strategies.registry import STRATEGIES
 
     knobs = dict(SPECS[name].defaults)
-    ctx = DistContext(rank=0, world_size=1, workers=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
-                      worker_group=group)
+    ctx = DistContext(
+        rank=0, world_size=1, workers=1, local_rank=0, device=torch.device("cpu"), backend="gloo", worker_group=group
+    )
     strategy = STRATEGIES[name](ctx, knobs)
     net, _ = _lenet_sized()
     strategy.model = net
@@ -305,12 +316,14 @@ def _first_result(queue, workers, poll_s: float = 0.5):
                     if worker.is_alive():
                         worker.kill()
                 codes = ", ".join(f"rank {rank} exit code {code}" for rank, code in ended)
-                raise RuntimeError(f"communication benchmark: a process ended without a result ({codes}); "
-                                   "its error is above")
+                raise RuntimeError(
+                    f"communication benchmark: a process ended without a result ({codes}); its error is above"
+                )
 
 
-def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2,
-            gloo_loop_nice: int | str = 0) -> dict:
+def measure(
+    sizes: list[int] | None = None, repeats: int = REPEATS, processes: int = 2, gloo_loop_nice: int | str = 0
+) -> dict:
     """Median gloo all-reduce and one-way send times per message size across `processes`
     local processes (gloo's event loops at `gloo_loop_nice`, as the study's runs have them),
     the fitted (alpha, beta) of each, and this machine's kernels."""
@@ -322,8 +335,10 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
-    workers = [context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, gloo_loop_nice, queue))
-               for rank in range(processes)]
+    workers = [
+        context.Process(target=_worker, args=(rank, processes, port, sizes, repeats, gloo_loop_nice, queue))
+        for rank in range(processes)
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -351,8 +366,9 @@ def measure(sizes: list[int] | None = None, repeats: int = REPEATS, processes: i
     }
 
 
-def write(path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS,
-          gloo_loop_nice: int | str = 0) -> dict:
+def write(
+    path: str | Path, sizes: list[int] | None = None, repeats: int = REPEATS, gloo_loop_nice: int | str = 0
+) -> dict:
     result = measure(sizes, repeats, gloo_loop_nice=gloo_loop_nice)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))

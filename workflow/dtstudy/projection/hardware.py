@@ -33,8 +33,10 @@ def _schema() -> dict:
     profile_schema["properties"]["strategy_params"]["properties"] = knobs
     algorithms = profile_schema["properties"]["allreduce_algorithm"]["enum"]
     if sorted(algorithms) != sorted(ALLREDUCE_ALGORITHMS):
-        raise RuntimeError(f"{schema.SCHEMAS_DIR / SCHEMA_NAME}: allreduce_algorithm's enum {algorithms} is not the "
-                           f"performance model's {sorted(ALLREDUCE_ALGORITHMS)}")
+        raise RuntimeError(
+            f"{schema.SCHEMAS_DIR / SCHEMA_NAME}: allreduce_algorithm's enum {algorithms} is not the "
+            f"performance model's {sorted(ALLREDUCE_ALGORITHMS)}"
+        )
     return profile_schema
 
 
@@ -80,8 +82,10 @@ def load_profile(name_or_path: str, key: str = "projection.hardware") -> dict:
     path = profile_path(name_or_path)
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
-        raise ConfigError(f"config key '{key}': {name_or_path!r} is neither a file nor a profile "
-                          f"name; allowed: a YAML path or one of {known}")
+        raise ConfigError(
+            f"config key '{key}': {name_or_path!r} is neither a file nor a profile "
+            f"name; allowed: a YAML path or one of {known}"
+        )
     data = yaml.safe_load(path.read_text())
     check_profile(data, f"hardware profile {path}")
     data.setdefault("name", path.stem)
@@ -92,15 +96,22 @@ def load_profile(name_or_path: str, key: str = "projection.hardware") -> dict:
 def _link(section: dict) -> Link:
     """The link of a profile section (checked). A line rate with `payload_fraction` becomes the
     rate the exchange's bytes get: headers, encoding and the transport take the rest."""
-    rate = section["bandwidth_gbit_s"] * 1e9 / 8 if "bandwidth_gbit_s" in section else section["bandwidth_gbyte_s"] * 1e9
-    return Link(section.get("latency_us", default("latency_us")) * 1e-6,
-                rate * section.get("payload_fraction", default("payload_fraction")))
+    rate = (
+        section["bandwidth_gbit_s"] * 1e9 / 8 if "bandwidth_gbit_s" in section else section["bandwidth_gbyte_s"] * 1e9
+    )
+    return Link(
+        section.get("latency_us", default("latency_us")) * 1e-6,
+        rate * section.get("payload_fraction", default("payload_fraction")),
+    )
 
 
 def _link_source(section: dict, link: Link) -> str:
     """What a profile's link section gave, for the provenance: the rate as the exchange gets it."""
-    stated = (f"{section['bandwidth_gbit_s']:g} Gbit/s" if "bandwidth_gbit_s" in section
-              else f"{section['bandwidth_gbyte_s']:g} GB/s")
+    stated = (
+        f"{section['bandwidth_gbit_s']:g} Gbit/s"
+        if "bandwidth_gbit_s" in section
+        else f"{section['bandwidth_gbyte_s']:g} GB/s"
+    )
     share = f" x payload_fraction {section['payload_fraction']:g}" if "payload_fraction" in section else ""
     return f"profile: {stated}{share} = {link.bandwidth / 1e9:.4g} GB/s, {link.latency_s * 1e6:g} us"
 
@@ -134,9 +145,12 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
     inter = _link(profile["inter_node"])
     overlap = profile.get("overlap", default("overlap"))
     algorithm = profile.get("allreduce_algorithm", default("allreduce_algorithm"))
-    source = {"gpus_per_node": "profile", "inter_node": _link_source(profile["inter_node"], inter),
-              "overlap": "profile" if "overlap" in profile else f"default {overlap} (assumed, docs/performance-model.md)",
-              "allreduce_algorithm": "profile" if "allreduce_algorithm" in profile else f"default {algorithm}"}
+    source = {
+        "gpus_per_node": "profile",
+        "inter_node": _link_source(profile["inter_node"], inter),
+        "overlap": "profile" if "overlap" in profile else f"default {overlap} (assumed, docs/performance-model.md)",
+        "allreduce_algorithm": "profile" if "allreduce_algorithm" in profile else f"default {algorithm}",
+    }
     kwargs = {"allreduce_algorithm": algorithm}
     for key, target in (("compression_gbyte_s", "compression_bandwidth"), ("server_gbyte_s", "server_bandwidth")):
         if key in profile:
@@ -147,14 +161,17 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         source["ps_request"] = "measured: from the study's N=1 parameter-server runs (calibration.ps_request_from_runs)"
     else:
         kwargs["ps_request_s"] = request * 1e-6
-        source["ps_request"] = ("profile" if "ps_request_us" in profile
-                                else f"{request:g}: not modelled (no key 'ps_request_us')")
+        source["ps_request"] = (
+            "profile" if "ps_request_us" in profile else f"{request:g}: not modelled (no key 'ps_request_us')"
+        )
     intra_section = profile.get("intra_node")
     needs_fit = False
     if measured_here(profile):
         if commbench is None:
-            raise ConfigError(f"{where}: key 'intra_node': 'measured' needs the communication benchmark's result "
-                              f"(python -m dtstudy commbench)")
+            raise ConfigError(
+                f"{where}: key 'intra_node': 'measured' needs the communication benchmark's result "
+                f"(python -m dtstudy commbench)"
+            )
         fit = commbench["fit"]
         intra = Link(fit["allreduce"]["latency_s"], fit["allreduce"]["bandwidth"])
         kwargs["intra_p2p"] = Link(fit["p2p"]["latency_s"], fit["p2p"]["bandwidth"])
@@ -163,10 +180,15 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         kwargs["server_bandwidth"] = 1.0 / kernels["server_pass"]
         kwargs["skew_fraction"] = commbench["jitter"]["skew_fraction"]
         kwargs["compute_scale"] = {int(k): v for k, v in commbench["compute_scale"].items()}
-        source.update(jitter="measured (identical conv-net bursts on 2 processes, this machine)",
-                      compute_scale="measured (conv-net burst time with 2 busy processes over 1 alone, the median of rounds timed seconds apart, this machine)")
-        source.update(intra_node="measured (gloo all-reduce and send/recv fits, this machine)",
-                      compression="measured (kernels, this machine)", server="measured (kernels, this machine)")
+        source.update(
+            jitter="measured (identical conv-net bursts on 2 processes, this machine)",
+            compute_scale="measured (conv-net burst time with 2 busy processes over 1 alone, the median of rounds timed seconds apart, this machine)",
+        )
+        source.update(
+            intra_node="measured (gloo all-reduce and send/recv fits, this machine)",
+            compression="measured (kernels, this machine)",
+            server="measured (kernels, this machine)",
+        )
     elif intra_section is None:
         intra = Link(0.0, float("inf"))
         needs_fit = True
@@ -178,7 +200,9 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         if key in profile:
             kwargs[target] = _link(profile[key])
             source[key] = _link_source(profile[key], kwargs[target])
-    machine = Machine(gpus_per_node=profile["gpus_per_node"], intra=intra, inter=inter, overlap=float(overlap), **kwargs)
+    machine = Machine(
+        gpus_per_node=profile["gpus_per_node"], intra=intra, inter=inter, overlap=float(overlap), **kwargs
+    )
     return machine, source, needs_fit
 
 
@@ -197,9 +221,11 @@ def study_machine(profile: dict, commbench: dict | None = None) -> tuple[Machine
         profile = {**profile, "intra_node": {"bandwidth_gbyte_s": 1}}
     machine, source, needs_fit = machine_from_profile(profile, commbench)
     if needs_fit:
-        raise ConfigError(f"{_where(profile)}: key 'intra_node' is missing; allowed: "
-                          f"{schema.allowed(_schema()['properties']['intra_node'])} (a study's projection has no "
-                          f"throughput at N = gpus_per_node to fit it to)")
+        raise ConfigError(
+            f"{_where(profile)}: key 'intra_node' is missing; allowed: "
+            f"{schema.allowed(_schema()['properties']['intra_node'])} (a study's projection has no "
+            f"throughput at N = gpus_per_node to fit it to)"
+        )
     return machine, source
 
 

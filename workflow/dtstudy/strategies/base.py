@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from dtstudy.common.timing import Clock, clock_for, HostClock, Mark, PendingExchange
+from dtstudy.common.timing import Clock, HostClock, Mark, PendingExchange, clock_for
 from dtstudy.strategies.spec import StrategySpec
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -229,8 +230,10 @@ class Strategy(ABC):
             return
         dataset, batch_size, draws = data
         count = min(len(dataset), self.batch_norm_batches * batch_size)
-        batches = (dataset.batch(torch.arange(start, min(start + batch_size, count)), draws)[0]
-                   for start in range(0, count, batch_size))
+        batches = (
+            dataset.batch(torch.arange(start, min(start + batch_size, count)), draws)[0]
+            for start in range(0, count, batch_size)
+        )
         torch.optim.swa_utils.update_bn(batches, model, device=self.ctx.device)
 
     def finish(self) -> None:

@@ -15,15 +15,33 @@ from dtstudy.strategies.reference.strategy import NoExchange
 from dtstudy.strategies.specs import SPECS
 
 #: every strategy's class, listed once: its name (its spec's) is the key
-STRATEGIES: dict[str, type[Strategy]] = {strategy.name: strategy for strategy in (
-    AllReduce, PsSync, PsBackup, PsAsync, Ssp, LocalSGD, EASGD, Gossip,
-    AllReduceFP16, AllReduceBF16, AllReducePowerSGD, AllReduceOneBit, Hybrid, NoExchange,
-)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    strategy.name: strategy
+    for strategy in (
+        AllReduce,
+        PsSync,
+        PsBackup,
+        PsAsync,
+        Ssp,
+        LocalSGD,
+        EASGD,
+        Gossip,
+        AllReduceFP16,
+        AllReduceBF16,
+        AllReducePowerSGD,
+        AllReduceOneBit,
+        Hybrid,
+        NoExchange,
+    )
+}
 
 
 # every implementation has its spec (the very class SPECS holds) and every spec its implementation
-_unpaired = sorted(name for name in STRATEGIES.keys() | SPECS.keys()
-                   if name not in STRATEGIES or STRATEGIES[name].spec is not SPECS.get(name))
+_unpaired = sorted(
+    name
+    for name in STRATEGIES.keys() | SPECS.keys()
+    if name not in STRATEGIES or STRATEGIES[name].spec is not SPECS.get(name)
+)
 if _unpaired:
     raise RuntimeError(f"strategies without both a spec in dtstudy.strategies.specs and a class here: {_unpaired}")
 

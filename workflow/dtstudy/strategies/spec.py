@@ -16,7 +16,6 @@ from dtstudy.perfmodel.collectives import ring_allreduce_bytes
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Machine, Step, Stragglers, Workload
 from dtstudy.perfmodel.waits import natural_wait
 
-
 #: the knob schema of a strategy the config schema gives none
 NO_KNOBS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -38,8 +37,9 @@ class StrategySpec:
     #: why train.precision fp16 is refused for it (None: allowed). fp16 scales the loss by a
     #: GradScaler that must unscale every gradient before the update and skip a step with
     #: inf/NaN ones (Strategy.step_optimizer); a strategy says None only once it does so
-    no_fp16_because: ClassVar[str | None] = ("its spec does not say that its update steps through the "
-                                             "GradScaler (Strategy.step_optimizer)")
+    no_fp16_because: ClassVar[str | None] = (
+        "its spec does not say that its update steps through the GradScaler (Strategy.step_optimizer)"
+    )
     #: why launcher.cluster emulate cannot run it yet (None: it can; dtstudy.emulation)
     not_emulated_because: ClassVar[str | None] = None
     #: the layout of what its extra processes save (None: they save nothing, or it never
@@ -63,8 +63,10 @@ class StrategySpec:
         knobs = knob_schema.get("properties", {})
         no_default = sorted(knob for knob, subschema in knobs.items() if "default" not in subschema)
         if no_default or knob_schema.get("additionalProperties") is not False:
-            raise RuntimeError(f"{schema.SCHEMA_PATH}: strategy_params.{cls.name} needs additionalProperties: false "
-                               f"and a default for every knob (none: {no_default})")
+            raise RuntimeError(
+                f"{schema.SCHEMA_PATH}: strategy_params.{cls.name} needs additionalProperties: false "
+                f"and a default for every knob (none: {no_default})"
+            )
         cls.knob_schema = knob_schema
         cls.defaults = {knob: subschema["default"] for knob, subschema in knobs.items()}
 
@@ -141,14 +143,21 @@ class StrategySpec:
         return workers, 1, None
 
     @classmethod
-    def step_model(cls, workload: Workload, machine: Machine, workers: int, params: dict[str, Any],
-                   stragglers: Stragglers) -> Step:
+    def step_model(
+        cls, workload: Workload, machine: Machine, workers: int, params: dict[str, Any], stragglers: Stragglers
+    ) -> Step:
         """Its step at N=workers from dtstudy.perfmodel.steps' formulas; `params`: its knobs, defaults filled."""
         raise NotImplementedError(f"strategy {cls.name!r} has no performance model")
 
     @classmethod
-    def model_step(cls, workload: Workload, machine: Machine, workers: int, params: dict[str, Any] | None = None,
-                   stragglers: Stragglers = NO_STRAGGLERS) -> Step:
+    def model_step(
+        cls,
+        workload: Workload,
+        machine: Machine,
+        workers: int,
+        params: dict[str, Any] | None = None,
+        stragglers: Stragglers = NO_STRAGGLERS,
+    ) -> Step:
         """The modelled step at N=workers on `machine`: compute scaled for the busy workers of a
         node, `step_model`, what hid the exchange, and the barrier's natural jitter. `params`:
         its knobs (the schema's defaults filled in here) plus `placement` for the parameter servers."""
@@ -156,15 +165,17 @@ class StrategySpec:
         scale = machine.compute_scale.get(machine.local(workers), 1.0) if machine.compute_scale else 1.0
         if scale != 1.0:
             workload = dataclasses.replace(workload, compute_s=workload.compute_s * scale)
-        result = dataclasses.replace(cls.step_model(workload, machine, workers, params, stragglers),
-                                     overlap=steps.overlap_used(cls.overlaps_backward, workload, machine))
+        result = dataclasses.replace(
+            cls.step_model(workload, machine, workers, params, stragglers),
+            overlap=steps.overlap_used(cls.overlaps_backward, workload, machine),
+        )
         jitter = natural_wait(machine, workload.compute_s, *cls.barrier(workers, params))
         if jitter <= 0:  # a strategy without a barrier has one participant: none
             return result
         step_s = result.step_s + jitter
-        return dataclasses.replace(result, step_s=step_s, straggler_s=result.straggler_s + jitter,
-                                   throughput=workers * workload.batch / step_s)
-
+        return dataclasses.replace(
+            result, step_s=step_s, straggler_s=result.straggler_s + jitter, throughput=workers * workload.batch / step_s
+        )
 
 
 def ring_parameters(bytes_per_step: float, workers: int, value_bytes: int) -> int | None:

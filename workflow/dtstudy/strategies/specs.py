@@ -16,27 +16,66 @@ from __future__ import annotations
 from dtstudy.config import schema
 from dtstudy.perfmodel.machine import NO_STRAGGLERS, Machine, Step, Stragglers, Workload
 from dtstudy.strategies.allreduce.spec import AllReduceSpec
-from dtstudy.strategies.compressed.spec import (AllReduceBF16Spec, AllReduceFP16Spec, AllReduceOneBitSpec,
-                                                AllReducePowerSGDSpec)
+from dtstudy.strategies.compressed.spec import (
+    AllReduceBF16Spec,
+    AllReduceFP16Spec,
+    AllReduceOneBitSpec,
+    AllReducePowerSGDSpec,
+)
 from dtstudy.strategies.gossip.spec import GossipSpec
 from dtstudy.strategies.hybrid.spec import HybridSpec
 from dtstudy.strategies.local.spec import EASGDSpec, LocalSGDSpec, PeriodicAveragingSpec
-from dtstudy.strategies.parameter_server.spec import (ParameterServerSpec, PsAsyncSpec, PsBackupSpec, PsSyncSpec,
-                                                      SspSpec)
+from dtstudy.strategies.parameter_server.spec import ParameterServerSpec, PsAsyncSpec, PsBackupSpec, PsSyncSpec, SspSpec
 from dtstudy.strategies.reference.spec import NoExchangeSpec
 from dtstudy.strategies.spec import StrategySpec
 
-__all__ = ["AllReduceBF16Spec", "AllReduceFP16Spec", "AllReduceOneBitSpec", "AllReducePowerSGDSpec", "AllReduceSpec",
-           "EASGDSpec", "FAMILIES", "GossipSpec", "HybridSpec", "LocalSGDSpec", "NoExchangeSpec", "PARAMETER_SERVERS",
-           "ParameterServerSpec", "PeriodicAveragingSpec", "PsAsyncSpec", "PsBackupSpec", "PsSyncSpec",
-           "REFERENCE_STRATEGY", "SPECS", "SspSpec", "StrategySpec", "get_spec", "knob_defaults", "model_step"]
+__all__ = [
+    "AllReduceBF16Spec",
+    "AllReduceFP16Spec",
+    "AllReduceOneBitSpec",
+    "AllReducePowerSGDSpec",
+    "AllReduceSpec",
+    "EASGDSpec",
+    "FAMILIES",
+    "GossipSpec",
+    "HybridSpec",
+    "LocalSGDSpec",
+    "NoExchangeSpec",
+    "PARAMETER_SERVERS",
+    "ParameterServerSpec",
+    "PeriodicAveragingSpec",
+    "PsAsyncSpec",
+    "PsBackupSpec",
+    "PsSyncSpec",
+    "REFERENCE_STRATEGY",
+    "SPECS",
+    "SspSpec",
+    "StrategySpec",
+    "get_spec",
+    "knob_defaults",
+    "model_step",
+]
 
 #: every strategy's spec, listed once: its `name` is the key
-SPECS: dict[str, type[StrategySpec]] = {spec.name: spec for spec in (
-    AllReduceSpec, PsSyncSpec, PsBackupSpec, PsAsyncSpec, SspSpec, LocalSGDSpec, EASGDSpec, GossipSpec,
-    AllReduceFP16Spec, AllReduceBF16Spec, AllReducePowerSGDSpec, AllReduceOneBitSpec, HybridSpec,
-    NoExchangeSpec,
-)}
+SPECS: dict[str, type[StrategySpec]] = {
+    spec.name: spec
+    for spec in (
+        AllReduceSpec,
+        PsSyncSpec,
+        PsBackupSpec,
+        PsAsyncSpec,
+        SspSpec,
+        LocalSGDSpec,
+        EASGDSpec,
+        GossipSpec,
+        AllReduceFP16Spec,
+        AllReduceBF16Spec,
+        AllReducePowerSGDSpec,
+        AllReduceOneBitSpec,
+        HybridSpec,
+        NoExchangeSpec,
+    )
+}
 
 
 def _attach_knob_schemas() -> None:
@@ -45,8 +84,10 @@ def _attach_knob_schemas() -> None:
     import rather than in some run."""
     knob_schemas = schema.knob_schemas()
     if knob_schemas.keys() - SPECS.keys():
-        raise RuntimeError(f"knobs under strategy_params in {schema.SCHEMA_PATH} for strategies without a spec: "
-                           f"{sorted(knob_schemas.keys() - SPECS.keys())}")
+        raise RuntimeError(
+            f"knobs under strategy_params in {schema.SCHEMA_PATH} for strategies without a spec: "
+            f"{sorted(knob_schemas.keys() - SPECS.keys())}"
+        )
     for name, spec in SPECS.items():
         spec.take_knob_schema(knob_schemas.get(name))
 
@@ -77,7 +118,13 @@ def knob_defaults() -> dict[str, dict]:
     return {name: dict(spec.defaults) for name, spec in SPECS.items()}
 
 
-def model_step(strategy: str, workload: Workload, machine: Machine, workers: int, params: dict | None = None,
-               stragglers: Stragglers = NO_STRAGGLERS) -> Step:
+def model_step(
+    strategy: str,
+    workload: Workload,
+    machine: Machine,
+    workers: int,
+    params: dict | None = None,
+    stragglers: Stragglers = NO_STRAGGLERS,
+) -> Step:
     """The modelled step of `strategy` at N=workers (its spec's model_step)."""
     return get_spec(strategy).model_step(workload, machine, workers, params, stragglers)

@@ -25,16 +25,27 @@ from dtstudy.tracking.logged_params import applicable_config
 RETRY_S = 10.0  # between deliveries while the server is unreachable
 # MLflow's own client retries a refused connection for minutes inside one call; here the
 # thread retries, so one call gives up soon and the queue keeps what it could not send
-_CLIENT_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+_CLIENT_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
 
 
 class LiveRun:
     """The MLflow run of one training run, fed from rank 0's loop; `disabled()` does nothing."""
 
-    def __init__(self, uri: str | None, experiment: str = "", run_name: str = "", tags: dict | None = None,
-                 params: dict | None = None, out_dir: str | None = None, wait_for_server_s: float = 300.0,
-                 say=print):
+    def __init__(
+        self,
+        uri: str | None,
+        experiment: str = "",
+        run_name: str = "",
+        tags: dict | None = None,
+        params: dict | None = None,
+        out_dir: str | None = None,
+        wait_for_server_s: float = 300.0,
+        say=print,
+    ):
         self.enabled = uri is not None
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.tags, self.params, self.out_dir = tags or {}, params or {}, out_dir
@@ -58,7 +69,7 @@ class LiveRun:
             self._thread.start()
 
     @classmethod
-    def disabled(cls) -> "LiveRun":
+    def disabled(cls) -> LiveRun:
         return cls(None)
 
     # ----- called from the training loop (cheap: a queue put) ---------------------------
@@ -120,19 +131,29 @@ class LiveRun:
             if self._delivered():
                 return
             first, self._spilled = not self._spilled, True
-            pending = {"tracking_uri": self.uri, "experiment": self.experiment, "run_name": self.run_name,
-                       "tags": self.tags, "params": self.params, "record": self.record,
-                       "points": self._points, "final": self._final, "final_done": sorted(self._final_done),
-                       "status": self._status}
+            pending = {
+                "tracking_uri": self.uri,
+                "experiment": self.experiment,
+                "run_name": self.run_name,
+                "tags": self.tags,
+                "params": self.params,
+                "record": self.record,
+                "points": self._points,
+                "final": self._final,
+                "final_done": sorted(self._final_done),
+                "status": self._status,
+            }
         where = RunFolder(self.out_dir or ".").mlflow_pending
         if where.exists():  # a close after finish spilled: add to what is there
             pending = {**json.loads(where.read_text()), **{k: v for k, v in pending.items() if v}}
         write_json(where, pending)
         if first:
-            self.say(f"[mlflow] {self.uri} still unreachable after {self.wait_for_server_s:.0f} s while {what} "
-                     f"(tracking.wait_for_server_s; last error: {self.error}): {len(pending['points'])} metric "
-                     f"points and the run's results kept in {where}; the aggregate step delivers them once the "
-                     "server is back")
+            self.say(
+                f"[mlflow] {self.uri} still unreachable after {self.wait_for_server_s:.0f} s while {what} "
+                f"(tracking.wait_for_server_s; last error: {self.error}): {len(pending['points'])} metric "
+                f"points and the run's results kept in {where}; the aggregate step delivers them once the "
+                "server is back"
+            )
 
     # ----- the background thread ------------------------------------------------------------
     def _work(self) -> None:
@@ -167,8 +188,9 @@ class LiveRun:
                 return
             try:
                 if self.record is None:
-                    self.record = mlflow_store.start_training_run(self.uri, self.experiment, self.run_name,
-                                                                  self.tags, self.params)
+                    self.record = mlflow_store.start_training_run(
+                        self.uri, self.experiment, self.run_name, self.tags, self.params
+                    )
                     if self.out_dir is not None:
                         write_json(RunFolder(self.out_dir).mlflow_run, self.record)
                 mlflow_store.log_metric_points(self.uri, self.record["run_id"], self._points)  # empties it
@@ -184,8 +206,10 @@ class LiveRun:
                     self._spilled = True  # nothing more to try
                     return
                 if self.error is None:
-                    self.say(f"[mlflow] {self.uri} unreachable ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0][:200]}): metrics are kept and sent every {RETRY_S:.0f} s")
+                    self.say(
+                        f"[mlflow] {self.uri} unreachable ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0][:200]}): metrics are kept and sent every {RETRY_S:.0f} s"
+                    )
                 self.error = error
                 return
             if self.error is not None:
@@ -207,8 +231,13 @@ def run_tags(spec: RunSpec) -> dict:
 
 def run_params(spec: RunSpec) -> dict:
     """What a training run was asked to do: the config values that apply to it and the strategy's knobs."""
-    return {"strategy": spec.strategy, "workers": spec.workers, "seed": spec.seed,
-            "config": applicable_config(spec.config), "strategy_params": spec.strategy_params()}
+    return {
+        "strategy": spec.strategy,
+        "workers": spec.workers,
+        "seed": spec.seed,
+        "config": applicable_config(spec.config),
+        "strategy_params": spec.strategy_params(),
+    }
 
 
 def start_live_run(spec: RunSpec) -> LiveRun:
@@ -216,8 +245,15 @@ def start_live_run(spec: RunSpec) -> LiveRun:
     if spec.tracking_uri is None:
         return LiveRun.disabled()
     tracking = spec.config["tracking"]
-    return LiveRun(spec.tracking_uri, tracking["experiment"], spec.run_name, run_tags(spec), run_params(spec),
-                   spec.out_dir, tracking["wait_for_server_s"])
+    return LiveRun(
+        spec.tracking_uri,
+        tracking["experiment"],
+        spec.run_name,
+        run_tags(spec),
+        run_params(spec),
+        spec.out_dir,
+        tracking["wait_for_server_s"],
+    )
 
 
 def recorded_run(out_dir: str | Path) -> dict | None:
@@ -241,8 +277,9 @@ def deliver_pending(run_dir: str | Path) -> dict | None:
     path, evaluation_path = folder.mlflow_pending, folder.evaluation
     pending = json.loads(path.read_text()) if path.exists() else None
     evaluation = json.loads(evaluation_path.read_text()) if evaluation_path.exists() else {}
-    test_kept = evaluation.get("mlflow_logged") is False or (pending is not None and not evaluation.get("mlflow_run_id")
-                                                             and "top1" in evaluation)
+    test_kept = evaluation.get("mlflow_logged") is False or (
+        pending is not None and not evaluation.get("mlflow_run_id") and "top1" in evaluation
+    )
     if pending is None and not test_kept:
         return None
     if pending is None:  # only the test metrics: the run's record is in metrics.json
@@ -250,8 +287,9 @@ def deliver_pending(run_dir: str | Path) -> dict | None:
     else:
         record = pending.get("record")
         if record is None:
-            record = mlflow_store.start_training_run(pending["tracking_uri"], pending["experiment"], pending["run_name"],
-                                                     pending["tags"], pending["params"])
+            record = mlflow_store.start_training_run(
+                pending["tracking_uri"], pending["experiment"], pending["run_name"], pending["tags"], pending["params"]
+            )
             write_json(path, {**pending, "record": record})  # a failure below must not create it twice
         uri, done = pending["tracking_uri"], set(pending.get("final_done") or [])
         points = [tuple(point) for point in pending.get("points") or []]

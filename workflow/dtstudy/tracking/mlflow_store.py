@@ -38,7 +38,7 @@ def _sqlite_artifact_root(uri: str) -> str | None:
     """
     if not uri.startswith(_SQLITE_PREFIX):
         return None
-    db_path = uri[len(_SQLITE_PREFIX):]
+    db_path = uri[len(_SQLITE_PREFIX) :]
     if db_path in ("", ":memory:"):
         return None
     return str(Path(db_path).resolve().parent / "mlartifacts")
@@ -71,7 +71,7 @@ def init_store(uri: str, experiment: str) -> str:
     uri = resolve_uri(uri)
     check_server(uri)
     if uri.startswith(_SQLITE_PREFIX):
-        Path(uri[len(_SQLITE_PREFIX):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len(_SQLITE_PREFIX) :]).parent.mkdir(parents=True, exist_ok=True)
     client = client_for(uri)
     existing = client.get_experiment_by_name(experiment)
     if existing is not None:
@@ -80,8 +80,9 @@ def init_store(uri: str, experiment: str) -> str:
         return existing.experiment_id
     try:
         # the kind makes MLflow 3's UI open the experiment on its runs table, not the GenAI overview
-        return client.create_experiment(experiment, artifact_location=_sqlite_artifact_root(uri),
-                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        return client.create_experiment(
+            experiment, artifact_location=_sqlite_artifact_root(uri), tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+        )
     except MlflowException as error:
         if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
@@ -111,11 +112,10 @@ def _artifact_dirs(artifacts: Iterable[str | Path] | Mapping[str | Path, str]) -
 
 def _chunks(items: list, size: int) -> Iterable[list]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
-def _log_params_and_metrics(client: MlflowClient, run_id: str, params: Mapping,
-                            metrics: Mapping[str, float]) -> None:
+def _log_params_and_metrics(client: MlflowClient, run_id: str, params: Mapping, metrics: Mapping[str, float]) -> None:
     param_list = [Param(key, value) for key, value in flatten_params(params).items()]
     for chunk in _chunks(param_list, _MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=chunk)
@@ -125,10 +125,14 @@ def _log_params_and_metrics(client: MlflowClient, run_id: str, params: Mapping,
         client.log_batch(run_id, metrics=chunk)
 
 
-def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
-                  artifacts: Iterable[str | Path] | Mapping[str | Path, str],
-                  params: Mapping | None = None,
-                  metrics: Mapping[str, float] | None = None) -> str:
+def log_study_run(
+    uri: str,
+    experiment: str,
+    child_run_ids: list[str],
+    artifacts: Iterable[str | Path] | Mapping[str | Path, str],
+    params: Mapping | None = None,
+    metrics: Mapping[str, float] | None = None,
+) -> str:
     """Create the parent "study" run, attach artifacts and params, adopt the child runs.
 
     `artifacts` is a list of files (each logged under its parent folder's name, e.g.
@@ -139,8 +143,7 @@ def log_study_run(uri: str, experiment: str, child_run_ids: list[str],
     uri = resolve_uri(uri)
     experiment_id = init_store(uri, experiment)
     client = client_for(uri)
-    run_id = client.create_run(experiment_id, run_name="study",
-                               tags={STUDY_KIND_TAG: "study"}).info.run_id
+    run_id = client.create_run(experiment_id, run_name="study", tags={STUDY_KIND_TAG: "study"}).info.run_id
     try:
         _log_params_and_metrics(client, run_id, params or {}, metrics or {})
         for path, folder in _artifact_dirs(artifacts).items():
@@ -166,8 +169,17 @@ def attach_artifacts(uri: str, run_id: str, artifacts: Iterable[str | Path] | Ma
 
 RUNS_VIEW_KEY = "dtstudy"  # the UI's shared view ?viewStateShareKey=dtstudy
 _SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's UI reads a shared view's state here
-RUNS_VIEW_METRICS = ("test_top1", "final_val_top1", "throughput", "efficiency", "time_to_accuracy_s", "compute_s",
-                     "comm_s", "bytes_per_step", "wall_time_s")
+RUNS_VIEW_METRICS = (
+    "test_top1",
+    "final_val_top1",
+    "throughput",
+    "efficiency",
+    "time_to_accuracy_s",
+    "compute_s",
+    "comm_s",
+    "bytes_per_step",
+    "wall_time_s",
+)
 RUNS_VIEW_PARAMS = ("strategy", "workers", "seed")
 
 
@@ -211,10 +223,13 @@ def start_training_run(uri: str, experiment: str, run_name: str, tags: Mapping, 
     (restorable; nothing is lost). Returns {run_id, experiment_id, tracking_uri}."""
     experiment_id = init_store(uri, experiment)
     client = client_for(uri)
-    earlier = client.search_runs([experiment_id], filter_string=(
-        f"attributes.run_name = '{run_name}' and tags.`{STUDY_KIND_TAG}` = '{TRAINING_KIND}'"))
-    run_id = client.create_run(experiment_id, run_name=run_name,
-                               tags={STUDY_KIND_TAG: TRAINING_KIND, **tags}).info.run_id
+    earlier = client.search_runs(
+        [experiment_id],
+        filter_string=(f"attributes.run_name = '{run_name}' and tags.`{STUDY_KIND_TAG}` = '{TRAINING_KIND}'"),
+    )
+    run_id = client.create_run(
+        experiment_id, run_name=run_name, tags={STUDY_KIND_TAG: TRAINING_KIND, **tags}
+    ).info.run_id
     for old in earlier:
         client.set_tag(old.info.run_id, SUPERSEDED_TAG, run_id)
         if old.info.status == "RUNNING":  # an attempt that died without ending its run
@@ -230,18 +245,33 @@ def log_metric_points(uri: str, run_id: str, points: list[tuple[str, float, int,
     to send (and a retry sends nothing twice)."""
     while points:
         batch = points[:_MAX_METRICS_PER_BATCH]
-        client_for(uri).log_batch(run_id, metrics=[Metric(key, value, timestamp, step)
-                                                   for key, value, step, timestamp in batch])
-        del points[:len(batch)]
+        client_for(uri).log_batch(
+            run_id, metrics=[Metric(key, value, timestamp, step) for key, value, step, timestamp in batch]
+        )
+        del points[: len(batch)]
 
 
 #: the decimals MLflow shows of a figure: the tables' (dtstudy.analysis.findings) where a table
 #: has it, since MLflow's UI prints every digit of a float; other figures keep SHOWN_DIGITS
 #: significant digits
-SHOWN_DECIMALS = {"throughput": 0, "throughput_low": 0, "throughput_high": 0, "throughput_mean": 0,
-                  "efficiency": 2, "efficiency_low": 2, "efficiency_high": 2, "speedup": 2, "speedup_low": 2,
-                  "speedup_high": 2, "compute_s": 5, "comm_s": 5, "data_s": 5, "bytes_per_step": 0, "wall_time_s": 1,
-                  "final_val_top1": 4}
+SHOWN_DECIMALS = {
+    "throughput": 0,
+    "throughput_low": 0,
+    "throughput_high": 0,
+    "throughput_mean": 0,
+    "efficiency": 2,
+    "efficiency_low": 2,
+    "efficiency_high": 2,
+    "speedup": 2,
+    "speedup_low": 2,
+    "speedup_high": 2,
+    "compute_s": 5,
+    "comm_s": 5,
+    "data_s": 5,
+    "bytes_per_step": 0,
+    "wall_time_s": 1,
+    "final_val_top1": 4,
+}
 SHOWN_DIGITS = 4
 
 
@@ -260,8 +290,12 @@ def throughput_figures(metrics: Mapping) -> dict[str, float]:
     if "throughput_median" not in metrics:
         return {"throughput": metrics["throughput"]}
     low, high = metrics.get("throughput_ci95") or (None, None)
-    figures = {"throughput": metrics["throughput_median"], "throughput_low": low, "throughput_high": high,
-               "throughput_mean": metrics["throughput"]}
+    figures = {
+        "throughput": metrics["throughput_median"],
+        "throughput_low": low,
+        "throughput_high": high,
+        "throughput_mean": metrics["throughput"],
+    }
     return {key: value for key, value in figures.items() if value is not None}
 
 
@@ -277,8 +311,7 @@ def _final_metrics(metrics: Mapping) -> list[Metric]:
         "wall_time_s": metrics["wall_time_s"],
         "time_to_accuracy_s": metrics["time_to_accuracy_s"],
         "final_val_top1": metrics["final_val_top1"],
-        **{key: value for key, value in metrics.get("strategy_metrics", {}).items()
-           if isinstance(value, (int, float))},
+        **{key: value for key, value in metrics.get("strategy_metrics", {}).items() if isinstance(value, (int, float))},
     }
     return series + [Metric(key, shown(key, value), now, 0) for key, value in finals.items() if value is not None]
 
@@ -293,8 +326,11 @@ def log_training_results(uri: str, record: Mapping, metrics: Mapping, done: set 
     client, run_id = client_for(uri), record["run_id"]
     done = set() if done is None else done
     tags = {f"env.{key}": str(value) for key, value in flatten_params(metrics["environment"]).items()}
-    derived = {"global_batch": metrics["global_batch"], "per_worker_batch": metrics["per_worker_batch"],
-               "lr_schedule": metrics["lr_schedule"]}
+    derived = {
+        "global_batch": metrics["global_batch"],
+        "per_worker_batch": metrics["per_worker_batch"],
+        "lr_schedule": metrics["lr_schedule"],
+    }
 
     def log_artifact():
         with tempfile.TemporaryDirectory() as folder:
@@ -302,10 +338,14 @@ def log_training_results(uri: str, record: Mapping, metrics: Mapping, done: set 
             path.write_text(json.dumps({**metrics, "mlflow": dict(record)}, indent=1))
             client.log_artifact(run_id, str(path))
 
-    parts = [("tags", lambda: client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])),
-             ("params", lambda: _log_params_and_metrics(client, run_id, derived, {}))]
-    parts += [(f"metrics{index}", lambda chunk=chunk: client.log_batch(run_id, metrics=chunk))
-              for index, chunk in enumerate(_chunks(_final_metrics(metrics), _MAX_METRICS_PER_BATCH))]
+    parts = [
+        ("tags", lambda: client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])),
+        ("params", lambda: _log_params_and_metrics(client, run_id, derived, {})),
+    ]
+    parts += [
+        (f"metrics{index}", lambda chunk=chunk: client.log_batch(run_id, metrics=chunk))
+        for index, chunk in enumerate(_chunks(_final_metrics(metrics), _MAX_METRICS_PER_BATCH))
+    ]
     parts.append(("artifact", log_artifact))
     for name, log in parts:
         if name not in done:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-
 REPO_DIR = Path(__file__).resolve().parents[3]
 
 
@@ -65,9 +64,12 @@ def kernels(device: torch.device) -> dict | None:
     the CPU, whose kernels are deterministic."""
     if device.type != "cuda":
         return None
-    return {"cudnn_deterministic": torch.backends.cudnn.deterministic, "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    return {
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
 
 
 def environment(device: torch.device, backend: str | None, processes: int, concurrent: int | None = None) -> dict:

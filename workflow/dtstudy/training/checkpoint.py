@@ -51,9 +51,10 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,9 @@ import torch.distributed as dist
 from dtstudy.common.atomic_files import atomic_write
 from dtstudy.common.run_folder import RunFolder
 from dtstudy.config import study_config
-from dtstudy.training.measurements import WorkerLog
 from dtstudy.strategies.base import CHECKPOINT, STOP  # what the workers agree on at a step boundary
 from dtstudy.strategies.specs import get_spec
+from dtstudy.training.measurements import WorkerLog
 
 FORMAT = 2  # of the rank files; a file of another format is not used
 HEADER = b"dtstudy-resume sha256 "  # then the hex digest of the rest of the file, and a newline
@@ -125,10 +126,13 @@ def _read_file(path: Path, rank: int, identity: dict) -> tuple[dict | None, int,
     header, _, data = raw.partition(b"\n")
     if not header.startswith(HEADER):
         return None, -1, f"{path.name} is unreadable (not a resume file of format {FORMAT})"
-    saved_digest, digest = header[len(HEADER):].decode(errors="replace"), hashlib.sha256(data).hexdigest()
+    saved_digest, digest = header[len(HEADER) :].decode(errors="replace"), hashlib.sha256(data).hexdigest()
     if saved_digest != digest:  # truncated, or changed on disk since it was written
-        return None, -1, (f"{path.name} is damaged (sha256 {digest[:12]}... of its contents, "
-                          f"{saved_digest[:12]}... when saved)")
+        return (
+            None,
+            -1,
+            (f"{path.name} is damaged (sha256 {digest[:12]}... of its contents, {saved_digest[:12]}... when saved)"),
+        )
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:  # written whole but not by torch.save: say so, never use it
@@ -167,12 +171,17 @@ def load_agreed(folder: RunFolder, identity: dict, rank: int, workers: int, grou
     reasons = [f"rank {r}: {why}" for r, (_, why, _) in enumerate(verdicts) if why]
     if common:
         if reasons:  # a newest file was unusable: the previous checkpoint is used, and the log says so
-            say(f"resume state in {folder.resume}: {'; '.join(reasons)}; resuming from the previous checkpoint, "
-                f"at step {max(common)}")
+            say(
+                f"resume state in {folder.resume}: {'; '.join(reasons)}; resuming from the previous checkpoint, "
+                f"at step {max(common)}"
+            )
         return states[max(common)]
     steps = {s for s, _, _ in verdicts}
     if not reasons and any(s >= 0 for s in steps):
-        reasons = ["the ranks saved different steps: " + ", ".join(f"rank {r} step {s}" for r, (s, _, _) in enumerate(verdicts))]
+        reasons = [
+            "the ranks saved different steps: "
+            + ", ".join(f"rank {r} step {s}" for r, (s, _, _) in enumerate(verdicts))
+        ]
     if reasons:
         say(f"resume state in {folder.resume} not used ({'; '.join(reasons)}): training starts from step 0")
         if workers > 1:
@@ -197,7 +206,7 @@ class ResumeFiles:
     stopping: Callable[[], None] = lambda: None
 
     @classmethod
-    def of(cls, spec, stopping: Callable[[], None] = lambda: None) -> "ResumeFiles":
+    def of(cls, spec, stopping: Callable[[], None] = lambda: None) -> ResumeFiles:
         """The files of run `spec` (a RunSpec), matched against its identity."""
         return cls(spec.folder, run_identity(spec), stopping)
 
@@ -212,6 +221,7 @@ class ResumeFiles:
 
 
 # ----- a worker's place in training, as saved and restored ----------------------------
+
 
 @dataclass
 class LoopState:
@@ -279,12 +289,19 @@ def restore(saved: dict, model, strategy, straggler, device: torch.device) -> Lo
     log = WorkerLog(**saved["log"])
     losses, log.loss = log.loss, []
     position = saved["position"]
-    return LoopState(log=log, epoch=position["epoch"], step_in_epoch=position["step_in_epoch"],
-                     step=position["step"], elapsed_s=saved["elapsed_s"], saved_losses=losses,
-                     val_history=saved["val_history"])
+    return LoopState(
+        log=log,
+        epoch=position["epoch"],
+        step_in_epoch=position["step_in_epoch"],
+        step=position["step"],
+        elapsed_s=saved["elapsed_s"],
+        saved_losses=losses,
+        val_history=saved["val_history"],
+    )
 
 
 # ----- the preemption signal ------------------------------------------------------------
+
 
 def preemption_signal() -> signal.Signals:
     """The signal submitit treats as time-out/preemption (SUBMITIT_PREEMPT_SIGNAL, default USR2)."""
@@ -298,8 +315,16 @@ class Preemption:
     by one that only sets a flag, and keeps submitit's to call later (`requeue`).
     """
 
-    def __init__(self, rank: int, workers: int, group, device: torch.device, every: int, lockstep: bool,
-                 checkpoint_every_s: float | None = None):
+    def __init__(
+        self,
+        rank: int,
+        workers: int,
+        group,
+        device: torch.device,
+        every: int,
+        lockstep: bool,
+        checkpoint_every_s: float | None = None,
+    ):
         self.rank, self.workers, self.group, self.every = rank, workers, group, every
         # a resumable run: its workers agree on a boundary (by a collective, or `agreement`)
         self.lockstep = lockstep
@@ -315,7 +340,7 @@ class Preemption:
         self._store = None  # a client of rank 0's TCP store, to notice when rank 0 is gone
         self._pending = None  # the flag all-reduce in flight
 
-    def install(self, wait_on_store: bool | None = None) -> "Preemption":
+    def install(self, wait_on_store: bool | None = None) -> Preemption:
         """Take over the signal. `wait_on_store`: how a rank other than 0 notices that rank 0
         is gone after a stop: a barrier over the workers (gloo notices a closed peer at once)
         or, for NCCL (which notices only at its time-out), a wait on rank 0's TCP store, whose
@@ -325,8 +350,12 @@ class Preemption:
         if wait_on_store is None:
             wait_on_store = dist.get_backend() != "gloo"
         if waits and wait_on_store:
-            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                        timeout=datetime.timedelta(minutes=5))
+            self._store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(minutes=5),
+            )
         return self
 
     def _note(self, signum, frame) -> None:  # no I/O here: it runs wherever the loop is

@@ -33,7 +33,7 @@ class Compute:
     device: torch.device
 
     @classmethod
-    def from_config(cls, train: dict, device: torch.device) -> "Compute":
+    def from_config(cls, train: dict, device: torch.device) -> Compute:
         return cls(train["precision"], resolve_memory_format(train["memory_format"], device), device)
 
     def __post_init__(self):
@@ -72,8 +72,15 @@ class Compute:
         `environment.kernels`). Reads the GradScaler's scale: call after training."""
         scaler = None
         if self.grad_scaler is not None:
-            scaler = {"final_scale": float(self.grad_scaler.get_scale()),
-                      "growth_interval": self.grad_scaler.get_growth_interval()}
+            scaler = {
+                "final_scale": float(self.grad_scaler.get_scale()),
+                "growth_interval": self.grad_scaler.get_growth_interval(),
+            }
         dtype = AUTOCAST_DTYPES[self.precision]
-        return {"precision": self.precision, "autocast_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-                "grad_scaler": scaler, "memory_format": self.memory_format, "timing_clock": clock_kind}
+        return {
+            "precision": self.precision,
+            "autocast_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "grad_scaler": scaler,
+            "memory_format": self.memory_format,
+            "timing_clock": clock_kind,
+        }

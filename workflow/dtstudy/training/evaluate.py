@@ -8,18 +8,19 @@ from pathlib import Path
 
 import torch
 
-from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
-from dtstudy.training.models import build_model, inference_layout
 from dtstudy.common.atomic_files import write_json
-from dtstudy.tracking.mlflow_store import log_test_metrics
-from dtstudy.tracking.live_run import server_away
-from dtstudy.tracking.provenance import environment
 from dtstudy.common.run_folder import RunFolder
+from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
+from dtstudy.tracking.live_run import server_away
+from dtstudy.tracking.mlflow_store import log_test_metrics
+from dtstudy.tracking.provenance import environment
+from dtstudy.training.models import build_model, inference_layout
 
 
 @torch.no_grad()
-def topk_accuracy(model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = EVAL_BATCH,
-                  device: torch.device | str = "cpu") -> dict[int, float]:
+def topk_accuracy(
+    model: torch.nn.Module, dataset, ks=(1, 5), batch_size: int = EVAL_BATCH, device: torch.device | str = "cpu"
+) -> dict[int, float]:
     """Top-k accuracy on the whole `dataset`: in-memory sets indexed in batches, image sets
     decoded by their loader workers and moved to `device` (the split's own)."""
     correct = {k: 0 for k in ks}
@@ -50,16 +51,22 @@ def evaluation_device(preference: str) -> torch.device:
     if preference != "cpu" and torch.cuda.is_available():
         return torch.device("cuda")
     if preference == "cuda":
-        print("launcher.device is 'cuda' but this evaluate job sees no GPU: the test pass runs on the CPU "
-              "(on SLURM an evaluate job asks for a GPU when launcher.gpus_per_node > 0; docs/cluster.md)", flush=True)
+        print(
+            "launcher.device is 'cuda' but this evaluate job sees no GPU: the test pass runs on the CPU "
+            "(on SLURM an evaluate job asks for a GPU when launcher.gpus_per_node > 0; docs/cluster.md)",
+            flush=True,
+        )
     return torch.device("cpu")
 
 
 def load_checkpoint(path: Path) -> torch.nn.Module:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     model = build_model(
-        checkpoint["model"], checkpoint["in_channels"], checkpoint["num_classes"],
-        checkpoint["image_size"], checkpoint["model_options"],
+        checkpoint["model"],
+        checkpoint["in_channels"],
+        checkpoint["num_classes"],
+        checkpoint["image_size"],
+        checkpoint["model_options"],
     )
     model.load_state_dict(checkpoint["state_dict"])
     return model
@@ -74,8 +81,10 @@ def log_test_metrics_or_keep(uri: str, result: dict) -> bool:
     except Exception as error:
         if not server_away(uri, error):
             raise
-        print(f"[mlflow] {uri} unreachable ({type(error).__name__}): the test metrics are kept in eval.json "
-              "and delivered by the aggregate step")
+        print(
+            f"[mlflow] {uri} unreachable ({type(error).__name__}): the test metrics are kept in eval.json "
+            "and delivered by the aggregate step"
+        )
         return False
 
 

@@ -20,23 +20,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from dtstudy.common.timing import StepTimer, clock_for
+from dtstudy.config.study_config import per_worker_batch
 from dtstudy.data.augment import BATCH_NORM, Draws
 from dtstudy.data.checks import check_loader
 from dtstudy.data.loading import EVAL_BATCH, iterate_batches, load_split
-from dtstudy.training import checkpoint
-from dtstudy.config.study_config import per_worker_batch
-from dtstudy.training.measurements import summarize, WorkerLog
-from dtstudy.training.models import build_model, inference_layout
-from dtstudy.tracking.provenance import environment
-from dtstudy.training.checkpoint import LoopState, Preemption
-from dtstudy.tracking.run_outputs import write_checkpoint, write_metrics
-from dtstudy.tracking.live_run import LiveRun, start_live_run
 from dtstudy.runspec import RunSpec
-from dtstudy.training.lr_schedule import LRSchedule, make_schedule
 from dtstudy.strategies.base import DistContext, Strategy
-from dtstudy.common.timing import clock_for, StepTimer
-from dtstudy.training.compute import Compute
 from dtstudy.strategies.registry import get_strategy
+from dtstudy.tracking.live_run import LiveRun, start_live_run
+from dtstudy.tracking.provenance import environment
+from dtstudy.tracking.run_outputs import write_checkpoint, write_metrics
+from dtstudy.training import checkpoint
+from dtstudy.training.checkpoint import LoopState, Preemption
+from dtstudy.training.compute import Compute
+from dtstudy.training.lr_schedule import LRSchedule, make_schedule
+from dtstudy.training.measurements import WorkerLog, summarize
+from dtstudy.training.models import build_model, inference_layout
 from dtstudy.training.stragglers import Straggler
 
 
@@ -67,8 +67,14 @@ def make_optimizer_factory(train: dict):
         # lr is set by the schedule every step (strategy.update). fused: one kernel for the
         # whole update instead of ~5 ops per tensor (on one core the per-tensor ops are a large
         # share of LeNet-5's loop: benchmarks/optimizer_step.py measures it); the same formula.
-        return torch.optim.SGD(parameters, lr=0.0, momentum=train["momentum"], weight_decay=train["weight_decay"],
-                               nesterov=train["nesterov"], fused=True)
+        return torch.optim.SGD(
+            parameters,
+            lr=0.0,
+            momentum=train["momentum"],
+            weight_decay=train["weight_decay"],
+            nesterov=train["nesterov"],
+            fused=True,
+        )
 
     return make_optimizer
 
@@ -94,8 +100,9 @@ def epoch_batches(dataset, batch_sampler: BatchSampler, skip: int = 0, draws: Dr
 
 
 @torch.no_grad()
-def distributed_top1(model: nn.Module, dataset, ctx: DistContext, batch_size: int = EVAL_BATCH,
-                     images: int | None = None) -> float:
+def distributed_top1(
+    model: nn.Module, dataset, ctx: DistContext, batch_size: int = EVAL_BATCH, images: int | None = None
+) -> float:
     """Top-1 accuracy of `model` on `dataset` (its first `images` images; None = all), each
     worker scoring a 1/N share."""
     counts = torch.zeros(2, dtype=torch.float64, device=ctx.device)
@@ -173,8 +180,14 @@ class WorkerRun:
         return len(self.batch_sampler)
 
 
-def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Preemption, tracker: LiveRun,
-           resume: checkpoint.ResumeFiles) -> WorkerRun:
+def set_up(
+    spec: RunSpec,
+    ctx: DistContext,
+    strategy: Strategy,
+    preemption: Preemption,
+    tracker: LiveRun,
+    resume: checkpoint.ResumeFiles,
+) -> WorkerRun:
     cfg, train = spec.config, spec.config["train"]
     seed_everything(spec.seed)
     choose_kernels(train["deterministic"], ctx.device)
@@ -186,8 +199,10 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     compute = Compute.from_config(train, ctx.device)
     module = strategy.setup(compute.place(model), make_optimizer_factory(train))
     if compute.grad_scaler is not None and strategy.spec.no_fp16_because:  # the config check refuses it first
-        raise ValueError(f"train.precision: 'fp16' is not allowed with strategy {strategy.name!r}: "
-                         f"{strategy.spec.no_fp16_because}; allowed: fp32, bf16")
+        raise ValueError(
+            f"train.precision: 'fp16' is not allowed with strategy {strategy.name!r}: "
+            f"{strategy.spec.no_fp16_because}; allowed: fp32, bf16"
+        )
     strategy.grad_scaler = compute.grad_scaler
     batch_size = per_worker_batch(train, spec.workers)
     # for averaged models' BatchNorm statistics: training's augmentation, the same draws on every rank
@@ -195,8 +210,13 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     sampler = DistributedSampler(train_set, num_replicas=spec.workers, rank=ctx.rank, shuffle=True, seed=spec.seed)
     batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
     # the rate of the batch one update really averages: the strategy's rule (Strategy.update_batch)
-    schedule = make_schedule(train, strategy.update_batch(strategy.params, spec.workers, batch_size),
-                             len(batch_sampler), strategy.update_batch_rule, strategy.step_limit(strategy.params))
+    schedule = make_schedule(
+        train,
+        strategy.update_batch(strategy.params, spec.workers, batch_size),
+        len(batch_sampler),
+        strategy.update_batch_rule,
+        strategy.step_limit(strategy.params),
+    )
     progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
     if not train_set.is_in_memory:  # the loader config's resolved values (workers: null = CPUs - 1)
         progress.say(f"input pipeline: train {train_set.describe()}, val {val_set.describe()}")
@@ -204,10 +224,29 @@ def set_up(spec: RunSpec, ctx: DistContext, strategy: Strategy, preemption: Pree
     if train["evals_per_epoch"] > 1:
         grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
     grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
-    return WorkerRun(spec, ctx, strategy, model, module, make_criterion(train), train_set, val_set, meta,
-                     sampler, batch_sampler, schedule, Straggler(cfg["stragglers"], spec.workers, ctx.rank, spec.seed),
-                     progress, preemption, tracker, resume, grid_images, grid_every, compute,
-                     StepTimer(clock_for(ctx.device)))
+    return WorkerRun(
+        spec,
+        ctx,
+        strategy,
+        model,
+        module,
+        make_criterion(train),
+        train_set,
+        val_set,
+        meta,
+        sampler,
+        batch_sampler,
+        schedule,
+        Straggler(cfg["stragglers"], spec.workers, ctx.rank, spec.seed),
+        progress,
+        preemption,
+        tracker,
+        resume,
+        grid_images,
+        grid_every,
+        compute,
+        StepTimer(clock_for(ctx.device)),
+    )
 
 
 def resume_or_start(run: WorkerRun) -> LoopState:
@@ -228,8 +267,10 @@ def resume_or_start(run: WorkerRun) -> LoopState:
     state = checkpoint.restore(saved, run.model, strategy, run.straggler, ctx.device)
     if run.compute.grad_scaler is not None:  # fp16: the loss scale goes on where it was
         run.compute.grad_scaler.load_state_dict(saved["grad_scaler"])
-    run.progress.say(f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
-                     f"with the state in {run.resume.folder.resume}")
+    run.progress.say(
+        f"resumed from step {state.step} (epoch {state.epoch + 1}, batch {state.step_in_epoch} of it) "
+        f"with the state in {run.resume.folder.resume}"
+    )
     return state
 
 
@@ -308,8 +349,15 @@ def evaluate_point(run: WorkerRun, state: LoopState, epoch: int, start: float, k
     images = len(run.val_set) if kind == "epoch" else run.grid_images
     top1 = distributed_top1(run.strategy.eval_model(), run.val_set, run.ctx, images=images)
     run.strategy.meter.take()  # evaluation's exchanges are not a training step's
-    entry = {"kind": kind, "epoch": epoch + 1, "step": state.step, "top1": top1, "images": images,
-             "train_s": training_seconds(state.log), "wall_s": time.perf_counter() - start}
+    entry = {
+        "kind": kind,
+        "epoch": epoch + 1,
+        "step": state.step,
+        "top1": top1,
+        "images": images,
+        "train_s": training_seconds(state.log),
+        "wall_s": time.perf_counter() - start,
+    }
     state.val_history.append(entry)
     run.tracker.log_metric(VALIDATION_METRIC[kind], top1, state.step)
     return entry
@@ -321,8 +369,12 @@ def grid_point_due(run: WorkerRun, step_in_epoch: int) -> bool:
     steps in 10: points at 168, ..., 1512 and 1687, not also at 1680)."""
     every = run.grid_every
     done = step_in_epoch + 1
-    return (every is not None and done % every == 0 and done // every < run.spec.config["train"]["evals_per_epoch"]
-            and done < run.steps_per_epoch)
+    return (
+        every is not None
+        and done % every == 0
+        and done // every < run.spec.config["train"]["evals_per_epoch"]
+        and done < run.steps_per_epoch
+    )
 
 
 def validate(run: WorkerRun, state: LoopState, epoch: int, start: float, last: bool) -> None:
@@ -334,8 +386,10 @@ def validate(run: WorkerRun, state: LoopState, epoch: int, start: float, last: b
     if run.grid_every is None or last:
         entry = evaluate_point(run, state, epoch, start, "epoch")
     on = "" if entry["kind"] == "epoch" else f" (first {entry['images']} images)"
-    run.progress.say(f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
-                     f"val top-1 {entry['top1']:.4f}{on} at {entry['wall_s']:.1f}s")
+    run.progress.say(
+        f"epoch {epoch + 1}/{run.spec.config['train']['epochs']} done: "
+        f"val top-1 {entry['top1']:.4f}{on} at {entry['wall_s']:.1f}s"
+    )
 
 
 def save_checkpoint(run: WorkerRun, state: LoopState, elapsed_s: float) -> None:
@@ -372,18 +426,22 @@ def stop_for_preemption(run: WorkerRun, state: LoopState, elapsed_s: float) -> N
             f"{spec.run_name}: preempted at step {state.step} (signal {preemption.signum.name}), and strategy "
             f"{spec.strategy!r} cannot resume: {strategy.not_resumable_because}. The run is not started again "
             "from step 0; give its job the time it needs (launcher.timeout_min, the SLURM time limit) or run "
-            "it where it is not preempted")
+            "it where it is not preempted"
+        )
     preemption.stopping = True
     path = save_state(run, state, elapsed_s)
     if ctx.rank == 0:
-        run.progress.say(f"preempted at step {state.step} after {elapsed_s:.2f} s of training: "
-                         f"state saved in {path.parent}; requeueing the job")
+        run.progress.say(
+            f"preempted at step {state.step} after {elapsed_s:.2f} s of training: "
+            f"state saved in {path.parent}; requeueing the job"
+        )
         preemption.requeue()
     preemption.wait_for_rank0()
 
 
-def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None = None,
-                 timings: dict | None = None) -> dict | None:
+def train_worker(
+    spec: RunSpec, ctx: DistContext, preemption: Preemption | None = None, timings: dict | None = None
+) -> dict | None:
     """Train on one worker; rank 0 returns the run's metrics (and writes its files).
 
     With a `preemption` installed, a preempted run saves its state at a step boundary and
@@ -394,8 +452,14 @@ def train_worker(spec: RunSpec, ctx: DistContext, preemption: Preemption | None 
     timings = dict(timings or {})
     strategy: Strategy = get_strategy(spec.strategy)(ctx, spec.strategy_params())
     if preemption is None:  # nothing installed: never preempted
-        preemption = Preemption(ctx.rank, spec.workers, ctx.worker_group, ctx.device,
-                                spec.config["train"]["preempt_check_every"], lockstep=strategy.resumable)
+        preemption = Preemption(
+            ctx.rank,
+            spec.workers,
+            ctx.worker_group,
+            ctx.device,
+            spec.config["train"]["preempt_check_every"],
+            lockstep=strategy.resumable,
+        )
     resume = checkpoint.ResumeFiles.of(spec, stopping=lambda: setattr(preemption, "stopping", True))
     if not ctx.is_worker:  # an extra process: it saves and resumes its own state in the run's files
         strategy.serve(resume)
@@ -444,9 +508,17 @@ def _train(spec, ctx, strategy, preemption, tracker, resume, timings) -> dict | 
     timings["gathered"] = time.time()
     write_checkpoint(spec, final_model, run.meta)
     timings["checkpoint_written"] = time.time()
-    metrics = summarize(spec, logs, state.val_history, wall_time, run.schedule.describe(), strategy.summary(),
-                        environment(ctx.device, ctx.backend, ctx.world_size, ctx.concurrent_ranks), timings,
-                        compute=run.compute.describe(run.timer.clock.kind))
+    metrics = summarize(
+        spec,
+        logs,
+        state.val_history,
+        wall_time,
+        run.schedule.describe(),
+        strategy.summary(),
+        environment(ctx.device, ctx.backend, ctx.world_size, ctx.concurrent_ranks),
+        timings,
+        compute=run.compute.describe(run.timer.clock.kind),
+    )
     timings["summarized"] = time.time()
     metrics["mlflow"] = tracker.finish(metrics)  # final metrics logged; the run stays RUNNING
     timings["mlflow_logged"] = time.time()

@@ -43,8 +43,9 @@ class LRSchedule:
         return asdict(self)
 
 
-def make_schedule(train: dict, update_batch: int, steps_per_epoch: int, update_batch_rule: str = "",
-                  step_limit: int | None = None) -> LRSchedule:
+def make_schedule(
+    train: dict, update_batch: int, steps_per_epoch: int, update_batch_rule: str = "", step_limit: int | None = None
+) -> LRSchedule:
     """The schedule of a run whose updates each average `update_batch` images (N*b for the
     synchronous strategies, see Strategy.update_batch): the rate is that batch's. It ends
     after train.epochs, train.max_steps or the strategy's `step_limit`, whichever is first."""
@@ -54,5 +55,11 @@ def make_schedule(train: dict, update_batch: int, steps_per_epoch: int, update_b
         if limit is not None:
             total = min(total, limit)
     warmup = min(total, round(train["warmup_epochs"] * steps_per_epoch))
-    return LRSchedule(peak_lr=peak, warmup_steps=warmup, total_steps=total, kind=train["lr_schedule"],
-                      update_batch=update_batch, update_batch_rule=update_batch_rule)
+    return LRSchedule(
+        peak_lr=peak,
+        warmup_steps=warmup,
+        total_steps=total,
+        kind=train["lr_schedule"],
+        update_batch=update_batch,
+        update_batch_rule=update_batch_rule,
+    )

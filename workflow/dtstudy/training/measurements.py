@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtstudy.config.study_config import global_batch_size, per_worker_batch
 from dtstudy.common.intervals import median_interval
+from dtstudy.config.study_config import global_batch_size, per_worker_batch
 from dtstudy.strategies.specs import get_spec
 from dtstudy.training.stragglers import slow_ranks
-
 
 MIN_WINDOWS = 5  # a run too short for this many windows of timing_window_steps gets shorter windows
 
@@ -86,8 +85,17 @@ def run_windows(logs: list[WorkerLog], skip: int, window_steps: int) -> list[flo
     return [sum(windows[k] for windows in per_worker) for k in range(count)]
 
 
-def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: float, lr_schedule: dict,
-              strategy_summary: dict, environment: dict, timings: dict, compute: dict | None = None) -> dict:
+def summarize(
+    spec,
+    logs: list[WorkerLog],
+    val_history: list[dict],
+    wall_time: float,
+    lr_schedule: dict,
+    strategy_summary: dict,
+    environment: dict,
+    timings: dict,
+    compute: dict | None = None,
+) -> dict:
     """metrics.json's content (see docs/running-locally.md: 'What a run records'). `compute`:
     what the steps ran with (dtstudy.training.compute.Compute.describe)."""
     train = spec.config["train"]
@@ -130,17 +138,24 @@ def summarize(spec, logs: list[WorkerLog], val_history: list[dict], wall_time: f
         "epochs_run": max((v["epoch"] for v in val_history), default=0),  # each epoch end has a point
         "global_batch": global_batch_size(train, spec.workers),
         "per_worker_batch": per_worker_batch(train, spec.workers),
-        "lr_schedule": {"rule": train["lr_scaling"], "base_lr": train["base_lr"],
-                        "reference_batch": train["lr_reference_batch"], **lr_schedule},
+        "lr_schedule": {
+            "rule": train["lr_scaling"],
+            "base_lr": train["base_lr"],
+            "reference_batch": train["lr_reference_batch"],
+            **lr_schedule,
+        },
         "train_loss": losses_per_step,
         "val": epochs,
         "val_grid": grid,
         "final_val_top1": epochs[-1]["top1"] if epochs else None,
         "target_accuracy": target,
         "time_to_accuracy_s": reached[0] if reached else None,
-        "time_to_accuracy_basis": (f"training seconds (evaluations left out) to the first of {len(measured)} "
-                                   f"validation points on {measured[0]['images']} images at or above the target"
-                                   if measured else "no validation point"),
+        "time_to_accuracy_basis": (
+            f"training seconds (evaluations left out) to the first of {len(measured)} "
+            f"validation points on {measured[0]['images']} images at or above the target"
+            if measured
+            else "no validation point"
+        ),
         "wall_time_s": wall_time,
         "timings": timings,
         "strategy_params": spec.strategy_params(),

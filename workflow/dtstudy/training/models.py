@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -51,8 +51,9 @@ class AlexNetSmall(nn.Module):
     def __init__(self, in_channels: int, num_classes: int, image_size: int):
         super().__init__()
         if image_size % 8:
-            raise ValueError(f"model alexnet_small: images of a side that is a multiple of 8 are needed, "
-                             f"not {image_size}")
+            raise ValueError(
+                f"model alexnet_small: images of a side that is a multiple of 8 are needed, not {image_size}"
+            )
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 32, kernel_size=5, padding=2),
             nn.ReLU(inplace=True),
@@ -76,8 +77,9 @@ class AlexNetSmall(nn.Module):
 
 
 def _torchvision_resnet(factory: Callable[..., nn.Module]):
-    def build(in_channels: int, num_classes: int, image_size: int, small_input: bool = True,
-              zero_init_residual: bool = False) -> nn.Module:
+    def build(
+        in_channels: int, num_classes: int, image_size: int, small_input: bool = True, zero_init_residual: bool = False
+    ) -> nn.Module:
         # zero_init_residual: each residual block's last BatchNorm starts at gamma = 0, so that
         # every block starts as the identity (Goyal et al. 2017, section 5.1: large batches)
         model = factory(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
@@ -103,12 +105,15 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "lenet5": lambda in_channels, num_classes, image_size, **_: LeNet5(in_channels, num_classes, image_size),
     "resnet18": lambda *args, **kwargs: _resnet("resnet18")(*args, **kwargs),
     "resnet50": lambda *args, **kwargs: _resnet("resnet50")(*args, **kwargs),
-    "alexnet_small": lambda in_channels, num_classes, image_size, **_: AlexNetSmall(in_channels, num_classes,
-                                                                                    image_size),
+    "alexnet_small": lambda in_channels, num_classes, image_size, **_: AlexNetSmall(
+        in_channels, num_classes, image_size
+    ),
 }
 
 
-def build_model(name: str, in_channels: int, num_classes: int, image_size: int, options: dict | None = None) -> nn.Module:
+def build_model(
+    name: str, in_channels: int, num_classes: int, image_size: int, options: dict | None = None
+) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"model: unknown model {name!r}; allowed: {', '.join(MODELS)}")
     return MODELS[name](in_channels, num_classes, image_size, **(options or {}))

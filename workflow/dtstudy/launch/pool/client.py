@@ -33,6 +33,7 @@ class PoolError(RuntimeError):
 
 # ----- addresses -------------------------------------------------------------------------
 
+
 def code_version() -> str:
     """A fingerprint of the package's sources and the interpreter: a pool of other code is not
     used. The interpreter is its environment and binary, not the name it was started by:
@@ -59,6 +60,7 @@ def pool_address(study_dir: str | Path | None = None) -> str:
 
 
 # ----- requests ------------------------------------------------------------------------------
+
 
 def apply_environment(environ: dict[str, str | None]) -> None:
     """Set these variables in this process (None: unset)."""
@@ -96,23 +98,31 @@ def connect(address: str, log_path: str | Path | None = None) -> socket.socket:
         log = open(log_path or f"{address}.log", "ab")
         server = subprocess.Popen(
             [sys.executable, "-m", "dtstudy.launch.pool.server", "--address", address],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C on Snakemake ends runs, not the shared pool
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent),
-                                                                            os.environ.get("PYTHONPATH")]))},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")])),
+            },
         )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if server.poll() is not None:
-                raise PoolError(f"the warm pool exited at start (status {server.returncode}); "
-                                f"its log: {log_path or address + '.log'}")
+                raise PoolError(
+                    f"the warm pool exited at start (status {server.returncode}); "
+                    f"its log: {log_path or address + '.log'}"
+                )
             sock = _try_connect(address)
             if sock is not None:
                 return sock
             time.sleep(0.05)
         server.kill()
-        raise PoolError(f"the warm pool did not answer within {START_TIMEOUT_S} s; its log: {log_path or address + '.log'}")
+        raise PoolError(
+            f"the warm pool did not answer within {START_TIMEOUT_S} s; its log: {log_path or address + '.log'}"
+        )
 
 
 def _request(address: str, message: dict) -> dict:
@@ -120,22 +130,39 @@ def _request(address: str, message: dict) -> dict:
         send(sock, message)
         reply = receive(sock)
     if reply is None:
-        raise PoolError(f"the warm pool closed the connection during {message['kind']!r} (it died?); "
-                        f"its log: {address}.log")
+        raise PoolError(
+            f"the warm pool closed the connection during {message['kind']!r} (it died?); its log: {address}.log"
+        )
     if not reply.get("ok"):
         raise PoolError(reply.get("error", "unknown error"))
     return reply
 
 
-def request_training(address: str, spec: RunSpec, job_id: str, rank0_log: str, log_dir: str, timings: dict,
-                     environ: dict[str, str | None] | None = None) -> dict:
+def request_training(
+    address: str,
+    spec: RunSpec,
+    job_id: str,
+    rank0_log: str,
+    log_dir: str,
+    timings: dict,
+    environ: dict[str, str | None] | None = None,
+) -> dict:
     """Run `spec` in the pool; rank 0 appends its output to `rank0_log`, its stderr and the
     other ranks' output go to `<log_dir>/<job_id>_rank<r>.out/.err`. The ranks set `environ`
     (None: unset) before they start: the pool may have been started by another run's task.
     Returns rank 0's metrics."""
-    _request(address, {"kind": "train", "spec": spec.__dict__, "job_id": job_id, "rank0_log": rank0_log,
-                        "log_dir": log_dir, "timings": {**timings, "task_start": time.time()},
-                        "environ": environ or {}})
+    _request(
+        address,
+        {
+            "kind": "train",
+            "spec": spec.__dict__,
+            "job_id": job_id,
+            "rank0_log": rank0_log,
+            "log_dir": log_dir,
+            "timings": {**timings, "task_start": time.time()},
+            "environ": environ or {},
+        },
+    )
     return json.loads(spec.folder.metrics.read_text())  # rank 0 wrote it; a failure raised above
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from dtstudy.common.atomic_files import write_json
 from dtstudy.launch import cores
 from dtstudy.launch.pool.client import PoolError, apply_environment
-from dtstudy.tracking.provenance import PINNED_ENV
 from dtstudy.launch.pool.messages import receive, send
 from dtstudy.runspec import RunSpec
+from dtstudy.tracking.provenance import PINNED_ENV
 
 IDLE_S = 120  # a pool with no work for this long exits
 KILL_GRACE_S = 5  # SIGTERM, then SIGKILL, to the ranks of a failed run
@@ -29,9 +29,18 @@ SETTLE_S = 1.0  # after a rank fails, how long its peers may take to fail too, b
 RANKS_FILE = "ranks.json"  # <job id>_ranks.json in a pooled job's log folder: {rank: pid}
 # imported once by the server; MLflow's SQL store modules load lazily on a client's first
 # call (a delay each client would pay), so they are named here too
-WARM_MODULES = ("torch", "torch.distributed", "torchvision", "dtstudy.launch.rank_process", "dtstudy.training.evaluate",
-                "dtstudy.tracking.mlflow_store", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
-                "sqlalchemy", "alembic")
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torchvision",
+    "dtstudy.launch.rank_process",
+    "dtstudy.training.evaluate",
+    "dtstudy.tracking.mlflow_store",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.db.utils",
+    "sqlalchemy",
+    "alembic",
+)
 
 
 def serve(address: str, idle_s: float = IDLE_S) -> None:
@@ -160,8 +169,9 @@ def _cores_per_rank(spec: RunSpec, environ: dict) -> list[int]:
     layout = spec.layout()
     loader_workers = config["loader"]["workers"] if config["dataset"]["name"] == "imagefolder" else 0
     on_gpu = _workers_on_gpu(config["launcher"]["device"], environ)
-    return cores.cores_per_rank(layout.workers, layout.world_size - layout.workers, on_gpu, loader_workers,
-                                len(cores.machine_cores()))
+    return cores.cores_per_rank(
+        layout.workers, layout.world_size - layout.workers, on_gpu, loader_workers, len(cores.machine_cores())
+    )
 
 
 def _workers_on_gpu(preference: str, environ: dict) -> bool:
@@ -215,8 +225,11 @@ def _wait_for_ranks(conn: socket.socket, ranks: dict[int, int], logs: dict[int, 
     rank, code = failed[0]
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
     peers = "".join(f"; rank {r} exited with status {c}" for r, c in failed[1:])
-    return (f"rank {rank} {how}; its stderr: {logs[rank]}{peers}"
-            + (f"; ranks {others} were stopped" if others else "") + _last_error(logs[rank]))
+    return (
+        f"rank {rank} {how}; its stderr: {logs[rank]}{peers}"
+        + (f"; ranks {others} were stopped" if others else "")
+        + _last_error(logs[rank])
+    )
 
 
 def _last_error(path: str, lines: int = 3) -> str:
@@ -287,7 +300,9 @@ def _run_rank(spec: RunSpec, rank: int, out: str, err: str, timings: dict, envir
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dtstudy.launch.pool.server", description="the study's warm pool (server)")
+    parser = argparse.ArgumentParser(
+        prog="python -m dtstudy.launch.pool.server", description="the study's warm pool (server)"
+    )
     parser.add_argument("--address", required=True, help="Unix socket to listen on")
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="exit after this long without work")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from dtstudy.perfmodel import steps
 from dtstudy.perfmodel.machine import Workload
-from dtstudy.strategies.spec import ring_parameters, StrategySpec
+from dtstudy.strategies.spec import StrategySpec, ring_parameters
 
 
 class AllReduceSpec(StrategySpec):
@@ -28,8 +28,9 @@ class AllReduceSpec(StrategySpec):
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
         """DDP: the gradient all-reduced every step, overlapped with backward."""
-        return steps.allreduce_step(cls.name, cls.wire_bytes(workload), cls.compression_passes, workload, machine,
-                                    workers, params, stragglers)
+        return steps.allreduce_step(
+            cls.name, cls.wire_bytes(workload), cls.compression_passes, workload, machine, workers, params, stragglers
+        )
 
     @classmethod
     def parameters_from_bytes(cls, bytes_per_step, workers, params):

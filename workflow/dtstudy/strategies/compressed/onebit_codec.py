@@ -64,8 +64,9 @@ def group_index(groups: list[int], device=None) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(groups), device=device), torch.tensor(groups, device=device))
 
 
-def quantize(values: torch.Tensor, groups: list[int], quantizer: str = "column",
-             index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    values: torch.Tensor, groups: list[int], quantizer: str = "column", index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Signs, packed, and each group's float32 reconstruction values (`index`: `group_index`'s,
     built when not given).
 
@@ -90,13 +91,15 @@ def quantize(values: torch.Tensor, groups: list[int], quantizer: str = "column",
     total = zeros.index_add(0, index, values)
     positive_count = zeros.index_add(0, index, positive.to(values.dtype))
     negative_count = sizes - positive_count
-    levels = torch.stack([positive_sum / positive_count.clamp(min=1),
-                          (total - positive_sum) / negative_count.clamp(min=1)], dim=1)
+    levels = torch.stack(
+        [positive_sum / positive_count.clamp(min=1), (total - positive_sum) / negative_count.clamp(min=1)], dim=1
+    )
     return pack_signs(values), levels.to(torch.float32)
 
 
-def decode_bits(bits: torch.Tensor, levels: torch.Tensor, groups: list[int],
-                index: torch.Tensor | None = None) -> torch.Tensor:
+def decode_bits(
+    bits: torch.Tensor, levels: torch.Tensor, groups: list[int], index: torch.Tensor | None = None
+) -> torch.Tensor:
     """The values of sign bits (True = non-negative) and their groups' levels: (positive,
     negative) per group, levels one dimension more than bits (`column`), or one scale, decoded
     +s/-s (`tensor`). A leading dimension of both (several messages, one a row) is kept.
@@ -108,14 +111,20 @@ def decode_bits(bits: torch.Tensor, levels: torch.Tensor, groups: list[int],
     return bits.to(torch.float32).mul_(2).sub_(1).mul_(levels.index_select(-1, index))
 
 
-def dequantize(packed: torch.Tensor, levels: torch.Tensor, groups: list[int],
-               index: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, levels: torch.Tensor, groups: list[int], index: torch.Tensor | None = None
+) -> torch.Tensor:
     """The values `quantize` encoded: per group, levels (positive, negative) or a scale +s/-s."""
     return decode_bits(unpack_bits(packed, sum(groups)), levels, groups, index)
 
 
-def compress_with_feedback(gradient: torch.Tensor, residual: torch.Tensor, groups: list[int],
-                           quantizer: str = "column", index: torch.Tensor | None = None):
+def compress_with_feedback(
+    gradient: torch.Tensor,
+    residual: torch.Tensor,
+    groups: list[int],
+    quantizer: str = "column",
+    index: torch.Tensor | None = None,
+):
     """1-bit quantisation of gradient + residual; returns (packed, levels, new residual), the
     new residual being what the quantisation lost, to be added to the next gradient."""
     corrected = gradient + residual
@@ -153,9 +162,14 @@ def chunk_groups(groups: list[int], chunks: int, cut: bool) -> list[list[int]]:
     starts = list(itertools.accumulate(groups, initial=0))
     if cut:
         bounds = [0, *ends, numel]
-        return [[min(hi, start + size) - max(lo, start) for start, size in zip(starts, groups)
-                 if min(hi, start + size) > max(lo, start)]
-                for lo, hi in zip(bounds, bounds[1:])]
+        return [
+            [
+                min(hi, start + size) - max(lo, start)
+                for start, size in zip(starts, groups)
+                if min(hi, start + size) > max(lo, start)
+            ]
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
     cuts = [0]
     for end in ends:
         k = bisect.bisect_left(starts, end)  # starts[k-1] < end <= starts[k]
@@ -169,8 +183,9 @@ def message_bytes(numel: int, groups: int, per_group: int) -> int:
     return groups * per_group * 4 + -(-numel // 8) if groups else 0
 
 
-def compress_chunk(values: torch.Tensor, groups: list[int], quantizer: str,
-                   index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_chunk(
+    values: torch.Tensor, groups: list[int], quantizer: str, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(message, what it decodes to) of one chunk; an empty chunk is an empty message."""
     if not groups:
         return torch.empty(0, dtype=torch.uint8, device=values.device), values
@@ -183,16 +198,18 @@ def levels_per_group(quantizer: str) -> int:
     return 1 if quantizer == "tensor" else 2
 
 
-def decompress_chunk(message: torch.Tensor, groups: list[int], quantizer: str,
-                     index: torch.Tensor | None) -> torch.Tensor:
+def decompress_chunk(
+    message: torch.Tensor, groups: list[int], quantizer: str, index: torch.Tensor | None
+) -> torch.Tensor:
     """The values of `compress_chunk`'s message."""
     if not groups:
         return torch.empty(0, device=message.device)
     return dequantize(*decode(message, len(groups), levels_per_group(quantizer)), groups, index)
 
 
-def decompress_messages(messages: torch.Tensor, groups: list[int], quantizer: str,
-                        index: torch.Tensor | None) -> torch.Tensor:
+def decompress_messages(
+    messages: torch.Tensor, groups: list[int], quantizer: str, index: torch.Tensor | None
+) -> torch.Tensor:
     """The values of several messages of one chunk, one a row (workers x bytes -> workers x
     values): `decompress_chunk` of every row, in one go."""
     workers, numel = messages.shape[0], sum(groups)
@@ -206,8 +223,9 @@ def decompress_messages(messages: torch.Tensor, groups: list[int], quantizer: st
     return decode_bits(unpack_bits(messages[:, level_bytes:], numel), levels, groups, index)
 
 
-def reduce_chunk(messages: torch.Tensor, residual: torch.Tensor, groups: list[int], quantizer: str,
-                 index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reduce_chunk(
+    messages: torch.Tensor, residual: torch.Tensor, groups: list[int], quantizer: str, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The owner's step of the compressed reduce-scatter (1-bit Adam's server side): the mean
     of the N workers' decoded messages for its chunk (`messages`, workers x bytes, one a row),
     plus the chunk's server residual, is quantised again; returns (message, new server
@@ -266,9 +284,9 @@ class ChunkLayout:
         """The bucket's values of the N chunk messages concatenated (`compress`'s layout)."""
         canonical = messages.index_select(0, self.to_canonical)  # a new tensor: its levels are 4-aligned
         per_group = levels_per_group(self.quantizer)
-        levels = canonical[:self.level_bytes].view(torch.float32)
+        levels = canonical[: self.level_bytes].view(torch.float32)
         levels = levels.view(-1, per_group) if per_group > 1 else levels
-        bits = unpack_bits(canonical[self.level_bytes:], self.sign_bits).index_select(0, self.sign_positions)
+        bits = unpack_bits(canonical[self.level_bytes :], self.sign_bits).index_select(0, self.sign_positions)
         return decode_bits(bits, levels, self.pieces, self.index)
 
 
@@ -280,7 +298,9 @@ def chunk_layout(groups: list[int], chunks: int, quantizer: str, device=None) ->
     level_bytes = torch.tensor([len(g) * per_group * 4 for g in per_chunk])
     sign_bytes = torch.tensor([-(-n // 8) for n in sizes])
     # canonical: all levels, then all signs; a message: its chunk's levels, then its signs
-    canonical_starts = torch.stack([_exclusive_cumsum(level_bytes), level_bytes.sum() + _exclusive_cumsum(sign_bytes)], 1)
+    canonical_starts = torch.stack(
+        [_exclusive_cumsum(level_bytes), level_bytes.sum() + _exclusive_cumsum(sign_bytes)], 1
+    )
     to_messages = _ranges(canonical_starts.view(-1), torch.stack([level_bytes, sign_bytes], 1).view(-1))
     to_canonical = torch.empty_like(to_messages)
     to_canonical[to_messages] = torch.arange(len(to_messages))
@@ -288,8 +308,19 @@ def chunk_layout(groups: list[int], chunks: int, quantizer: str, device=None) ->
     pieces = [size for chunk in per_chunk for size in chunk]
     sent = [message_bytes(n, len(g), per_group) for n, g in zip(sizes, per_chunk)]
     assert sum(sent) == len(to_messages)
-    return ChunkLayout(quantizer, per_chunk, sizes, sent, pieces, group_index(pieces, device), int(level_bytes.sum()),
-                       8 * int(sign_bytes.sum()), sign_positions.to(device), to_messages.to(device), to_canonical.to(device))
+    return ChunkLayout(
+        quantizer,
+        per_chunk,
+        sizes,
+        sent,
+        pieces,
+        group_index(pieces, device),
+        int(level_bytes.sum()),
+        8 * int(sign_bytes.sum()),
+        sign_positions.to(device),
+        to_messages.to(device),
+        to_canonical.to(device),
+    )
 
 
 @dataclass(frozen=True)

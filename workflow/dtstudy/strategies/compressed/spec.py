@@ -25,8 +25,10 @@ class AllReduceBF16Spec(AllReduceFP16Spec):
 class AllReducePowerSGDSpec(AllReduceSpec):
     name = "allreduce_powersgd"
     family = "compressed"
-    no_fp16_because = ("its error feedback keeps residuals of the loss-scaled gradients: a change of the "
-                       "scale leaves them off by that factor and an overflowing step's inf stays in them")
+    no_fp16_because = (
+        "its error feedback keeps residuals of the loss-scaled gradients: a change of the "
+        "scale leaves them off by that factor and an overflowing step's inf stays in them"
+    )
     # rank r: two matrix products over the gradient and the error feedback, ~6 passes
     compression_passes = 6.0
     needs_matrices = True  # which matrices it factorises depends on their shapes
@@ -54,11 +56,22 @@ class AllReducePowerSGDSpec(AllReduceSpec):
         share = workload.measured_share.get(cls.name)
         if share is None:
             if workload.matrices is None:
-                raise ValueError(f"{cls.name} needs the share of the gradient bytes PowerSGD sends "
-                                 "(a run's measured bytes_per_step at N > 1, or the model's matrices)")
+                raise ValueError(
+                    f"{cls.name} needs the share of the gradient bytes PowerSGD sends "
+                    "(a run's measured bytes_per_step at N > 1, or the model's matrices)"
+                )
             share = cls.sent_share(workload.matrices, params["rank"])
-        return steps.allreduce_step(cls.name, workload.model_bytes * share, cls.compression_passes,
-                                    workload, machine, workers, params, stragglers, messages_per_bucket=3)
+        return steps.allreduce_step(
+            cls.name,
+            workload.model_bytes * share,
+            cls.compression_passes,
+            workload,
+            machine,
+            workers,
+            params,
+            stragglers,
+            messages_per_bucket=3,
+        )
 
     @classmethod
     def parameters_from_bytes(cls, bytes_per_step, workers, params):
@@ -74,8 +87,11 @@ class AllReducePowerSGDSpec(AllReduceSpec):
         # PowerSGD's state (warm start, error feedback) needs a plain step first
         stateful = params["warm_start"] or params["use_error_feedback"]
         if stateful and params["start_powerSGD_iter"] < 2:
-            raise cls.bad_knob("start_powerSGD_iter", params["start_powerSGD_iter"],
-                               "an integer >= 2 is needed while warm_start or use_error_feedback is true")
+            raise cls.bad_knob(
+                "start_powerSGD_iter",
+                params["start_powerSGD_iter"],
+                "an integer >= 2 is needed while warm_start or use_error_feedback is true",
+            )
 
 
 class AllReduceOneBitSpec(AllReduceSpec):

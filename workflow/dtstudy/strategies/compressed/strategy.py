@@ -14,9 +14,24 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from dtstudy.strategies.allreduce.strategy import AllReduce, ring_allreduce_bytes
-from dtstudy.strategies.compressed.onebit_codec import Chunks, chunk_layout, decode, dequantize, encode, group_index, levels_per_group, quantization_groups, quantize, reduce_chunk
-from dtstudy.strategies.compressed.spec import (AllReduceBF16Spec, AllReduceFP16Spec, AllReduceOneBitSpec,
-                                                AllReducePowerSGDSpec)
+from dtstudy.strategies.compressed.onebit_codec import (
+    Chunks,
+    chunk_layout,
+    decode,
+    dequantize,
+    encode,
+    group_index,
+    levels_per_group,
+    quantization_groups,
+    quantize,
+    reduce_chunk,
+)
+from dtstudy.strategies.compressed.spec import (
+    AllReduceBF16Spec,
+    AllReduceFP16Spec,
+    AllReduceOneBitSpec,
+    AllReducePowerSGDSpec,
+)
 
 
 def memory_order(tensor: torch.Tensor) -> list[int] | None:
@@ -43,9 +58,11 @@ class LogicalBuckets:
     contiguous run's, not with each row's columns permuted (tests/test_device_rules.py)."""
 
     def __init__(self, bucket: dist.GradBucket):
-        self.segments = [(view.view(-1), parameter.shape, order)
-                         for parameter, view in zip(bucket.parameters(), bucket.gradients())
-                         if (order := memory_order(parameter)) is not None]
+        self.segments = [
+            (view.view(-1), parameter.shape, order)
+            for parameter, view in zip(bucket.parameters(), bucket.gradients())
+            if (order := memory_order(parameter)) is not None
+        ]
 
     @torch.no_grad()
     def to_logical(self) -> None:
@@ -112,6 +129,7 @@ class AllReducePowerSGD(CompressedAllReduce):
     """
 
     spec = AllReducePowerSGDSpec
+
     def comm_hook(self):
         self.powersgd = PowerSGDState(
             process_group=self.ctx.worker_group,
@@ -157,8 +175,12 @@ class AllReducePowerSGD(CompressedAllReduce):
             "error": {index: t.detach().cpu() for index, t in state.error_dict.items()},
             "p": {index: t.detach().cpu() for index, t in state.p_memory_dict.items()},
             "q": {index: t.detach().cpu() for index, t in state.q_memory_dict.items()},
-            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "position": int(position),
-                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "rng": {
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "position": int(position),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gaussian),
+            },
         }
 
     def load_state_dict(self, saved):
@@ -171,8 +193,9 @@ class AllReducePowerSGD(CompressedAllReduce):
         state.p_memory_dict = {int(i): t.to(device) for i, t in saved["p"].items()}
         state.q_memory_dict = {int(i): t.to(device) for i, t in saved["q"].items()}
         rng = saved["rng"]
-        state.rng.set_state(("MT19937", rng["keys"].numpy().astype("uint32"), rng["position"],
-                             rng["has_gauss"], rng["cached_gaussian"]))
+        state.rng.set_state(
+            ("MT19937", rng["keys"].numpy().astype("uint32"), rng["position"], rng["has_gauss"], rng["cached_gaussian"])
+        )
 
 
 class AllReduceOneBit(CompressedAllReduce):
@@ -264,8 +287,9 @@ class AllReduceOneBit(CompressedAllReduce):
         return buffer.copy_(averaged if decay is None else averaged.add_(decay))
 
     def comm_hook(self):
-        self.residuals = {p: torch.zeros(p.numel(), device=p.device) for p in self.model.parameters()
-                          if p.requires_grad}
+        self.residuals = {
+            p: torch.zeros(p.numel(), device=p.device) for p in self.model.parameters() if p.requires_grad
+        }
         self.momentum, self.nesterov, self.weight_decay = 0.0, False, 0.0  # until setup takes the optimizer's
         self._groups: dict[tuple[int, ...], tuple[list[int], torch.Tensor | None]] = {}
         self._error_sum, self._exchanges = 0.0, 0
@@ -302,8 +326,11 @@ class AllReduceOneBit(CompressedAllReduce):
     def summary(self):
         if self.ctx.workers == 1 or not self._exchanges:
             return {}
-        summary = {"quantizer": self.params["quantizer"], "exchange": self.params["exchange"],
-                   "quantization_error": float(self._error_sum) / self._exchanges}
+        summary = {
+            "quantizer": self.params["quantizer"],
+            "exchange": self.params["exchange"],
+            "quantization_error": float(self._error_sum) / self._exchanges,
+        }
         if self.params["exchange"] == "reduce_scatter" and self._reductions:
             summary["server_quantization_error"] = float(self._server_error_sum) / self._reductions
         return summary
@@ -385,7 +412,12 @@ class AllReduceOneBit(CompressedAllReduce):
         buffer, parameters = bucket.buffer(), bucket.parameters()
         chunks = self._chunks_of(parameters)
         layout = chunks.layout
-        quantizer, workers, rank, group = self.params["quantizer"], self.ctx.workers, self.ctx.rank, self.ctx.worker_group
+        quantizer, workers, rank, group = (
+            self.params["quantizer"],
+            self.ctx.workers,
+            self.ctx.rank,
+            self.ctx.worker_group,
+        )
         corrected = self._worker_update(buffer, parameters) + torch.cat([self.residuals[p] for p in parameters])
         decay = self._decay_update(parameters)
         messages, decoded = layout.compress(corrected)
@@ -394,15 +426,17 @@ class AllReduceOneBit(CompressedAllReduce):
         received = torch.empty(workers * mine, dtype=torch.uint8, device=buffer.device)
         self.meter.bytes_sent += chunks.bytes_sent(rank)
         # gloo has all_to_all_single with uneven splits (checked on torch 2.14.1); chunk j to worker j
-        future = dist.all_to_all_single(received, messages, [mine] * workers, layout.message_bytes,
-                                        group=group, async_op=True).get_future()
+        future = dist.all_to_all_single(
+            received, messages, [mine] * workers, layout.message_bytes, group=group, async_op=True
+        ).get_future()
 
         def reduce_and_gather(_):
             device = buffer.device
             server = [self.server_residuals[p][lo:hi] for p, lo, hi in chunks.owned]
             owned = torch.cat(server) if server else torch.empty(0, device=device)
-            message, kept, error = reduce_chunk(received.view(workers, mine), owned,
-                                                layout.groups[rank], quantizer, chunks.index)
+            message, kept, error = reduce_chunk(
+                received.view(workers, mine), owned, layout.groups[rank], quantizer, chunks.index
+            )
             for piece, value in zip(server, kept.split([piece.numel() for piece in server])):
                 piece.copy_(value)
             if server:
@@ -412,8 +446,9 @@ class AllReduceOneBit(CompressedAllReduce):
             # all_gather wants equal sizes; this sends no padding); waited here, as
             # torch's PowerSGD hook waits for its second all-reduce
             gathered = torch.empty(sum(layout.message_bytes), dtype=torch.uint8, device=device)
-            dist.all_to_all_single(gathered, message.repeat(workers), layout.message_bytes, [mine] * workers,
-                                   group=group, async_op=True).wait()
+            dist.all_to_all_single(
+                gathered, message.repeat(workers), layout.message_bytes, [mine] * workers, group=group, async_op=True
+            ).wait()
             return self._deliver(buffer, layout.decompress(gathered), decay)
 
         return future.then(reduce_and_gather)

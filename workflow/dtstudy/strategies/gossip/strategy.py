@@ -11,8 +11,7 @@ from torch import nn
 
 from dtstudy.strategies.base import OptimizerFactory
 from dtstudy.strategies.gossip.spec import GossipSpec
-from dtstudy.strategies.local.strategy import flatten, LocalTraining, shaped_like
-
+from dtstudy.strategies.local.strategy import LocalTraining, flatten, shaped_like
 
 
 def ring_neighbours(rank: int, workers: int) -> list[int]:

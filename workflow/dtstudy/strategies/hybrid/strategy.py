@@ -183,17 +183,22 @@ class ShardedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, exchange: Exchange, entry: bool, last: bool):
         super().__init__()
         sizes = shard_sizes(linear.out_features, exchange.workers)
-        start, size = sum(sizes[:exchange.rank]), sizes[exchange.rank]
+        start, size = sum(sizes[: exchange.rank]), sizes[exchange.rank]
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.exchange, self.entry, self.last = exchange, entry, last
         self.width = max(sizes)  # every worker's slice is padded to it for the collectives
-        self.weight = nn.Parameter(linear.weight.detach()[start:start + size].clone())
-        self.bias = (nn.Parameter(linear.bias.detach()[start:start + size].clone())
-                     if linear.bias is not None else None)
+        self.weight = nn.Parameter(linear.weight.detach()[start : start + size].clone())
+        self.bias = (
+            nn.Parameter(linear.bias.detach()[start : start + size].clone()) if linear.bias is not None else None
+        )
         # the real columns among the N padded slices (None: no padding)
-        self.keep = (None if len(set(sizes)) == 1 else
-                     torch.cat([rank * self.width + torch.arange(s) for rank, s in enumerate(sizes)])
-                     .to(linear.weight.device))
+        self.keep = (
+            None
+            if len(set(sizes)) == 1
+            else torch.cat([rank * self.width + torch.arange(s) for rank, s in enumerate(sizes)]).to(
+                linear.weight.device
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         exchange = self.exchange
@@ -201,9 +206,11 @@ class ShardedLinear(nn.Module):
             exchange.rows = x.shape[0]
             x = _GatherRows.apply(x, exchange)
         elif x.shape[0] != exchange.workers * exchange.rows:
-            raise RuntimeError(f"strategy hybrid: a fully connected layer got {x.shape[0]} rows, not the "
-                               f"{exchange.workers} x {exchange.rows} of all workers' batches: the model's "
-                               f"nn.Linear layers must be, in module order, the chain its forward ends with")
+            raise RuntimeError(
+                f"strategy hybrid: a fully connected layer got {x.shape[0]} rows, not the "
+                f"{exchange.workers} x {exchange.rows} of all workers' batches: the model's "
+                f"nn.Linear layers must be, in module order, the chain its forward ends with"
+            )
         y = F.linear(x, self.weight, self.bias)
         if y.shape[1] < self.width:
             y = F.pad(y, (0, self.width - y.shape[1]))
@@ -214,14 +221,16 @@ class ShardedLinear(nn.Module):
         """The full layer's `weight` or `bias`, from every worker's rows (a collective)."""
         mine = getattr(self, name).detach()
         padded = mine.new_zeros((self.width, *mine.shape[1:]))
-        padded[:mine.shape[0]] = mine
+        padded[: mine.shape[0]] = mine
         out = padded.new_empty((self.exchange.workers * self.width, *mine.shape[1:]))
         dist.all_gather_single(out, padded, group=self.exchange.group)
         return out if self.keep is None else out.index_select(0, self.keep)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.weight.shape[0]} here), entry={self.entry}, last={self.last}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"({self.weight.shape[0]} here), entry={self.entry}, last={self.last}"
+        )
 
 
 class Hybrid(AllReduce):
@@ -259,8 +268,9 @@ class Hybrid(AllReduce):
     def bytes_per_step(self) -> float:
         """The ring all-reduce of the data-parallel gradient (the activations count as they go)."""
         shards = {id(p) for p in self.shard_parameters}
-        payload = sum(p.numel() * p.element_size() for p in self.model.parameters()
-                      if p.requires_grad and id(p) not in shards)
+        payload = sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad and id(p) not in shards
+        )
         return ring_allreduce_bytes(payload, self.ctx.workers)
 
     def backward(self, loss) -> None:
@@ -291,8 +301,9 @@ class Hybrid(AllReduce):
         steps = max(self.steps, 1)
         return {
             "model_parallel_layers": [[layer.in_features, layer.out_features] for layer in layers],
-            "model_parallel_parameters": sum((layer.in_features + (layer.bias is not None)) * layer.out_features
-                                             for layer in layers),
+            "model_parallel_parameters": sum(
+                (layer.in_features + (layer.bias is not None)) * layer.out_features for layer in layers
+            ),
             "activation_bytes_per_step": self.exchange.bytes_sent / steps,
             "gradient_bytes_per_step": self.gradient_bytes / steps,
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dtstudy.perfmodel import steps
 from dtstudy.perfmodel.machine import Workload
-from dtstudy.strategies.spec import ring_parameters, StrategySpec
+from dtstudy.strategies.spec import StrategySpec, ring_parameters
 
 
 class PeriodicAveragingSpec(StrategySpec):
@@ -31,8 +31,9 @@ class PeriodicAveragingSpec(StrategySpec):
 
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
-        return steps.periodic_allreduce_step(cls.name, cls.averaged_bytes(workload), params["period"], workload,
-                                             machine, workers, stragglers)
+        return steps.periodic_allreduce_step(
+            cls.name, cls.averaged_bytes(workload), params["period"], workload, machine, workers, stragglers
+        )
 
 
 class LocalSGDSpec(PeriodicAveragingSpec):
@@ -64,5 +65,9 @@ class EASGDSpec(PeriodicAveragingSpec):
         if alpha is not None and workers * alpha > 1:
             # the centre moves as c <- (1 - N alpha) c + N alpha mean_i(x_i): past N alpha = 1 it
             # overshoots the mean, past 2 it diverges (Zhang et al. 2015 take alpha = beta / N)
-            raise cls.bad_knob("alpha", alpha, f"N*alpha must be <= 1, i.e. alpha <= 1/N = {1 / workers:.4g} "
-                                               f"with N={workers} in workers (or set beta = N*alpha instead)")
+            raise cls.bad_knob(
+                "alpha",
+                alpha,
+                f"N*alpha must be <= 1, i.e. alpha <= 1/N = {1 / workers:.4g} "
+                f"with N={workers} in workers (or set beta = N*alpha instead)",
+            )

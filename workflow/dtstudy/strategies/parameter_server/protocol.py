@@ -66,8 +66,9 @@ class BoundaryAction(enum.IntEnum):
     STOP = 2  # save, and the job is requeued (a preemption)
 
 
-def request(kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0,
-            wish: BoundaryAction = BoundaryAction.NONE) -> torch.Tensor:
+def request(
+    kind: Kind, step: int = 0, read_version: int = 0, lr: float = 0.0, wish: BoundaryAction = BoundaryAction.NONE
+) -> torch.Tensor:
     return torch.tensor([float(kind), float(step), float(read_version), lr, float(wish)], dtype=torch.float64)
 
 
@@ -88,8 +89,10 @@ def split_contiguous(sizes: list[int], shards: int) -> list[list[Piece]]:
     learns only its size, from rank 0's TAG_SETUP."""
     total = sum(sizes)
     if not 1 <= shards <= total:
-        raise ValueError(f"{shards} parameter-server shards but the model has {total} parameter values; "
-                         f"allowed: 1 to {total} shards (each shard owns at least one value)")
+        raise ValueError(
+            f"{shards} parameter-server shards but the model has {total} parameter values; "
+            f"allowed: 1 to {total} shards (each shard owns at least one value)"
+        )
     share, remainder = divmod(total, shards)
     # where each shard's range starts in the flat order; the last entry is the end, `total`
     bounds = [s * share + min(s, remainder) for s in range(shards + 1)]

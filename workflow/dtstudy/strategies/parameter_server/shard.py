@@ -22,7 +22,22 @@ import torch
 import torch.distributed as dist
 
 from dtstudy.common import timing
-from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, NO_BOUNDARY, REQUEST_SIZE, SETUP_FIELDS, STATS_HEADER_SIZE, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_STATS, TAG_VERSION, VALUE_DTYPE
+from dtstudy.strategies.parameter_server.protocol import (
+    NO_BOUNDARY,
+    REQUEST_SIZE,
+    SETUP_FIELDS,
+    STATS_HEADER_SIZE,
+    TAG_GRADIENT,
+    TAG_PARAMETERS,
+    TAG_REQUEST,
+    TAG_SAVED,
+    TAG_SETUP,
+    TAG_STATS,
+    TAG_VERSION,
+    VALUE_DTYPE,
+    BoundaryAction,
+    Kind,
+)
 
 
 @dataclass(frozen=True)
@@ -48,12 +63,12 @@ class UpdatePolicy:
     staleness_lr: bool = False
 
     @classmethod
-    def synchronous(cls, quorum: int) -> "UpdatePolicy":
+    def synchronous(cls, quorum: int) -> UpdatePolicy:
         """The first `quorum` pushes of a version make its update (ps_sync: all N; ps_backup: N-k)."""
         return cls(quorum=quorum)
 
     @classmethod
-    def asynchronous(cls, clock_bound: float = math.inf, staleness_lr: bool = False) -> "UpdatePolicy":
+    def asynchronous(cls, clock_bound: float = math.inf, staleness_lr: bool = False) -> UpdatePolicy:
         """Every push an update of its own, on arrival (ps_async; ssp with a finite clock_bound)."""
         return cls(quorum=None, clock_bound=clock_bound, staleness_lr=staleness_lr)
 
@@ -84,8 +99,14 @@ class ShardStats:
         self.busy_s += clock.seconds(start, clock.mark())
 
     def state_dict(self) -> dict:
-        return {"busy_s": self.busy_s, "wall_s": self.wall_s, "updates": self.updates, "dropped": list(self.dropped),
-                "staleness": self.histogram(self.staleness), "ahead": self.histogram(self.ahead)}
+        return {
+            "busy_s": self.busy_s,
+            "wall_s": self.wall_s,
+            "updates": self.updates,
+            "dropped": list(self.dropped),
+            "staleness": self.histogram(self.staleness),
+            "ahead": self.histogram(self.ahead),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.busy_s, self.wall_s, self.updates = state["busy_s"], state["wall_s"], state["updates"]
@@ -112,7 +133,11 @@ class ShardStats:
         body = torch.zeros(workers + stale_length + ahead_length, dtype=torch.float64)
         dist.recv(body, src=src, group=group, tag=TAG_STATS)
         values = [int(v) for v in body.tolist()]
-        dropped, staleness, ahead = values[:workers], values[workers:workers + stale_length], values[workers + stale_length:]
+        dropped, staleness, ahead = (
+            values[:workers],
+            values[workers : workers + stale_length],
+            values[workers + stale_length :],
+        )
         return cls(workers, busy_s, wall_s, updates, dropped, as_counter(staleness), as_counter(ahead))
 
 
@@ -133,8 +158,15 @@ class VersionGradients:
 class ShardServer:
     """Owns a slice of the parameters and its optimizer state; answers the N workers."""
 
-    def __init__(self, workers: int, group, policy: UpdatePolicy, comm_timeout_s: float = 1800.0,
-                 quiet_timeout_s: float = 1800.0, coordinator: bool = False):
+    def __init__(
+        self,
+        workers: int,
+        group,
+        policy: UpdatePolicy,
+        comm_timeout_s: float = 1800.0,
+        quiet_timeout_s: float = 1800.0,
+        coordinator: bool = False,
+    ):
         self.workers, self.group, self.policy = workers, group, policy
         # the first shard agrees the checkpoints' step boundaries with the workers (protocol)
         self.coordinator = coordinator
@@ -201,10 +233,17 @@ class ShardServer:
     def state_dict(self) -> dict:
         """What a resumed shard continues from; only at a step boundary, where no push is pending."""
         if self.pending is not None or self.waiting:
-            raise RuntimeError(f"parameter-server shard: asked to save with {len(self.waiting)} pushes unanswered "
-                               "(not at a step boundary)")
-        return {"parameters": self.parameters.detach().clone(), "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "clocks": list(self.clocks), "stats": self.stats.state_dict()}
+            raise RuntimeError(
+                f"parameter-server shard: asked to save with {len(self.waiting)} pushes unanswered "
+                "(not at a step boundary)"
+            )
+        return {
+            "parameters": self.parameters.detach().clone(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "clocks": list(self.clocks),
+            "stats": self.stats.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
@@ -224,11 +263,14 @@ class ShardServer:
         """Every worker is at the boundary `step` (SAVE): write this shard's rank file, tell
         each worker, then go on (a checkpoint) or end once rank 0 has gone (a stop)."""
         if self.files is None:
-            raise RuntimeError("parameter-server shard: the workers saved a checkpoint but this shard "
-                               "has no resume files")
+            raise RuntimeError(
+                "parameter-server shard: the workers saved a checkpoint but this shard has no resume files"
+            )
         if self.boundary is not None and self.boundary[0] != step:
-            raise RuntimeError(f"parameter-server shard: the workers saved at step {step}, "
-                               f"the agreed boundary was step {self.boundary[0]}")
+            raise RuntimeError(
+                f"parameter-server shard: the workers saved at step {step}, "
+                f"the agreed boundary was step {self.boundary[0]}"
+            )
         self.stats.wall_s = self._serving_s()
         self.files.save(dist.get_rank(), step, self.state_dict())
         self.saving.clear()
@@ -251,10 +293,15 @@ class ShardServer:
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except RuntimeError as error:
-            what = (f"workers {sorted(training)} were training (launcher.comm_timeout_s)" if training
-                    else "every worker was starting or evaluating (launcher.timeout_min)")
-            raise TimeoutError(f"parameter-server shard: no request from any worker for {limit:.0f} s while {what}; "
-                               f"a worker is lost or hangs ({str(error).splitlines()[0][:200]})") from error
+            what = (
+                f"workers {sorted(training)} were training (launcher.comm_timeout_s)"
+                if training
+                else "every worker was starting or evaluating (launcher.timeout_min)"
+            )
+            raise TimeoutError(
+                f"parameter-server shard: no request from any worker for {limit:.0f} s while {what}; "
+                f"a worker is lost or hangs ({str(error).splitlines()[0][:200]})"
+            ) from error
         source = work.source_rank()
         return source if self.group is None else dist.get_global_rank(self.group, source)
 
@@ -272,21 +319,41 @@ class ShardServer:
     def _receive_setup(self) -> None:
         setup = torch.empty(len(SETUP_FIELDS), dtype=torch.float64)
         # rank 0 loads its data and builds the model first: a start-up's wait, not a step's
-        dist.irecv(setup, src=0, group=self.group, tag=TAG_SETUP).wait(timeout=datetime.timedelta(seconds=self.quiet_timeout_s))
+        dist.irecv(setup, src=0, group=self.group, tag=TAG_SETUP).wait(
+            timeout=datetime.timedelta(seconds=self.quiet_timeout_s)
+        )
         numel, momentum, dampening, weight_decay, nesterov = setup.tolist()
         self.start(torch.empty(int(numel), dtype=VALUE_DTYPE), momentum, dampening, weight_decay, bool(nesterov))
         dist.recv(self.parameters.data, src=0, group=self.group, tag=TAG_PARAMETERS)
 
-    def start(self, initial: torch.Tensor, momentum: float = 0.0, dampening: float = 0.0,
-              weight_decay: float = 0.0, nesterov: bool = False) -> None:
+    def start(
+        self,
+        initial: torch.Tensor,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         self.parameters = torch.nn.Parameter(initial.clone())
         self.incoming = torch.empty_like(self.parameters.data)
         # SGD is elementwise: one flat tensor updates exactly like the workers' per-layer tensors
-        self.optimizer = torch.optim.SGD([self.parameters], lr=0.0, momentum=momentum, dampening=dampening,
-                                         weight_decay=weight_decay, nesterov=nesterov)
+        self.optimizer = torch.optim.SGD(
+            [self.parameters],
+            lr=0.0,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+        )
 
-    def take(self, worker: int, read_version: int, lr: float, gradient: torch.Tensor,
-             wish: BoundaryAction = BoundaryAction.NONE) -> None:
+    def take(
+        self,
+        worker: int,
+        read_version: int,
+        lr: float,
+        gradient: torch.Tensor,
+        wish: BoundaryAction = BoundaryAction.NONE,
+    ) -> None:
         """One pushed gradient (of the parameters at `read_version`): update, then answer
         every worker that may go on. `wish`: the checkpoint or stop its worker asks for."""
         self.clocks[worker] += 1

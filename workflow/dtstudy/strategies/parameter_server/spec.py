@@ -6,8 +6,7 @@ from typing import Any
 
 from dtstudy.perfmodel import steps
 from dtstudy.perfmodel.machine import NO_STRAGGLERS
-from dtstudy.strategies.spec import default_placement, StrategySpec
-
+from dtstudy.strategies.spec import StrategySpec, default_placement
 
 #: the request a worker sends each shard before its gradient (parameter_server.protocol:
 #: REQUEST_SIZE float64, 5 since a push carries its checkpoint wish; a constant here, as the
@@ -19,8 +18,10 @@ class ParameterServerSpec(StrategySpec):
     family = "parameter server"
     # a shard saves a contiguous range of the flattened parameters (db3e04d); before, whole tensors
     state_layout = "flat-range"
-    no_fp16_because = ("the shards apply the pushed gradients: a worker's GradScaler can neither unscale "
-                       "them there nor skip a step with inf/NaN gradients")
+    no_fp16_because = (
+        "the shards apply the pushed gradients: a worker's GradScaler can neither unscale "
+        "them there nor skip a step with inf/NaN gradients"
+    )
     # emulated: the shards are threads too, their work and messages on the cluster's clock
     # (dtstudy.emulation.runner, docs/emulation.md)
 
@@ -72,8 +73,11 @@ class PsBackupSpec(ParameterServerSpec):
     def validate(cls, params, workers):
         backup, fraction = params["backup"], params["backup_fraction"]
         if backup is not None and fraction is not None:
-            raise cls.bad_knob("backup_fraction", fraction, f"give backup (a count, here {backup!r}) or "
-                               "backup_fraction (a share of N), not both")
+            raise cls.bad_knob(
+                "backup_fraction",
+                fraction,
+                f"give backup (a count, here {backup!r}) or backup_fraction (a share of N), not both",
+            )
         # a single worker has nobody to back it up: N=1 runs as ps_sync, so a study's
         # workers list may start at 1 with a count of 1 (a share is at most N-1 by itself)
         if backup is not None and workers > 1 and backup >= workers:
@@ -100,8 +104,9 @@ class PsBackupSpec(ParameterServerSpec):
     @classmethod
     def step_model(cls, workload, machine, workers, params, stragglers):
         """As ps_sync, but the update waits for the (N-k)-th gradient."""
-        return steps.ps_round_step(cls.name, workload, machine, workers, params, stragglers,
-                                   quorum=cls.quorum(workers, params))
+        return steps.ps_round_step(
+            cls.name, workload, machine, workers, params, stragglers, quorum=cls.quorum(workers, params)
+        )
 
 
 class PsAsyncSpec(ParameterServerSpec):
@@ -131,5 +136,6 @@ class SspSpec(ParameterServerSpec):
         still paces everybody). Unbounded (staleness null) it is ps_async."""
         if params["staleness"] is None:
             return steps.ps_async_step(PsAsyncSpec.name, workload, machine, workers, params, stragglers)
-        return steps.ps_async_step(cls.name, workload, machine, workers, params, stragglers,
-                                   window=params["staleness"] + 1)
+        return steps.ps_async_step(
+            cls.name, workload, machine, workers, params, stragglers, window=params["staleness"] + 1
+        )

@@ -29,8 +29,22 @@ import torch.distributed as dist
 from torch import nn
 
 from dtstudy.gloo_loops import lower_gloo_event_loops
-from dtstudy.strategies.base import CHECKPOINT, OptimizerFactory, STOP, Strategy
-from dtstudy.strategies.parameter_server.protocol import BoundaryAction, Kind, REPLY_HEADER_SIZE, request, SETUP_FIELDS, split_contiguous, TAG_GRADIENT, TAG_PARAMETERS, TAG_REQUEST, TAG_SAVED, TAG_SETUP, TAG_VERSION, VALUE_DTYPE
+from dtstudy.strategies.base import CHECKPOINT, STOP, OptimizerFactory, Strategy
+from dtstudy.strategies.parameter_server.protocol import (
+    REPLY_HEADER_SIZE,
+    SETUP_FIELDS,
+    TAG_GRADIENT,
+    TAG_PARAMETERS,
+    TAG_REQUEST,
+    TAG_SAVED,
+    TAG_SETUP,
+    TAG_VERSION,
+    VALUE_DTYPE,
+    BoundaryAction,
+    Kind,
+    request,
+    split_contiguous,
+)
 from dtstudy.strategies.parameter_server.shard import ShardServer, ShardStats, UpdatePolicy
 from dtstudy.strategies.parameter_server.spec import PsAsyncSpec, PsBackupSpec, PsSyncSpec, SspSpec
 
@@ -60,7 +74,7 @@ class ShardSlice:
         """(parameter, start, end, the piece's part of `flat`) for each piece, in order."""
         offset = 0
         for parameter, start, end in self.pieces:
-            yield parameter, start, end, flat[offset:offset + end - start]
+            yield parameter, start, end, flat[offset : offset + end - start]
             offset += end - start
 
     def pack_gradients(self, flat_gradients: dict[nn.Parameter, torch.Tensor | None]) -> None:
@@ -109,8 +123,9 @@ class ShardClient:
         works = self._expect_replies()
         sent = 0
         # flattened once per parameter (a copy only for a non-contiguous gradient, e.g. channels_last)
-        flat_gradients = {parameter: None if parameter.grad is None else parameter.grad.reshape(-1)
-                          for parameter in self.arrivals}
+        flat_gradients = {
+            parameter: None if parameter.grad is None else parameter.grad.reshape(-1) for parameter in self.arrivals
+        }
         for piece in self.slices:
             piece.pack_gradients(flat_gradients)
             header = request(Kind.PUSH, self.steps, piece.read_version, lr, self.wish)
@@ -125,8 +140,9 @@ class ShardClient:
 
     def pull(self) -> None:
         works = self._expect_replies()
-        works += [dist.isend(request(Kind.PULL), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
-                  for piece in self.slices]
+        works += [
+            dist.isend(request(Kind.PULL), dst=piece.rank, group=self.group, tag=TAG_REQUEST) for piece in self.slices
+        ]
         self._finish(works)
 
     def agree(self, step: int, wanted: BoundaryAction) -> BoundaryAction:
@@ -148,11 +164,14 @@ class ShardClient:
 
     def save(self, step: int, action: BoundaryAction) -> None:
         """At the agreed boundary: every shard saves its state of `step`; returns once all have."""
-        works = [dist.isend(request(Kind.SAVE, step, wish=action), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
-                 for piece in self.slices]
+        works = [
+            dist.isend(request(Kind.SAVE, step, wish=action), dst=piece.rank, group=self.group, tag=TAG_REQUEST)
+            for piece in self.slices
+        ]
         saved = [torch.empty(1, dtype=torch.float64) for _ in self.slices]
-        works += [dist.irecv(done, src=piece.rank, group=self.group, tag=TAG_SAVED)
-                  for piece, done in zip(self.slices, saved)]
+        works += [
+            dist.irecv(done, src=piece.rank, group=self.group, tag=TAG_SAVED) for piece, done in zip(self.slices, saved)
+        ]
         for work in works:
             work.wait()
         if any(int(done.item()) != step for done in saved):
@@ -217,8 +236,11 @@ class ParameterServer(Strategy):
         # NCCL moves no CPU point-to-point messages; every rank creates the group, in this order
         # (a new group's time-out is the backend's default, not the run's: given here). gloo and
         # an emulated run's group (dtstudy.emulation) move them in the job's own group
-        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
-                      if ctx.backend == "nccl" else None)
+        self.group = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.comm_timeout_s))
+            if ctx.backend == "nccl"
+            else None
+        )
         if self.group is not None:
             lower_gloo_event_loops(ctx.gloo_loop_nice)  # the new group's loop
         self.shard_stats: list[ShardStats] = []
@@ -236,8 +258,10 @@ class ParameterServer(Strategy):
         if any(p.dtype != VALUE_DTYPE for p in parameters):
             raise TypeError(f"parameter-server strategies exchange {VALUE_DTYPE} parameters only")
         owned = split_contiguous([p.numel() for p in parameters], self.params["shards"])
-        slices = [ShardSlice(self.ctx.workers + shard, [(parameters[index], start, end) for index, start, end in pieces])
-                  for shard, pieces in enumerate(owned)]
+        slices = [
+            ShardSlice(self.ctx.workers + shard, [(parameters[index], start, end) for index, start, end in pieces])
+            for shard, pieces in enumerate(owned)
+        ]
         self.client = ShardClient(slices, self.group)
         if self.ctx.rank == 0:
             self.client.send_setup(make_optimizer(parameters))
@@ -329,8 +353,14 @@ class ParameterServer(Strategy):
         }
 
     def serve(self, files=None) -> None:
-        ShardServer(self.ctx.workers, self.group, self.update_policy(), self.ctx.comm_timeout_s,
-                    self.ctx.startup_timeout_s, coordinator=self.ctx.rank == self.ctx.workers).serve(files)
+        ShardServer(
+            self.ctx.workers,
+            self.group,
+            self.update_policy(),
+            self.ctx.comm_timeout_s,
+            self.ctx.startup_timeout_s,
+            coordinator=self.ctx.rank == self.ctx.workers,
+        ).serve(files)
 
 
 class PsSync(ParameterServer):
@@ -380,8 +410,10 @@ class AsyncParameterServer(ParameterServer):
         the one asked for (implicit_momentum_compensation). N=1: mu and the rate unchanged.
     """
 
-    update_batch_rule = ("b: every worker's gradient is applied on arrival as an update of its own (times "
-                         "strategy_metrics.momentum.rate_factor with implicit_momentum)")
+    update_batch_rule = (
+        "b: every worker's gradient is applied on arrival as an update of its own (times "
+        "strategy_metrics.momentum.rate_factor with implicit_momentum)"
+    )
 
     @classmethod
     def update_batch(cls, params, workers, per_worker_batch):
@@ -392,8 +424,11 @@ class AsyncParameterServer(ParameterServer):
         if asked is None:  # train.momentum, read off the run's own optimizer factory
             asked = make_optimizer([torch.zeros(1, requires_grad=True)]).param_groups[0]["momentum"]
         self.momentum_asked = asked
-        self.momentum, self.rate_factor = (implicit_momentum_compensation(asked, self.ctx.workers)
-                                           if self.params["implicit_momentum"] else (asked, 1.0))
+        self.momentum, self.rate_factor = (
+            implicit_momentum_compensation(asked, self.ctx.workers)
+            if self.params["implicit_momentum"]
+            else (asked, 1.0)
+        )
 
         def with_momentum(parameters, make=make_optimizer):
             optimizer = make(parameters)
@@ -411,9 +446,12 @@ class AsyncParameterServer(ParameterServer):
     def summary(self) -> dict[str, Any]:
         summary = super().summary()
         if summary:
-            summary["momentum"] = {"asked": self.momentum_asked, "explicit": self.momentum,
-                                   "rate_factor": self.rate_factor,
-                                   "implicit_momentum": bool(self.params["implicit_momentum"])}
+            summary["momentum"] = {
+                "asked": self.momentum_asked,
+                "explicit": self.momentum,
+                "rate_factor": self.rate_factor,
+                "implicit_momentum": bool(self.params["implicit_momentum"]),
+            }
         return summary
 
     def clock_bound(self) -> float:
