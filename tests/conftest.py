@@ -14,25 +14,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The test tiers. `python3 -m pytest` is the quick tier (maths, config, docs, structure, short
-# training runs); the tests marked with one of LONG_MARKERS join it under `--full`, which .ci/run
-# uses. An explicit `-m` expression chooses for itself.
-LONG_MARKERS = ("slow", "e2e", "slurm")
-
-
-def pytest_addoption(parser):
-    parser.addoption(
-        "--full", action="store_true", help="run every tier: also the tests marked slow, e2e or slurm (what CI runs)"
-    )
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--full") or config.getoption("markexpr"):
-        return
-    long_items = [item for item in items if any(item.get_closest_marker(m) for m in LONG_MARKERS)]
-    if long_items:
-        config.hook.pytest_deselected(items=long_items)
-        items[:] = [item for item in items if item not in long_items]
+pytest_plugins = ["tiers"]  # python3 -m pytest is the quick tier; --full runs every tier
 
 
 TINY_SUBSET = 2000  # 1800 training + 200 validation images
