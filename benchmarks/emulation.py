@@ -128,7 +128,8 @@ def main() -> None:
                 flush=True,
             )
     summary = {
-        "what": f"one epoch of LeNet-5, allreduce: emulated N={args.workers} vs real N=1, per-worker batch {args.batch}",
+        "what": f"one epoch of LeNet-5, allreduce: emulated N={args.workers} vs real N=1, "
+        f"per-worker batch {args.batch}",
         "images": rounds[0]["real_n1"]["images"],
         "subset": args.subset,
         "threads_emulated": args.threads,

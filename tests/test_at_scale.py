@@ -279,8 +279,8 @@ CHANCE = [0.10, 0.10, 0.10]  # did not learn, in every seed
             CHANCE,
             claims.PARTLY,
             "Accuracy is kept up to N=16, global batch 128; the study cannot tell at N=64 (intervals "
-            "too wide); cannot tell at N=256: allreduce did not learn (a mean test top-1 below 0.4250, 50% of allreduce's "
-            "at N=1): no break is seen, nor can one be ruled out.",
+            "too wide); cannot tell at N=256: allreduce did not learn (a mean test top-1 below 0.4250, "
+            "50% of allreduce's at N=1): no break is seen, nor can one be ruled out.",
         ),
     ],
 )
@@ -478,8 +478,8 @@ def test_seide_holds_where_onebit_keeps_allreduces_top1_within_the_margin():
         (
             {"n256": ONEBIT_WIDE},
             claims.PARTLY,
-            "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64; the study cannot tell at N=256 "
-            "(intervals across the margin).",
+            "allreduce_onebit keeps its top-1 within 0.03 of allreduce's at N=4, 16, 64; "
+            "the study cannot tell at N=256 (intervals across the margin).",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""The tables' Markdown (`scaling_markdown`, `accuracy_markdown`, the noise note) and findings.md (`findings_markdown`)."""
+"""The tables' Markdown (`scaling_markdown`, `accuracy_markdown`, the noise note) and
+findings.md (`findings_markdown`)."""
 
 from __future__ import annotations
 

@@ -35,8 +35,9 @@ def _is_integer(checker, instance) -> bool:
 @functools.lru_cache(maxsize=2)
 def validator_class(fill_defaults: bool):
     """The strict validator class, filling defaults or not. jsonschema is imported here, on
-    the first validation (an import that takes a noticeable share of a light process's start), not by every process that only reads the schema (a run's
-    submitit task, the evaluate client)."""
+    the first validation (an import that takes a noticeable share of a light process's
+    start), not by every process that only reads the schema (a run's submitit task, the
+    evaluate client)."""
     import jsonschema
 
     # jsonschema's documented way to change what a type means: redefine it in the type checker

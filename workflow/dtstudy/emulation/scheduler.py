@@ -6,9 +6,10 @@ delay). A waiting thread says when it may go on, on the emulated clock (its own 
 advance, a collective's end, a message's arrival), or that it cannot yet (None). The baton
 then goes to the thread that may go on earliest (ties by rank): events are taken in the
 order of the cluster's clock, so a message that arrives earlier is received first even when
-its sender had not yet run (conservative discrete-event order). So a run is deterministic (the same seed gives the same numbers), one worker computes
-at a time (the cores go to its intra-op threads, as on a GPU of the cluster), and whoever
-arrives first at a parameter server is who the cluster's clock says arrives first.
+its sender had not yet run (conservative discrete-event order). So a run is deterministic
+(the same seed gives the same numbers), one worker computes at a time (the cores go to its
+intra-op threads, as on a GPU of the cluster), and whoever arrives first at a parameter
+server is who the cluster's clock says arrives first.
 
 A waiting thread's answer is read once and kept: it can change only when a message reaches its
 mailbox or the collective it waits in completes, and the emulated process group then says so

@@ -1,12 +1,15 @@
-"""What a study costs before anything is submitted: each run's predicted wall time and GPU-hours on a hardware profile, its job's time limit, the study's total against launcher.gpu_hour_budget.
+"""What a study costs before anything is submitted: each run's predicted wall time and
+GPU-hours on a hardware profile, its job's time limit, the study's total against
+launcher.gpu_hour_budget.
 
 The prediction of one run (kind, strategy, N), torch-free (the Snakefile's check and the budget
 command run it on a login node); each kind of run (dtstudy.config.run_kinds) is costed with
 the train section its runs get, at its own N and seeds:
 
 - steps = epochs x floor(ceil(train images / N) / b), or fewer (train.max_steps, a scaling
-  run's scaling.warmup_steps + scaling.steps, no_exchange's own `steps`): the training loop's DistributedSampler pads each worker's share to
-  ceil(images / N) and its batches drop the last partial one; b the per-worker batch;
+  run's scaling.warmup_steps + scaling.steps, no_exchange's own `steps`): the training
+  loop's DistributedSampler pads each worker's share to ceil(images / N) and its batches
+  drop the last partial one; b the per-worker batch;
 - train = steps x the step the performance model gives at N (its spec's model_step) on the
   profile, with the compute of a step at N = 1 = b / the profile's `train_images_per_s` of
   the study's model, the model's parameters and layer profile from layer_profiles.json;
@@ -337,7 +340,8 @@ def check_study(config: dict, images: Images) -> None:
         if cost.attempts > allowed:
             raise ConfigError(
                 f"config key 'launcher.max_requeues': {launcher['max_requeues']} requeues cannot finish "
-                f"the {cost.kind} run of {cost.strategy} at N={cost.workers}: predicted {cost.wall_s / SECONDS_PER_HOUR:.1f} h on "
+                f"the {cost.kind} run of {cost.strategy} at N={cost.workers}: "
+                f"predicted {cost.wall_s / SECONDS_PER_HOUR:.1f} h on "
                 f"{where.name} x time_limit_margin {launcher['time_limit_margin']:g} needs {cost.attempts} jobs of "
                 f"launcher.timeout_min {launcher['timeout_min']} min; raise max_requeues to {cost.attempts - 1} "
                 f"or timeout_min"
@@ -349,7 +353,8 @@ def check_study(config: dict, images: Images) -> None:
         raise ConfigError(
             f"config key 'launcher.gpu_hour_budget': the study is predicted to cost {total:.0f} GPU-hours on "
             f"{where.name}, over the budget of {budget:g}; the cost grows with strategies, workers, seeds, "
-            f"train.epochs (accuracy runs) and scaling.steps (scaling runs) (the dearest strategy: {dearest}); `python -m dtstudy budget` prints every run"
+            f"train.epochs (accuracy runs) and scaling.steps (scaling runs) (the dearest strategy: {dearest}); "
+            "`python -m dtstudy budget` prints every run"
         )
 
 
@@ -464,7 +469,8 @@ def render(result: dict, budget: float | None = None) -> str:
         ]
         for run in profile["runs"]:
             lines.append(
-                f"{run['kind']:<10}{run['strategy']:<20}{run['workers']:>4}{run['steps']:>9}{run['step_s'] * 1000:>8.1f}ms"
+                f"{run['kind']:<10}{run['strategy']:<20}{run['workers']:>4}{run['steps']:>9}"
+                f"{run['step_s'] * 1000:>8.1f}ms"
                 f"{_hours(run['wall_s']):>11}{run['gpus']:>6}{run['gpu_hours']:>11.2f}"
                 f"{run['time_limit_min']:>5} min{run['attempts']:>6}"
             )

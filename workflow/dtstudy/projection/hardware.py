@@ -182,7 +182,8 @@ def machine_from_profile(profile: dict, commbench: dict | None = None) -> tuple[
         kwargs["compute_scale"] = {int(k): v for k, v in commbench["compute_scale"].items()}
         source.update(
             jitter="measured (identical conv-net bursts on 2 processes, this machine)",
-            compute_scale="measured (conv-net burst time with 2 busy processes over 1 alone, the median of rounds timed seconds apart, this machine)",
+            compute_scale="measured (conv-net burst time with 2 busy processes over 1 alone, the median of rounds "
+            "timed seconds apart, this machine)",
         )
         source.update(
             intra_node="measured (gloo all-reduce and send/recv fits, this machine)",

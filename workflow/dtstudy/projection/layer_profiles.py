@@ -1,4 +1,6 @@
-"""Layer profiles of architectures (layer_profiles.json): each parameter tensor in backprop order with the share of backward done when its gradient is ready, and its 1-bit column groups; and the fully connected layers in forward order (hybrid's model-parallel part).
+"""Layer profiles of architectures (layer_profiles.json): each parameter tensor in backprop
+order with the share of backward done when its gradient is ready, and its 1-bit column
+groups; and the fully connected layers in forward order (hybrid's model-parallel part).
 
 The performance model's wait-free-backprop overlap (dtstudy.perfmodel.machine.LayerProfile) reads them; they
 are computed once, by torch's own FLOP counter on meta tensors (shapes only: nothing is

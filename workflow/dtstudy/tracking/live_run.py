@@ -81,7 +81,8 @@ class LiveRun:
         """Log the run's final figures and metrics.json; wait until MLflow has them (at most
         `wait_for_server_s` while it is unreachable). Returns {run_id, experiment_id,
         tracking_uri}, or {pending, tracking_uri} when the run's MLflow record is left in
-        RunFolder.mlflow_pending (with the run's id when it was created); None when tracking is off. The run stays RUNNING until `close`."""
+        RunFolder.mlflow_pending (with the run's id when it was created); None when tracking
+        is off. The run stays RUNNING until `close`."""
         if not self.enabled:
             return None
         self._queue.put(("finish", metrics))

@@ -95,7 +95,8 @@ def environment(device: torch.device, backend: str | None, processes: int, concu
         "concurrent_ranks": concurrent,
         # on CPU each rank that computes is one core; more of them than cores share them
         "oversubscribed": device.type == "cpu" and concurrent > cores,
-        "pinned_cores": pinned,  # rank by rank (set by the warm pool, dtstudy.launch.cores); None = left to the OS scheduler
+        # rank by rank (set by the warm pool, dtstudy.launch.cores); None = left to the OS scheduler
+        "pinned_cores": pinned,
         "affinity": sorted(os.sched_getaffinity(0)),  # the cores rank 0 could run on
         "python": sys.version.split()[0],
         "platform": platform.platform(),

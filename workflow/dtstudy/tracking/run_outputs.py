@@ -1,4 +1,5 @@
-"""The files a finished training run leaves in its folder (dtstudy.common.run_folder): the final model and its metrics."""
+"""The files a finished training run leaves in its folder (dtstudy.common.run_folder): the
+final model and its metrics."""
 
 from __future__ import annotations
 

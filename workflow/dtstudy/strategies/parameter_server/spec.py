@@ -1,4 +1,5 @@
-"""The parameter servers' specs (torch-free): ps_sync, ps_backup, ps_async and ssp, their shards and performance model."""
+"""The parameter servers' specs (torch-free): ps_sync, ps_backup, ps_async and ssp, their
+shards and performance model."""
 
 from __future__ import annotations
 
