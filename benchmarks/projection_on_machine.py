@@ -21,15 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WORKFLOW = str(REPO / "workflow")
-sys.path[:0] = [str(REPO / "tests"), WORKFLOW]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # conftest: the tests' tiny study and runner
 
-from conftest import run_snakemake, tiny_study  # noqa: E402
+from conftest import REPO, run_snakemake, tiny_study
 
 from dtstudy.config.study_config import validate_schema
 from dtstudy.projection import project
 from dtstudy.strategies.specs import PARAMETER_SERVERS, SPECS
+
+WORKFLOW = str(REPO / "workflow")
 
 # every strategy with an exchange to model (no_exchange has none). A parameter server's N=2
 # run is three processes on the 2 cores (two workers and the shard, which waits in a receive

@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from scipy.optimize import brentq  # noqa: E402
+from scipy.optimize import brentq
 
-from dtstudy.perfmodel import collectives, steps  # noqa: E402
+from dtstudy.perfmodel import collectives, steps
 from dtstudy.perfmodel.machine import Link, Machine, Workload
-from dtstudy.projection import calibration, layer_profiles  # noqa: E402
+from dtstudy.projection import calibration, layer_profiles
 from dtstudy.strategies import specs
 
 HOROVOD = "https://github.com/horovod/horovod/blob/master/docs/benchmarks.rst"
@@ -456,7 +456,8 @@ def main() -> int:
     )
     print("sources:", HOROVOD, ";", HOROVOD_2017, ";", TF_BENCH, ";", AWS_P2, ";", NCCL_SHARE)
     print(
-        "settings for every case: fp32 gradients; links at their payload rate (below); the Horovod cases' ring steps at NCCL's own cost model's latencies "
+        "settings for every case: fp32 gradients; links at their payload rate (below); "
+        "the Horovod cases' ring steps at NCCL's own cost model's latencies "
         f"({NCCL_RING_STEP_PCIE * 1e6:.1f} us over PCIe, {NCCL_RING_STEP_NET * 1e6:.1f} us over the network); "
         "assumptions in each case's comment. Columns: a fixed overlap of "
         "0 (the model's default where no layer profile fits) and 0.5 of compute for every case; wait-free (the "
@@ -513,7 +514,8 @@ def main() -> int:
     )
     for modes in sensitivities.values():
         print(
-            f"  {modes['label']:70s} overlap 0: {_brief(modes['overlap_zero'])} | wait-free: {_brief(modes['model_default'])}"
+            f"  {modes['label']:70s} overlap 0: {_brief(modes['overlap_zero'])} | "
+            f"wait-free: {_brief(modes['model_default'])}"
         )
     print(f"  sources: the re-run {TF_BENCH_RERUN}; the single-server table, the same page as the held-out one")
     if args.record:

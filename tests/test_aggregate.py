@@ -597,11 +597,12 @@ def test_plots_draw_each_familys_own_ideal_a_labelled_target_and_mark_oversubscr
     )
     make_plots(load_runs(run_dirs), load_run_metrics(run_dirs), tmp_path / "plots")
     panels = {ax.get_title(): ax for ax in figures["throughput"].axes}
-    dashed_at_one = lambda ax: sorted(
-        line.get_ydata()[0]
-        for line in ax.get_lines()  # noqa: E731
-        if line.get_linestyle() == "--" and len(line.get_xdata())
-    )
+
+    def dashed_at_one(ax):
+        return sorted(
+            line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == "--" and len(line.get_xdata())
+        )
+
     assert dashed_at_one(panels["parameter server"]) == [pytest.approx(85.0)]  # ps_sync's N=1: 80 and 90
     assert dashed_at_one(panels["synchronous"]) == [pytest.approx(105.0)]
     convergence = figures["convergence"].axes[0]

@@ -386,7 +386,7 @@ def _check_half_precision(ctx, out):
         dist.all_gather(gathered, local)
         fp32_mean = torch.stack(gathered).mean(0)
 
-        def cast_mean(dtype):
+        def cast_mean(dtype, gathered=gathered):
             return sum(g.to(dtype).div_(ctx.workers) for g in gathered).float()
 
         strategy = cls(ctx, cls.check_params({}, ctx.workers))

@@ -661,12 +661,12 @@ def test_a_push_packs_and_a_reply_unpacks_every_piece_of_split_parameters(monkey
         for piece in slices:
             bounds.append(bounds[-1] + piece.numel)
 
-        def isend(tensor, dst, group, tag):
+        def isend(tensor, dst, group, tag, sent=sent):
             if tag == TAG_GRADIENT:
                 sent.append(tensor.clone())
             return done
 
-        def irecv(tensor, src, group, tag):
+        def irecv(tensor, src, group, tag, bounds=bounds):
             if tag == TAG_VERSION:
                 tensor.copy_(torch.tensor([1.0, -1.0, 0.0]))
             elif tag == TAG_PARAMETERS:

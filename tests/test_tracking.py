@@ -163,6 +163,7 @@ def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggrega
     from conftest import MlflowServer
 
     from dtstudy.common.run_folder import MLFLOW_PENDING, MLFLOW_RUN
+    from dtstudy.errors import ConfigError
     from dtstudy.tracking.live_run import LiveRun, deliver_pending
 
     server = MlflowServer(tmp_path)  # not started: away from the run's first step
@@ -187,7 +188,7 @@ def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggrega
     assert len(kept["points"]) == 7 and kept["final"]["final_val_top1"] == 0.5 and kept["status"] == ["FINISHED", None]
     (tmp_path / "eval.json").write_text(json.dumps({"top1": 0.61, "top5": 0.97, "mlflow_run_id": None}))
 
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match="no MLflow server answers"):
         deliver_pending(tmp_path)  # the control: still away
     assert (tmp_path / MLFLOW_PENDING).exists()
 

@@ -155,7 +155,7 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
                 lambda m: speedup(m["n"], m["one"]) / speedup(m["c"], m["c1"]),
             )
             ceiling_efficiency = intervals.bootstrap(
-                {"c": ceiling, "c1": ceiling_one}, lambda m: efficiency(speedup(m["c"], m["c1"]), workers)
+                {"c": ceiling, "c1": ceiling_one}, lambda m, n=workers: efficiency(speedup(m["c"], m["c1"]), n)
             )
         # E = S / N: the speedup's interval, divided (a quantile commutes with the scaling)
         efficiency_ci = intervals.scaled(speedup_ci, 1 / workers)

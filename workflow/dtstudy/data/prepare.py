@@ -11,6 +11,7 @@ Prepared forms (written by `prepare`, read by dtstudy.data.loading.load_split):
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from dtstudy.common.atomic_files import atomic_write, write_json
@@ -86,7 +87,7 @@ def _prepare_tensors(cfg: dict, out_dir: Path) -> dict:
     for split, (images, labels) in splits.items():
         blob = {"images": images.contiguous(), "labels": labels.to(torch.int64).contiguous()}
         # Saving through a stream (not a path) keeps the archive name, hence the bytes, fixed.
-        atomic_write(out_dir / f"{split}.pt", lambda stream: torch.save(blob, stream))
+        atomic_write(out_dir / f"{split}.pt", functools.partial(torch.save, blob))
         print(f"prepare {cfg['name']}: {split} {tuple(images.shape)} -> {out_dir}/{split}.pt", flush=True)
     mean, std = _channel_stats(splits["train"][0])
     _, channels, height, width = train_images.shape

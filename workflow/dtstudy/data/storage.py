@@ -13,6 +13,7 @@ would not reproduce. So reads stay random, but within a few large files.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -115,7 +116,9 @@ def write_shards(root: Path, splits: dict[str, list], out_dir: Path, shard_mb: f
                 size += os.path.getsize(root / samples[stop][0])
                 stop += 1
             name = f"{split}-{len(files) - first:06d}.tar"
-            atomic_write(folder / name, lambda stream: _write_tar(stream, root, samples, start, stop))
+            atomic_write(
+                folder / name, functools.partial(_write_tar, root=root, samples=samples, start=start, stop=stop)
+            )
             offsets = _data_offsets(folder / name)
             locations[split] += [[len(files), *offsets[_key(i) + _suffix(samples[i][0])]] for i in range(start, stop)]
             files.append(name)

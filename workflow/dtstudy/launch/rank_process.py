@@ -32,14 +32,17 @@ def run_submitit_task(spec: RunSpec, timings: dict) -> dict | None:
     # nothing but the peers stops the others when one is lost (submitit's local controller
     # waits for every task): each task watches the rest
     job_env = submitit.JobEnvironment()
-    watch = lambda quiet: PeerWatch(
-        ctx.rank,
-        ctx.world_size,
-        launcher["comm_timeout_s"],  # noqa: E731
-        str(job_env.paths.stderr),
-        lost_rank_path(job_env.paths.folder, job_env.job_id),
-        quiet,
-    )
+
+    def watch(quiet):
+        return PeerWatch(
+            ctx.rank,
+            ctx.world_size,
+            launcher["comm_timeout_s"],
+            str(job_env.paths.stderr),
+            lost_rank_path(job_env.paths.folder, job_env.job_id),
+            quiet,
+        )
+
     return _train_in_group(spec, ctx, timings, watch)
 
 

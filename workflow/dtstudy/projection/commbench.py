@@ -316,9 +316,10 @@ def _first_result(queue, workers, poll_s: float = 0.5):
                     if worker.is_alive():
                         worker.kill()
                 codes = ", ".join(f"rank {rank} exit code {code}" for rank, code in ended)
+                # from None: the empty queue is how the loss shows, not its cause (that is on stderr)
                 raise RuntimeError(
                     f"communication benchmark: a process ended without a result ({codes}); its error is above"
-                )
+                ) from None
 
 
 def measure(
