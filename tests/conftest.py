@@ -248,5 +248,11 @@ class MlflowServer:
 
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                # a loaded machine can hold uvicorn's graceful shutdown past 30 s; a server that
+                # dies is the same outage for the runs, and the next start needs its port
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
         self.process = None
