@@ -540,6 +540,7 @@ def test_make_plots_writes_five_nontrivial_pngs(runs, run_dirs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(p.name for p in paths)
 
 
+@pytest.mark.slow
 def test_every_plots_titles_fit_in_it_and_do_not_overlap(tmp_path, monkeypatch):
     """With a strategy of each family (four panels), each panel's title (its family) and the
     figure's (what is plotted, from which runs) lie inside the image, apart from each other:
@@ -579,6 +580,7 @@ def test_every_plots_titles_fit_in_it_and_do_not_overlap(tmp_path, monkeypatch):
     assert all(figure.get_suptitle() for figure in figures)
 
 
+@pytest.mark.slow
 def test_plots_draw_each_familys_own_ideal_a_labelled_target_and_mark_oversubscribed_times(tmp_path, monkeypatch):
     """ps_sync's N=1 (80, 90 images/s) is not allreduce's (100, 110): its panel's ideal starts at
     its own; the convergence's target line says what it is; ps_sync at N=4 ran oversubscribed,
@@ -615,6 +617,7 @@ def test_plots_draw_each_familys_own_ideal_a_labelled_target_and_mark_oversubscr
 # --- the whole step, with a real MLflow store -----------------------------------------
 
 
+@pytest.mark.slow
 def test_run_writes_everything_and_adopts_child_runs(tmp_path):
     from mlflow import MlflowClient
 

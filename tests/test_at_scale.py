@@ -38,6 +38,7 @@ EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 # --- the shipped config ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection(tmp_path):
     result = shipped_study_dry_run(tmp_path, AT_SCALE)
     assert result.returncode == 0, result.stderr
@@ -64,6 +65,7 @@ def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection(t
     assert "python -m dtstudy evaluate" in planned and "--via-pool" not in planned
 
 
+@pytest.mark.slow
 def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference(tmp_path):
     """config/at-scale-async.yaml, on top of at-scale.yaml, runs the four parameter servers with
     what the asynchronous claims compare them to (allreduce, gossip), at-scale.yaml's budget
@@ -104,6 +106,7 @@ def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference(t
     assert not set(PARAMETER_SERVERS) & set(synchronous)
 
 
+@pytest.mark.slow
 def test_the_onebit_part_runs_allreduce_onebit_beside_allreduce_and_the_parts_cover_the_strategies(tmp_path):
     """config/at-scale-onebit.yaml, on top of at-scale.yaml: allreduce_onebit with its compressed
     reduce-scatter and allreduce, the asynchronous half's learning-rate rule, at-scale.yaml's
@@ -148,6 +151,7 @@ def emulated_study(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_an_emulated_study_writes_its_tables_plots_and_claims(emulated_study):
     results = emulated_study / "results"
     accuracy = pd.read_csv(results / "tables/accuracy.csv")

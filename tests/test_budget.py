@@ -261,6 +261,7 @@ def run_budget(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_the_budget_command_prints_every_run_and_the_total_and_refuses_over_budget():
     done = run_budget("--configfile", "config/cluster.yaml")
     assert done.returncode == 0, done.stderr
@@ -299,6 +300,7 @@ def differences(recorded, recomputed, path="") -> list[str]:
     return [] if recorded == recomputed else [f"{path}: {recorded!r} != {recomputed!r}"]
 
 
+@pytest.mark.slow
 def test_the_record_docs_quote_is_what_the_command_computes_now(tmp_path):
     record = json.loads(RECORD.read_text())
     entries = [name for name in record if name != "about"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import in_workers
 
 
@@ -99,6 +100,7 @@ def test_each_compressed_kernel_times_the_strategys_own_exchange(tmp_path):
     in_workers(tmp_path, 1, _each_compressed_exchange_timed)
 
 
+@pytest.mark.slow
 def test_a_failing_process_fails_the_benchmark_instead_of_hanging():
     """Both processes die before they send a result (a negative message size cannot be
     allocated): the benchmark raises, naming the exit codes, instead of waiting on its queue

@@ -483,6 +483,7 @@ def _powersgd_numel(shape: torch.Size, rank: int = 2) -> int:
     return (n + m) * r if len(shape) > 1 and 2 * (n + m) * r < n * m else n * m
 
 
+@pytest.mark.slow
 def test_compressed_strategies_send_fewer_bytes(two_worker_runs):
     shapes = _lenet_shapes()
     plain = two_worker_runs["allreduce"]["bytes_per_step"]

@@ -155,6 +155,7 @@ def test_the_knob_table_of_config_readme_follows_the_schema():
         ({"projection": {"hardware": "h100"}}, "projection.hardware", "'h100' is neither a file nor a profile name"),
     ],
 )
+@pytest.mark.slow
 def test_the_dry_run_refuses_a_value_of_the_wrong_type(tmp_path, override, key, words):
     result = run_snakemake(tmp_path, tiny_study(**override), "--dry-run", "--cores", "1", timeout=300)
     output = result.stdout + result.stderr

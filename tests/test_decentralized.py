@@ -15,6 +15,7 @@ from dtstudy.strategies.local.strategy import EASGD, LocalSGD
 PLAIN_SGD = {"momentum": 0.0, "weight_decay": 0.0}
 
 
+@pytest.mark.slow
 def test_local_sgd_with_period_1_equals_allreduce(tmp_path, tiny_data):
     """local_sgd with H=1 equals allreduce (plain SGD) (docs/strategies.md, "Equivalences the tests check")."""
     _, allreduce, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8, **PLAIN_SGD)
@@ -48,6 +49,7 @@ def test_local_sgd_with_period_1_equals_allreduce(tmp_path, tiny_data):
         assert_same_parameters(every_4, allreduce, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_local_sgd_warm_up_is_synchronous_sgd(tmp_path, tiny_data):
     """During warm-up (here every step) local_sgd all-reduces gradients: allreduce, momentum included."""
     _, allreduce, _ = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=8)
@@ -63,6 +65,7 @@ def test_local_sgd_warm_up_is_synchronous_sgd(tmp_path, tiny_data):
     assert_same_parameters(warm, allreduce, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_easgd_and_gossip_on_one_worker_are_plain_sgd(tmp_path, tiny_data):
     """easgd and gossip on one worker reduce to plain SGD (docs/strategies.md, "Equivalences the tests check")."""
     metrics, sgd, _ = train_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=12)
@@ -87,6 +90,7 @@ def test_easgd_exchanges_every_period(tmp_path, tiny_data):
     assert metrics["strategy_metrics"]["consensus_distance"][-1]["distance"] > 0
 
 
+@pytest.mark.slow
 def test_averaged_resnet_gets_batch_norm_statistics_of_its_own(tmp_path, tiny_data):
     """An average of models is evaluated with BatchNorm statistics recomputed for it (the
     mean of the workers' running statistics is not the averaged model's): the checkpoint's

@@ -102,6 +102,7 @@ def _parent(pid: int) -> int:
 
 
 @pytest.mark.parametrize("decoder, start", [("dali_cpu", "forkserver"), ("torchvision", None)])
+@pytest.mark.slow
 def test_dali_workers_start_from_a_fresh_interpreter_not_a_fork_of_the_training_process(prepared_tree, decoder, start):
     """The declared start method reaches the split's DataLoader, and its workers are not the
     training process's children (forked from it, CUDA state and all); the CPU decoders keep

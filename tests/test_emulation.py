@@ -176,6 +176,7 @@ def test_emulated_run_equals_the_real_run_of_the_same_seed(tmp_path, tiny_data, 
     assert on_disk["emulation"]["cluster"] == "emulate" and on_disk["emulation"]["hardware"] == "h100_ib400"
 
 
+@pytest.mark.slow
 def test_the_train_command_runs_an_emulated_run_in_its_own_process(tmp_path, tiny_data):
     """`python -m dtstudy train` (what the train rule runs) emulates in-process: no submitit job;
     the run's outputs are a real run's, metrics.json says it was emulated. The job launcher
@@ -270,6 +271,7 @@ print(json.dumps({{"before_mb": before, "after_mb": peak_mb(), "steps": metrics[
 """
 
 
+@pytest.mark.slow
 def test_n64_runs_and_256_logical_workers_would_fit_in_1_gb(tmp_path, tiny_data):
     """In a fresh process: the peak memory a N=64 LeNet-5 run adds over a warmed-up N=2 run,
     per logical worker, times 256 (the issue's N=256 run) stays under 1 GB. (The process's own
@@ -403,6 +405,7 @@ def _emulated_and_modelled(metrics, state, batch, rate, **workload):
 
 
 @pytest.mark.parametrize("strategy", sorted(SPECS))
+@pytest.mark.slow
 def test_every_strategys_emulated_step_is_its_model_step(tmp_path, tiny_data, strategy):
     """Every registered strategy (a new one too), N=16 on two nodes of h100_ib400, with a step's
     compute of 80 us so that its exchange weighs: each worker's emulated step is the model's
@@ -619,6 +622,7 @@ EVERY_WORKER_SLOW = {"fraction": 1.0, "delay_ms": 30, "distribution": "exponenti
 
 
 @pytest.mark.parametrize("strategy", ["ps_async", "ssp"])
+@pytest.mark.slow
 def test_emulated_staleness_matches_the_real_runs(tmp_path, tiny_data, strategy):
     """N=4 on this machine, every worker a random straggler. The staleness comes from the order in
     which pushes arrive, which the delays make: the emulated run draws the same delays (same seed)
@@ -766,6 +770,7 @@ def test_an_emulated_parameter_server_step_takes_the_performance_models_time(
     assert emulated == pytest.approx(step.step_s, rel=0.02)
 
 
+@pytest.mark.slow
 def test_n64_ps_async_runs_with_a_shard_per_node(tmp_path, tiny_data):
     """N=64 on h100_ib400 (8 GPUs a node): 8 shard threads by default (one per node), every
     push applied by every shard, each shard's first round in turn (staleness 0..63)."""

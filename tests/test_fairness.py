@@ -125,6 +125,7 @@ def recorded_runs(same_image_tree, tmp_path_factory) -> tuple[list[dict], list[d
     return run_and_record(tmp, same_image_tree, 0, "inline"), run_and_record(tmp, same_image_tree, 2, "workers")
 
 
+@pytest.mark.slow
 def test_each_rank_draws_its_own_augmentation_reproducibly(recorded_runs, same_image_tree):
     """Every file is the same image, so two ranks' batches are equal exactly when their crops
     and flips are: each rank must draw its own, and each epoch anew. The same seed gives the

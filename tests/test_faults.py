@@ -128,6 +128,7 @@ def wait_for_failure(launcher: subprocess.Popen, killed_at: float) -> tuple[floa
         ("allreduce_onebit", 1),
     ],
 )
+@pytest.mark.slow
 def test_a_killed_process_fails_a_tasks_run_within_seconds(tmp_path, tiny_data, strategy, victim):
     command, out, uri = launch(tmp_path, tiny_data, strategy)
     launcher = start(command)
@@ -227,6 +228,7 @@ def test_a_slurm_job_ends_all_its_tasks_when_one_fails():
     ]
 
 
+@pytest.mark.slow
 def test_a_frozen_process_is_named_and_its_run_ends(tmp_path, tiny_data):
     """SIGSTOP (a process or node that hangs, its heartbeat stopped with it): the run fails
     soon after half of launcher.comm_timeout_s, naming the rank; the frozen task is ended too."""
@@ -264,6 +266,7 @@ SLOW = {"ranks": [1], "delay_ms": 30, "distribution": "uniform", "seed": 3}  # ~
 
 
 @pytest.mark.parametrize("processes", ["tasks", "pool"])
+@pytest.mark.slow
 def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_data, processes):
     """allreduce: rank 1 is killed after a checkpoint; the same command again resumes from the
     last checkpoint and ends exactly where an uninterrupted run ends (one submitit task per
@@ -332,6 +335,7 @@ def _write_metrics(uri: str, writer: int) -> None:
     mlflow_store.end_run(uri, record["run_id"], "FINISHED")
 
 
+@pytest.mark.slow
 def test_sixteen_processes_writing_to_one_sqlite_store_lose_no_metric(tmp_path):
     from mlflow import MlflowClient
 

@@ -38,6 +38,7 @@ def _join_and_report(rank: int, world: int, workers: int, priority: int | str, p
 
 
 @pytest.mark.parametrize("priority", ["idle", 19, 0])
+@pytest.mark.slow
 def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_priority(priority):
     # 2 workers and a shard: the default group and the workers' group each have their loops
     world, workers = 3, 2
@@ -67,6 +68,7 @@ def test_joining_a_run_puts_every_gloo_event_loop_and_only_them_at_the_priority(
 
 
 @pytest.mark.parametrize("priority", [7, "idle"])
+@pytest.mark.slow
 def test_the_communication_benchmark_measures_with_the_runs_loop_priority(tmp_path, priority):
     result = run_snakemake(
         tmp_path,

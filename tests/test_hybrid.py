@@ -74,6 +74,7 @@ def runs(tmp_path_factory, tiny_data):
 
 
 @pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.slow
 def test_hybrid_updates_as_allreduce(runs, workers):
     """Split fully connected layers, exchanged activations, the shards' gradients divided by N:
     after 12 steps the same parameters as allreduce's to float tolerance (the sums of the

@@ -132,6 +132,7 @@ def test_nvjpeg_path_on_the_cpu_gives_the_torchvision_decoders_pixels(prepared, 
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.slow
 def test_dali_cpu_decodes_only_the_crops_region_and_gives_the_torchvision_decoders_pixels(prepared, workers):
     """DALI's fused decode-and-crop (training split) in the training process and in worker
     processes: the same pixels as decoding the whole file first, for the same seed; the
@@ -302,6 +303,7 @@ def test_a_gpu_run_tested_without_a_gpu_says_so(capsys):
 @pytest.mark.parametrize(
     "decoder, shard_mb", [("torchvision", None), ("dali_cpu", 0.008)], ids=["files", "dali_from_shards"]
 )
+@pytest.mark.slow
 def test_a_tiny_study_on_a_messy_tree_trains_in_bf16_and_evaluates_every_image(messy_tree, tmp_path, decoder, shard_mb):
     from dtstudy.config.study_config import run_config
     from dtstudy.launch.launcher import run_training_job

@@ -47,6 +47,7 @@ def intervals_of(groups, other, seed=None):
 """
 
 
+@pytest.mark.slow
 def test_bootstrap_intervals_are_the_same_in_another_process_and_bracket_the_median():
     """The aggregate step computes the intervals in its own process (and again on a rerun):
     the same windows must give the same intervals there, whatever the interpreter's string
@@ -85,6 +86,7 @@ def test_bootstrap_intervals_are_the_same_in_another_process_and_bracket_the_med
     assert hashed != hashed_here  # the control
 
 
+@pytest.mark.slow
 def test_bootstrap_interval_covers_the_true_median_about_95_percent_of_the_time():
     """2000 studies of 2 runs x 15 windows from a known distribution (median 100): the
     percentile bootstrap's 95% interval of the median covers 100 in 93-98% of them (2 points

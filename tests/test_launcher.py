@@ -116,6 +116,7 @@ def test_more_workers_on_a_node_than_visible_gpus_fails_before_the_group_forms(m
 
 @pytest.mark.parametrize("processes", ["pool", "tasks"])
 @pytest.mark.parametrize("visible", [None, "5"])
+@pytest.mark.slow
 def test_a_local_run_sees_the_gpus_its_launcher_sees(tmp_path, tiny_data, monkeypatch, processes, visible):
     """submitit's local executor sets CUDA_VISIBLE_DEVICES="" in its tasks (no GPU) unless
     given gpus_per_node; the run's ranks must see what the launcher sees, unset included,

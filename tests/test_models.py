@@ -37,6 +37,7 @@ def test_unknown_model_names_allowed_ones():
 
 
 @pytest.mark.parametrize("name, channels", [("lenet5", 1), ("resnet18", 3)])
+@pytest.mark.slow
 def test_the_inference_pass_gives_the_eval_models_logits_and_leaves_the_model_alone(name, channels):
     """inference_layout: eval mode (BatchNorm's running statistics, not the batch's), the
     convolutions read channels-last weights, the same logits as the model itself in eval

@@ -58,6 +58,7 @@ def _layout(bucket: str, quantizer: str, workers: int):
 @pytest.mark.parametrize("quantizer", ["column", "tensor"])
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("bucket", list(BUCKETS))
+@pytest.mark.slow
 def test_layout_sends_and_decodes_what_the_per_chunk_functions_do(bucket, quantizer, workers):
     shapes, groups, layout = _layout(bucket, quantizer, workers)
     assert layout.groups == chunk_groups(groups, workers, cut=quantizer == "tensor")

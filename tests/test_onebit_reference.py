@@ -160,6 +160,7 @@ DEFAULT_RECIPE = {
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.slow
 def test_onebit_steps_as_the_seide_reference(tmp_path, tiny_data, nesterov):
     """One epoch of the tiny study at N=4 (14 steps) through the real path (submitit, gloo, DDP's
     hook) ends on the parameters of the per-column reference that compresses each worker's
@@ -207,6 +208,7 @@ def default_study(tmp_path_factory):
     return out, run_config(study, "allreduce_onebit")["train"]
 
 
+@pytest.mark.slow
 def test_onebit_accuracy_against_both_references(tmp_path, default_study):
     """The default study's recipe (LeNet-5, all of Fashion-MNIST, 1 epoch, batch 32 per worker,
     lr 0.2 at 256 scaled linearly, 0.3 epoch of warm-up, cosine, momentum 0.9) at N=4, seeds

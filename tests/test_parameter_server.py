@@ -70,6 +70,7 @@ def test_ps_sync_equals_allreduce_and_one_worker_with_double_batch(run, shards):
     assert metrics["step_time"]["comm_s"] > 0 and metrics["environment"]["processes"] == 2 + shards
 
 
+@pytest.mark.slow
 def test_ps_backup_without_backups_equals_ps_sync(run):
     _, sync = run("ps_sync", shards=1)
     assert_same_parameters(run("ps_backup", backup=0)[1], sync, atol=1e-5)
@@ -87,6 +88,7 @@ def test_ps_backup_without_backups_equals_ps_sync(run):
         assert_same_parameters(backup, sync, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ps_async_with_one_worker_is_plain_sgd(run):
     metrics, parameters = run("ps_async", workers=1)
     assert_same_parameters(parameters, run("allreduce", workers=1)[1], atol=1e-5)
@@ -112,6 +114,7 @@ SLOW_RANK_1 = {"ranks": [1], "delay_ms": 150, "distribution": "fixed"}  # rank 0
 PLAIN_SGD_LINEAR = {"momentum": 0.0, "weight_decay": 0.0, "lr_scaling": "linear"}
 
 
+@pytest.mark.slow
 def test_ssp_with_a_straggler_reaches_but_never_exceeds_its_clock_bound(tmp_path, tiny_data):
     """Ho et al. 2013: the fast worker runs up to s clocks ahead of the straggler, never more;
     the version staleness stays within (N-1)(2s+1). ps_async, unbounded, runs further ahead."""
@@ -137,6 +140,7 @@ def test_ssp_with_a_straggler_reaches_but_never_exceeds_its_clock_bound(tmp_path
     assert unbounded["clock_ahead_max"] > s + 2
 
 
+@pytest.mark.slow
 def test_ssp_without_staleness_equals_ps_sync_with_the_linear_rule(tmp_path, tiny_data):
     """ssp with s=0, momentum 0 and the linear rule equals ps_sync: at s=0 every clock is a
     barrier, and N updates of batch b at the rate of b are one update of N b at its rate

@@ -91,6 +91,7 @@ def training_runs(uri: str, view="ACTIVE_ONLY"):
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "ps_sync"])
+@pytest.mark.slow
 def test_a_killed_worker_fails_its_run_in_seconds_and_names_the_rank(tmp_path, tiny_data, strategy):
     launcher, out, uri = start_launcher(tmp_path, tiny_data, strategy)
     seen = wait_for_output(launcher, r"img/s")
@@ -117,6 +118,7 @@ def test_a_killed_worker_fails_its_run_in_seconds_and_names_the_rank(tmp_path, t
     assert run.info.status == "FAILED" and "rank 1" in run.data.tags["dtstudy.failure"]
 
 
+@pytest.mark.slow
 def test_mlflow_shows_a_run_while_it_trains_and_a_rerun_supersedes_it(tmp_path, tiny_data):
     # 6 epochs, checked after the 2nd: the 4 left keep it training while the test looks (with
     # 3 epochs the last one sometimes ended before the check, on a fast hour of CI's machine)
@@ -159,6 +161,7 @@ def _pool_processes(study: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_study_folder_made_again_gets_a_pool_of_its_own_and_snakemake_stops_its_pool(tmp_path):
     """A study deleted and made again at the same path (a fresh clone, `rm -rf` of the whole
     folder) must not be served by the old folder's pool: that pool's working directory is

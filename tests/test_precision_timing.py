@@ -412,6 +412,7 @@ def test_the_host_clock_is_read_as_each_step_ends():
     assert (log.data_s, log.step_s, log.comm_s, log.images) == ([0.5], [1.5], [0.25], [8])
 
 
+@pytest.mark.slow
 def test_a_preempted_fp16_run_resumes_with_its_loss_scale(tmp_path, tiny_data):
     """fp16's GradScaler is part of a resumable run's state: the requeued job goes on with the
     scale (and its growth counter) where the stop left it, so it ends where the uninterrupted run
@@ -436,6 +437,7 @@ def test_a_preempted_fp16_run_resumes_with_its_loss_scale(tmp_path, tiny_data):
         torch.testing.assert_close(params[name], reference_params[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_the_gpu_compute_check_runs_dry_on_the_cpu(tmp_path):
     """tests/device/compute_check.py's every step apart from CUDA (the GPU check cannot run in
     CI): the JPEG tree, the study's run through `python3 -m dtstudy train` started as a cluster

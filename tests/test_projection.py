@@ -1381,6 +1381,7 @@ def test_command_has_no_band(tmp_path):
     assert written[1]["measured_throughput"] == "378"
 
 
+@pytest.mark.slow
 def test_project_rule_adds_its_table_and_plot_to_the_mlflow_study_run(tmp_path):
     """The aggregate step records where its MLflow study run is; the project command (as the
     rule calls it) logs projection.csv, .md and .png to that run, under projection/."""

@@ -119,6 +119,7 @@ def figures_drawn(tmp_path, monkeypatch, seeds) -> dict[str, matplotlib.figure.F
 
 
 @pytest.mark.parametrize("seeds, spread", [((0, 1), "range"), ((0, 1, 2), "t95")])
+@pytest.mark.slow
 def test_each_figures_title_and_axes_say_what_it_draws(tmp_path, monkeypatch, seeds, spread):
     """The accuracy figures' bars are a range of 2 seeds or a t CI of 3: the title names the one
     drawn; the throughput's a bootstrap CI whatever the seeds; the x axis as declared."""

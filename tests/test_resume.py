@@ -155,6 +155,7 @@ SLOW = {"ranks": [1], "delay_ms": 30, "distribution": "uniform", "seed": 3}
         ("allreduce_powersgd", 3),
     ],
 )
+@pytest.mark.slow
 def test_preempted_sync_run_resumes_exactly(tmp_path, tiny_data, strategy, lines):
     steps = 60
     reference_spec = make_spec(tmp_path / "whole", tiny_data, strategy=strategy, steps=steps, stragglers=SLOW)
@@ -207,6 +208,7 @@ def without_timings(strategy_metrics: dict) -> dict:
     return {key: value for key, value in strategy_metrics.items() if not key.startswith("shard_busy")}
 
 
+@pytest.mark.slow
 def test_preempted_ps_sync_run_resumes_exactly(tmp_path, tiny_data):
     """ps_sync with 2 shards: the workers agree on the boundary through the first shard, every
     worker and shard saves its own file, and the requeued run ends where an uninterrupted run
@@ -239,6 +241,7 @@ def test_preempted_ps_sync_run_resumes_exactly(tmp_path, tiny_data):
 
 
 @pytest.mark.parametrize("strategy", ["ps_async", "ssp", "ps_backup"])
+@pytest.mark.slow
 def test_preempted_asynchronous_ps_run_continues_from_the_saved_step(tmp_path, tiny_data, strategy):
     """ps_async, ssp and ps_backup (arrival order, hence the numbers, vary from run to run): the
     requeued run goes on from the saved step, not from 0, and its shard from the saved version
@@ -280,6 +283,7 @@ def task_ranks(job) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.slow
 def test_a_crashed_ps_run_started_again_resumes_from_its_last_periodic_checkpoint(tmp_path, tiny_data):
     """ps_sync with periodic checkpoints (every step boundary past 0.1 s of training): its shard
     is killed after a checkpoint, the job fails; the same run submitted again finds every
@@ -347,6 +351,7 @@ def test_a_preempted_run_that_cannot_resume_fails_saying_why(tmp_path, tiny_data
     assert [name for name, cls in STRATEGIES.items() if not cls.resumable] == []
 
 
+@pytest.mark.slow
 def test_unusable_resume_state_is_reported_and_not_used(tmp_path, tiny_data):
     """A run finding rank files it cannot trust trains from step 0, says why, removes them."""
     spec = make_spec(tmp_path, tiny_data, steps=10, epochs=1)
@@ -500,6 +505,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_waiting_on_rank0s_store_ends_when_rank0_is_gone(tmp_path):
     """The wait of ranks other than 0 with NCCL (no GPUs here: forced on gloo) ends by
     SystemExit soon after rank 0 exits, and not before."""

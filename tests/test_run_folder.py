@@ -189,6 +189,7 @@ def test_the_tracking_code_reads_the_files_the_folder_names(tmp_path):
     assert recorded_run(folder.path) == {"run_id": "abc"}
 
 
+@pytest.mark.slow
 def test_a_finished_run_leaves_the_files_its_folder_names_and_evaluation_reads_them(tmp_path, tiny_data):
     from dtstudy.training.evaluate import evaluate_run
 

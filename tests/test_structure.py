@@ -167,6 +167,7 @@ def test_each_strategy_lives_in_one_folder_its_spec_beside_its_class():
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_torch_importing_module_is_seen_by_the_light_import_check():
     """The check above can fail: the training loop's module imports torch."""
     code = "import sys; import dtstudy.training.loop; print('torch' in sys.modules)"

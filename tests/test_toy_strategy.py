@@ -103,6 +103,7 @@ class ToySum(ToyMean):
         Strategy.update(self, lr)
 
 
+@pytest.mark.slow
 def test_a_toy_strategy_trains_like_allreduce_at_n2(toy_registered, monkeypatch, tmp_path, tiny_data):
     """The toy's maths is allreduce's (the mean gradient, every step): through the real loop,
     with the study's default learning-rate scaling, both end at the same parameters; the toy

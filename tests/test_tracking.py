@@ -105,6 +105,7 @@ def _logged(uri: str, run_id: str, key: str = "train_loss") -> list[tuple[int, f
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
+@pytest.mark.slow
 def test_a_live_run_keeps_its_metrics_while_the_server_is_away_and_sends_them_when_it_is_back(tmp_path):
     """The server stops mid-run and starts again on the same store: training is never held up
     by it (log_metric returns at once), the run says so, and every point reaches MLflow."""
@@ -153,6 +154,7 @@ def test_a_live_run_keeps_its_metrics_while_the_server_is_away_and_sends_them_wh
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_run_ending_while_the_server_is_away_keeps_its_results_for_the_aggregate_step(tmp_path):
     """Past tracking.wait_for_server_s the run ends anyway: what MLflow lacks (here the whole run:
     the server was away from the start) goes to mlflow_pending.json, and deliver_pending sends it

@@ -12,6 +12,7 @@ from conftest import assert_same_parameters, read_json, tiny_study, train_run, v
 from dtstudy.common.run_folder import METRICS
 
 
+@pytest.mark.slow
 def test_allreduce_two_workers_equal_one_worker_with_double_batch(tmp_path, tiny_data):
     """N workers x batch b == 1 worker x batch N*b, after the same steps, with the users' LR
     rule (linear: both get the rate of the global batch 64; base_lr and warm-up as
@@ -96,6 +97,7 @@ def test_label_smoothing_loss_by_hand():
     assert make_criterion({"label_smoothing": 0.0})(logits, label).item() == pytest.approx(-log_p[0], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_metrics_record_what_the_study_needs(tmp_path, tiny_data):
     metrics, _, out = train_run(tmp_path, tiny_data, workers=2, batch_size=32, steps=None)
     assert read_json(out / METRICS) == metrics
@@ -176,6 +178,7 @@ def _counts_implicit_momentum(metrics: dict) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_ps_async_at_four_workers_learns_as_allreduce_with_the_linear_rule(tmp_path, small_data):
     """Each asynchronous update is one worker's batch b and gets the rate of b (the linear rule
     on b, not on N b), divided by its staleness (staleness_lr), with asynchrony's implicit

@@ -170,6 +170,7 @@ def train_threads(dry_run_output: str) -> dict[tuple[str, int], int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_local_run_reserves_one_core_per_process(tmp_path):
     """Two N=1 runs may share 2 cores; an N=2 run (or a parameter server's N + S) has them to itself."""
     study = tiny_study(strategies=["allreduce", "ps_sync"], workers=[1, 2], train={"batch_size": 8})
@@ -200,6 +201,7 @@ def test_a_local_run_reserves_one_core_per_process(tmp_path):
         ({"accuracy": {"workers": [8]}}, ["accuracy.workers[0]", "8 is not in workers [1, 2]"]),
     ],
 )
+@pytest.mark.slow
 def test_bad_config_fails_the_dry_run_with_a_clear_message(tmp_path, override, words):
     result = dry_run(tmp_path, tiny_study(**override))
     assert result.returncode != 0
