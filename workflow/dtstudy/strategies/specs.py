@@ -78,21 +78,17 @@ SPECS: dict[str, type[StrategySpec]] = {
 }
 
 
-def _attach_knob_schemas() -> None:
-    """Give every spec its knobs from the schema again (each took them when it was defined:
-    StrategySpec.take_knob_schema); knobs in the schema for a name without a spec fail at
-    import rather than in some run."""
-    knob_schemas = schema.knob_schemas()
-    if knob_schemas.keys() - SPECS.keys():
+def _check_knob_schemas_have_specs() -> None:
+    """Knobs in the schema for a name without a spec fail at import rather than in some run
+    (each spec took its own knobs when it was defined: StrategySpec.take_knob_schema)."""
+    orphans = schema.knob_schemas().keys() - SPECS.keys()
+    if orphans:
         raise RuntimeError(
-            f"knobs under strategy_params in {schema.SCHEMA_PATH} for strategies without a spec: "
-            f"{sorted(knob_schemas.keys() - SPECS.keys())}"
+            f"knobs under strategy_params in {schema.SCHEMA_PATH} for strategies without a spec: {sorted(orphans)}"
         )
-    for name, spec in SPECS.items():
-        spec.take_knob_schema(knob_schemas.get(name))
 
 
-_attach_knob_schemas()
+_check_knob_schemas_have_specs()
 
 #: the families, in the order of the plots' panels; "reference" (no_exchange) is the
 #: machine's ceiling, drawn on every panel rather than in one of its own
