@@ -97,8 +97,10 @@ def cmd_train(args) -> None:
         cfg = study_config.run_config(cfg, args.strategy)
     if args.operational_json:  # the rules pass the launch keys apart (study_config.OPERATIONAL_KEYS)
         cfg = study_config.deep_merge(cfg, json.loads(args.operational_json))
+    # a variant's run (config `variants`) is a run of its strategy, its run config naming it
+    strategy = (cfg.get(study_config.VARIANT_KEY) or {}).get("strategy", args.strategy)
     spec = RunSpec(
-        strategy=args.strategy,
+        strategy=strategy,
         workers=args.workers,
         seed=args.seed,
         config=cfg,
@@ -108,7 +110,7 @@ def cmd_train(args) -> None:
     )
     job_dir = args.job_dir or str(spec.folder.job_logs)
     # on SLURM with launcher.hardware: the job asks its predicted time, not timeout_min
-    time_limit_min = budget.job_time_limit_min(cfg, args.strategy, args.workers, args.data)
+    time_limit_min = budget.job_time_limit_min(cfg, strategy, args.workers, args.data)
     try:
         if launch_backend(cfg).emulated:  # N logical workers in this process: no job to submit
             from dtstudy.emulation.runner import run_emulated

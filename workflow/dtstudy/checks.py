@@ -12,7 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtstudy.config import run_kinds
-from dtstudy.config.study_config import deep_merge, global_batch_size, read_yaml, run_config, validate_schema
+from dtstudy.config.study_config import (
+    deep_merge,
+    global_batch_size,
+    read_yaml,
+    run_config,
+    validate_schema,
+    variant_study,
+)
 from dtstudy.data.checks import check_dataset, check_loader
 from dtstudy.data.errors import DataConfigError
 from dtstudy.emulation.settings import check_emulate
@@ -37,11 +44,29 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     look at the data set on disk (Snakemake's main process does; the jobs it starts, which
     parse the Snakefile again, need not walk the data set again) and return its training
     images (count_training_images; None without `check_data`)."""
+    variants = config["variants"]
     for i, name in enumerate(config["strategies"]):
-        if name not in SPECS:
+        if name not in SPECS and name not in variants:
             raise ConfigError(
                 f"config key 'strategies[{i}]': unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}"
+                + (f", or a variant: {', '.join(sorted(variants))}" if variants else "")
             )
+    for name, variant in variants.items():
+        if name in SPECS:
+            raise ConfigError(
+                f"config key 'variants.{name}': {name!r} is a registered strategy's name; allowed: another name"
+            )
+        if variant["strategy"] not in SPECS:
+            raise ConfigError(
+                f"config key 'variants.{name}.strategy': unknown strategy {variant['strategy']!r}; "
+                f"allowed: {', '.join(sorted(SPECS))}"
+            )
+    # a variant's runs are its strategy's under its own train keys, knobs and N: checked as that study
+    listed = [name for name in config["strategies"] if name in variants]
+    counted = [check_config(variant_study(config, name), check_data) for name in listed]
+    config = {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
+    if not config["strategies"]:
+        return counted[0]
     # strategy_params' names are the schema's (dtstudy.strategies.specs checks they match SPECS)
     for name in config["strategies"]:
         for workers in config["workers"]:

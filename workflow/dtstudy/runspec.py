@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dtstudy.common.run_folder import RunFolder
 from dtstudy.config import run_kinds
+from dtstudy.config.study_config import VARIANT_KEY
 from dtstudy.errors import ConfigError
 from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.strategies.specs import get_spec
@@ -96,7 +97,12 @@ class RunSpec:
     def run_name(self) -> str:
         # an accuracy run keeps the name runs had before there were kinds
         suffix = "" if self.kind == run_kinds.ACCURACY else f"-{self.kind}"
-        return f"{self.strategy}-n{self.workers}-seed{self.seed}{suffix}"
+        return f"{self.variant or self.strategy}-n{self.workers}-seed{self.seed}{suffix}"
+
+    @property
+    def variant(self) -> str | None:
+        """The name of the variant (config `variants`) this run is of, None for a strategy's own run."""
+        return (self.config.get(VARIANT_KEY) or {}).get("name")
 
     @property
     def folder(self) -> RunFolder:

@@ -73,7 +73,12 @@ def train_threads(wildcards):
     if not TRAIN_ON_THIS_MACHINE:
         return 1
     spec = RunSpec(
-        wildcards.strategy, int(wildcards.workers), 0, study_config.run_config(config, wildcards.strategy), "", ""
+        study_config.strategy_of(config, wildcards.strategy),
+        int(wildcards.workers),
+        0,
+        study_config.run_config(config, wildcards.strategy),
+        "",
+        "",
     )
     return spec.processes()
 
@@ -118,12 +123,17 @@ def runs_of(kind, filename):
     none when the study makes no runs of that kind."""
     if kind not in run_kinds.kinds_run(config):
         return []
-    return expand(
-        os.path.join(RUN_DIRS[kind], filename),
-        strategy=config["strategies"],
-        workers=run_kinds.workers(config, kind),
-        seed=run_kinds.seeds(config, kind),
-    )
+    # a variant (config `variants`) runs at its own N
+    return [
+        path
+        for name in config["strategies"]
+        for path in expand(
+            os.path.join(RUN_DIRS[kind], filename),
+            strategy=name,
+            workers=study_config.arm_workers(config, name, kind),
+            seed=run_kinds.seeds(config, kind),
+        )
+    ]
 
 
 def all_runs(filename, tested_only=False):

@@ -10,6 +10,7 @@ import pandas as pd
 from dtstudy.analysis.claims import (
     ABOVE,
     BELOW,
+    CHANCE_MULTIPLE,
     FAMILY_ERROR,
     LEARNED_SHARE,
     LEVEL,
@@ -160,7 +161,8 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
         "A claim of little or no loss (Seide's) reads the margin first: a loss within it is little even where "
         "the seeds tell it from zero, more than it only when the whole interval lies beyond. "
         "An N where a run-set the claim compares did not learn (its mean test top-1 below "
-        f"{LEARNED_SHARE:.0%} of allreduce's at N=1 in this study), or where neither reached the target, reads "
+        f"{LEARNED_SHARE:.0%} of allreduce's best cell in this study, and at least {CHANCE_MULTIPLE} x chance), "
+        "or where neither reached the target, reads "
         '"cannot tell at N=…": no evidence for or against; a claim with no other N reads "cannot tell". '
         "No interval is narrower than what it was measured on (a top-1 the test split's 1/n, a time or steps "
         "to the target the validation grid's step), so seeds that agree or a deterministic emulated time do not "

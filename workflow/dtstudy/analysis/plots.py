@@ -201,7 +201,7 @@ def plot_time_to_accuracy(accuracy: pd.DataFrame, path: Path, clock: str = "this
     for family, ax in panels:
         rows = _plot_strategies(ax, accuracy, family, "time_to_accuracy_s", colors)
         _log2_workers_axis(ax, accuracy["workers"])
-        if (accuracy["time_to_accuracy_s"] > 0).any():
+        if (_family_rows(accuracy, family)["time_to_accuracy_s"] > 0).any():  # a panel with no time stays linear
             ax.set_yscale("log")
             # plain seconds (3, 4, 6, 20) rather than 3x10^0 on the ticks of a range under a decade
             for axis_ticks in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):

@@ -112,7 +112,9 @@ def _run_row(run_dir: Path) -> dict:
     throughput = _field(metrics, "throughput_median" if "throughput_median" in metrics else "throughput", metrics_path)
     return {
         "kind": kind,
-        "strategy": _field(metrics, "strategy", metrics_path, convert=str),
+        # a variant's run is a row of its own (config `variants`), its strategy in `base_strategy`
+        "strategy": metrics.get("variant") or _field(metrics, "strategy", metrics_path, convert=str),
+        "base_strategy": _field(metrics, "strategy", metrics_path, convert=str),
         "workers": _field(metrics, "workers", metrics_path, convert=int),
         "seed": _field(metrics, "seed", metrics_path, convert=int),
         "family": FAMILY_OF.get(metrics.get("strategy"), "unknown"),

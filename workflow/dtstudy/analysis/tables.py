@@ -86,9 +86,24 @@ ACCURACY_COLUMNS = [
     "staleness",
     "staleness_low",
     "staleness_high",
+    # what tells a strategy's variants apart (config `variants`): the claims read them
+    "base_strategy",
+    "lr_rule",
+    "peak_lr",
+    "val_top1",
+    "staleness_bound",
 ]
 #: what accuracy_table reads from each run's metrics.json beyond the runs frame (NaN when absent)
-RUN_EXTRAS = ("global_batch", "steps_to_accuracy", "staleness")
+RUN_EXTRAS = (
+    "global_batch",
+    "steps_to_accuracy",
+    "staleness",
+    "lr_rule",
+    "peak_lr",
+    "val_top1",
+    "staleness_bound",
+    "step_compute_s",
+)
 OVERSUBSCRIBED_NOTE = (
     "Note: rows marked oversubscribed ran more workers than CPU cores, "
     "so their throughput (and timings) are not meaningful."
@@ -163,7 +178,7 @@ def scaling_table(df: pd.DataFrame, strategies_order: Sequence[str] | None = Non
             {
                 "from_runs": kind,
                 "strategy": name,
-                "family": FAMILY_OF.get(name, "unknown"),
+                "family": FAMILY_OF.get(runs["base_strategy"].iloc[0] if "base_strategy" in runs else name, "unknown"),
                 "workers": workers,
                 # a parameter server's shards (one per node by default): part of what is being scaled
                 "extra_processes": runs["extra_processes"].max(),
@@ -203,10 +218,21 @@ def run_extras(metrics: Mapping) -> dict:
     mean staleness of the gradients it applied (the asynchronous parameter servers record it,
     strategy_metrics.staleness_mean); NaN for what the run does not record."""
     staleness = (metrics.get("strategy_metrics") or {}).get("staleness_mean")
+    schedule, knobs = metrics.get("lr_schedule") or {}, metrics.get("strategy_params") or {}
+    number = lambda value: math.nan if value is None else float(value)  # noqa: E731
     return {
         "global_batch": float(metrics.get("global_batch") or math.nan),
         "steps_to_accuracy": steps_to_accuracy(metrics),
-        "staleness": math.nan if staleness is None else float(staleness),
+        "staleness": number(staleness),
+        "lr_rule": schedule.get("rule"),
+        "peak_lr": number(schedule.get("peak_lr")),
+        "val_top1": number(metrics.get("final_val_top1")),
+        # ssp's bound s (its knob `staleness`; null: unbounded); NaN for a strategy without one
+        "staleness_bound": (math.inf if knobs["staleness"] is None else float(knobs["staleness"]))
+        if "staleness" in knobs
+        else math.nan,
+        # an emulated step's compute, what the claims rescale to try another compute rate
+        "step_compute_s": number((metrics.get("emulation") or {}).get("step_compute_s")),
     }
 
 
@@ -239,11 +265,12 @@ def accuracy_table(
         ]
         difference = intervals.mean_interval(paired) if name != BASELINE_STRATEGY else intervals.NAN_INTERVAL
         batches = runs["global_batch"].dropna()
+        base_strategy = runs["base_strategy"].iloc[0] if "base_strategy" in runs.columns else name
         rows.append(
             {
                 "from_runs": ACCURACY,
                 "strategy": name,
-                "family": FAMILY_OF.get(name, "unknown"),
+                "family": FAMILY_OF.get(base_strategy, "unknown"),
                 "workers": workers,
                 "global_batch": batches.iloc[0] if len(batches) else math.nan,
                 "seeds": runs["seed"].nunique(),
@@ -258,6 +285,11 @@ def accuracy_table(
                 "reached_target": _reached_fraction(runs["time_to_accuracy_s"]),
                 **_columns("steps_to_accuracy", intervals.mean_interval(runs["steps_to_accuracy"].dropna())),
                 **_columns("staleness", intervals.mean_interval(runs["staleness"].dropna())),
+                "base_strategy": base_strategy,
+                "lr_rule": runs["lr_rule"].iloc[0],
+                "peak_lr": runs["peak_lr"].iloc[0],
+                "val_top1": runs["val_top1"].mean(),
+                "staleness_bound": runs["staleness_bound"].iloc[0],
             }
         )
     return sorted_by_strategy(pd.DataFrame(rows), strategies_order)[ACCURACY_COLUMNS]

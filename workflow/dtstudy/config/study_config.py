@@ -23,6 +23,8 @@ from dtstudy.launch_backends.registry import launch_backend
 __all__ = [
     "ConfigError",
     "OPERATIONAL_KEYS",
+    "VARIANT_KEY",
+    "arm_workers",
     "deep_merge",
     "operational_part",
     "read_yaml",
@@ -30,7 +32,9 @@ __all__ = [
     "results_sha256",
     "retype_command_line",
     "run_config",
+    "strategy_of",
     "validate_schema",
+    "variant_study",
 ]
 
 #: the keys of a run's config that decide how it is launched, watched and paid for, not what it
@@ -66,7 +70,60 @@ def validate_schema(config: dict) -> dict:
     schema.validate_config(config)
     config["strategy_params"] = knobs_as_written
     run_kinds.check(config)  # the scaling and accuracy runs' keys against each other and `workers`
+    _check_variants(config)
     return config
+
+
+# --- variants: named variants of a strategy, each a row of the tables --------------------
+
+#: a variant's run config names it here ({"name": ..., "strategy": ...}); a strategy's has no such key
+VARIANT_KEY = "variant"
+
+
+def _check_variants(config: dict) -> None:
+    """Each variant's train keys against the schema's `train`, its N against `workers`; its
+    name is not a registered strategy's (dtstudy.checks checks the strategy and its knobs)."""
+    train_schema = schema.load_schema()["properties"]["train"]
+    for name, variant in config["variants"].items():
+        schema.check(variant["train"], {**train_schema, "default": None}, prefix=("variants", name, "train"))
+        for i, n in enumerate(variant["workers"] or []):
+            if n not in config["workers"]:
+                raise ConfigError(
+                    f"config key 'variants.{name}.workers[{i}]': {n} is not in workers {config['workers']}; "
+                    "allowed: N of workers (every N the study runs at), or null for the study's"
+                )
+
+
+def strategy_of(config: dict, name: str) -> str:
+    """The registered strategy a name of `strategies` runs: its own, or its variant's."""
+    variant = config.get("variants", {}).get(name)
+    return name if variant is None else variant["strategy"]
+
+
+def variant_study(config: dict, name: str) -> dict:
+    """The study config a variant's runs train under: the study's, with the variant's train
+    keys and knobs over it, its strategy as the only one and its N as `workers` (what
+    dtstudy.checks checks it as)."""
+    variant = config["variants"][name]
+    study = deep_merge(
+        config,
+        {"train": variant["train"], "strategy_params": {variant["strategy"]: variant["strategy_params"]}},
+    )
+    study["strategies"] = [variant["strategy"]]
+    study["variants"] = {}
+    if variant["workers"] is not None:
+        study["workers"] = list(variant["workers"])
+        for kind in run_kinds.KINDS:
+            study[kind] = {**study[kind], "workers": None}
+    return study
+
+
+def arm_workers(config: dict, name: str, kind: str) -> list[int]:
+    """N of the runs of `kind` of a name of `strategies`: a variant's own N, else the kind's."""
+    variant = config.get("variants", {}).get(name)
+    if variant is not None and variant["workers"] is not None:
+        return list(variant["workers"])
+    return run_kinds.workers(config, kind)
 
 
 #: the words YAML reads as null and as true or false, where Snakemake's --config left them text
@@ -152,8 +209,13 @@ def run_config(config: dict, strategy: str, kind: str = run_kinds.ACCURACY) -> d
     of `kind` (dtstudy.config.run_kinds: a scaling run's step limit and timing window).
 
     Rules pass exactly this to the training CLI, so that a change of, say, the list of
-    workers does not make Snakemake rerun every finished training run.
+    workers does not make Snakemake rerun every finished training run. A variant's (`strategy`
+    one of `variants`) is its strategy's under variant_study, naming the variant (VARIANT_KEY).
     """
+    if strategy in config.get("variants", {}):
+        variant = run_config(variant_study(config, strategy), strategy_of(config, strategy), kind)
+        variant[VARIANT_KEY] = {"name": strategy, "strategy": strategy_of(config, strategy)}
+        return variant
     keys = (
         "dataset",
         "loader",

@@ -225,9 +225,10 @@ def eval_images(config: dict, images: Images, steps_done: int, workers: int) -> 
     train = config["train"]
     per_epoch = steps_per_epoch(config, images, workers)
     epochs = min(train["epochs"], math.ceil(steps_done / per_epoch)) if per_epoch else 0
-    if train["evals_per_epoch"] > 1:  # the grid's points, then the whole split once at the end
+    points = steps_done // train["eval_every_steps"] if train.get("eval_every_steps") else None
+    if points is not None or train["evals_per_epoch"] > 1:  # the grid's points, then the whole split once at the end
         grid = images.val if train["eval_images"] is None else min(train["eval_images"], images.val)
-        scored = epochs * train["evals_per_epoch"] * grid + images.val
+        scored = (points if points is not None else epochs * train["evals_per_epoch"]) * grid + images.val
     else:
         scored = epochs * images.val
     return scored / workers

@@ -227,7 +227,8 @@ def server_away(uri: str, error: Exception) -> bool:
 
 
 def run_tags(spec: RunSpec) -> dict:
-    return {"strategy": spec.strategy, "workers": str(spec.workers), "seed": str(spec.seed)}
+    tags = {"strategy": spec.strategy, "workers": str(spec.workers), "seed": str(spec.seed)}
+    return tags if spec.variant is None else {**tags, "variant": spec.variant}
 
 
 def run_params(spec: RunSpec) -> dict:

@@ -220,8 +220,8 @@ def set_up(
     progress = Progress(ctx, train["log_every"], len(batch_sampler), train["epochs"])
     if not train_set.is_in_memory:  # the loader config's resolved values (workers: null = CPUs - 1)
         progress.say(f"input pipeline: train {train_set.describe()}, val {val_set.describe()}")
-    grid_every = None
-    if train["evals_per_epoch"] > 1:
+    grid_every = train.get("eval_every_steps")  # a grid in steps, whatever N; else a share of the epoch
+    if grid_every is None and train["evals_per_epoch"] > 1:
         grid_every = max(1, len(batch_sampler) // train["evals_per_epoch"])
     grid_images = len(val_set) if train["eval_images"] is None else min(train["eval_images"], len(val_set))
     return WorkerRun(
@@ -365,14 +365,15 @@ def evaluate_point(run: WorkerRun, state: LoopState, epoch: int, start: float, k
 
 def grid_point_due(run: WorkerRun, step_in_epoch: int) -> bool:
     """Whether a grid evaluation follows batch `step_in_epoch`: after every `grid_every`
-    batches, evals_per_epoch - 1 times an epoch; the epoch's end is its last point (1687
-    steps in 10: points at 168, ..., 1512 and 1687, not also at 1680)."""
+    batches (train.eval_every_steps; else evals_per_epoch - 1 times an epoch); the epoch's
+    end is its last point (1687 steps in 10: points at 168, ..., 1512 and 1687, not also at 1680)."""
     every = run.grid_every
     done = step_in_epoch + 1
+    train = run.spec.config["train"]
     return (
         every is not None
         and done % every == 0
-        and done // every < run.spec.config["train"]["evals_per_epoch"]
+        and (train.get("eval_every_steps") is not None or done // every < train["evals_per_epoch"])
         and done < run.steps_per_epoch
     )
 

@@ -54,7 +54,8 @@ def make_schedule(
     for limit in (train["max_steps"], step_limit):
         if limit is not None:
             total = min(total, limit)
-    warmup = min(total, round(train["warmup_epochs"] * steps_per_epoch))
+    warmup_steps = train.get("warmup_steps")  # in updates, whatever N; else in epochs
+    warmup = min(total, warmup_steps if warmup_steps is not None else round(train["warmup_epochs"] * steps_per_epoch))
     return LRSchedule(
         peak_lr=peak,
         warmup_steps=warmup,

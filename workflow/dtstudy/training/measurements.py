@@ -118,6 +118,7 @@ def summarize(
     reached = [v["train_s"] for v in measured if v["top1"] >= target]
     return {
         "strategy": spec.strategy,
+        "variant": spec.variant,  # the variant of the strategy this run is of (config `variants`), or null
         "workers": spec.workers,
         "seed": spec.seed,
         "run_name": spec.run_name,
