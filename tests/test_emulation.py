@@ -4,6 +4,8 @@ the real loop and strategies over the emulated process group, on the cluster's c
 - an emulated run equals a real run (cluster local, gloo processes) of the same seed: losses
   per step and final parameters, for every synchronous strategy at N = 2 and 4, each choice
   of its enumerated and boolean knobs;
+- allreduce at N = 1 with the global batch trains as N = 4 workers with a quarter of it each
+  (the at-scale study's Goyal runs): the same losses step by step and the same parameters;
 - the same emulated run twice gives the same numbers;
 - N = 64 runs, and its memory per logical worker keeps N = 256 under 1 GB;
 - a step's emulated seconds are the performance model's (compute + exchange + stragglers);
@@ -223,6 +225,96 @@ def test_the_train_command_runs_an_emulated_run_in_its_own_process(tmp_path, tin
     spec = RunSpec("allreduce", 2, 0, run_config(study, "allreduce"), str(tiny_data), str(tmp_path / "job"))
     with pytest.raises(ValueError, match="'emulate' runs in the calling process"):
         run_training_job(spec, tmp_path / "job" / "submitit")
+
+
+# ----- (a') one worker with the global batch: the at-scale study's Goyal shortcut ---------------
+
+#: the train keys that set a run's length and its evaluations, not its updates: the test sets its
+#: own (16 steps; a warm-up of 4 of them, where the config's half epoch would be the whole run)
+RUN_LENGTH_KEYS = {
+    "batch_size",
+    "epochs",
+    "max_steps",
+    "warmup_steps",
+    "warmup_epochs",
+    "eval_every_steps",
+    "evals_per_epoch",
+    "eval_images",
+    "steady_state_skip",
+    "timing_window_steps",
+}
+#: the shortcut's tolerance. Both runs compute the same float32 sums grouped differently (the
+#: loss and gradient of 32 images at once, or of four 8s averaged by the all-reduce), a few
+#: rounding steps of float32 (epsilon 1.2e-7) per step, carried by 16 updates: measured at most
+#: 1.3e-7 relative on the losses and 1.5e-8 on the parameters. One image of one batch swapped for
+#: another moves that step's loss by about 1/32 of the two images' difference (2e-3 relative
+#: here) and the parameters by 4e-3 after it: the planted swap below must trip both
+SHORTCUT_LOSS_RTOL, SHORTCUT_PARAMETER_ATOL = 1e-5, 1e-6
+
+
+def at_scale_goyal_recipe() -> dict:
+    """config/at-scale.yaml's train section under its goyal_*_rule variants (part 2), less
+    RUN_LENGTH_KEYS: the scaling, the learning-rate rule, its base and reference batch, the
+    schedule, momentum, weight decay and whatever else the config sets there."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "config" / "at-scale.yaml").read_text())
+    rules = [name for name in config["variants"] if name.startswith("goyal_") and name.endswith("_rule")]
+    recipes = [{**config["train"], **config["variants"][name].get("train", {})} for name in rules]
+    recipes = [{key: value for key, value in recipe.items() if key not in RUN_LENGTH_KEYS} for recipe in recipes]
+    assert rules and all(recipe == recipes[0] for recipe in recipes), rules  # one recipe, many batches
+    return recipes[0]
+
+
+def shortcut_differences(metrics, state, reference, reference_state) -> tuple[float, float]:
+    """The largest relative difference of two runs' per-step losses, and of their final parameters."""
+    assert len(metrics["train_loss"]) == len(reference["train_loss"])
+    losses = max(abs(a - b) / abs(b) for a, b in zip(metrics["train_loss"], reference["train_loss"]))
+    assert state.keys() == reference_state.keys()
+    parameters = max((state[name] - reference_state[name]).abs().max().item() for name in state)
+    return losses, parameters
+
+
+def test_one_worker_with_the_global_batch_trains_as_n_workers_do(tmp_path, tiny_data, monkeypatch):
+    """The at-scale study's Goyal part runs allreduce at N = 1 with the global batch instead of N
+    workers: an emulated allreduce run at N = 4 with a batch of 8 (weak scaling) and one at N = 1
+    with 32, on the config's recipe, give the same losses step by step and the same parameters.
+    The sampler gives them the same images: DistributedSampler's rank r takes r::N of one
+    seeded permutation (1800 images, no padding at N = 4), so the 4 workers' t-th batches are the
+    t-th 32 of it (where N does not divide the set the sampler pads each rank's share, and where
+    b divides the padded share the N workers' epoch has one step more than one worker's).
+    LeNet-5 has no BatchNorm; an in-memory data set is not augmented (an image folder's crops are
+    drawn per image index, whatever the rank); the mean of 4 per-worker mean losses over 8 images
+    each is the mean over the 32, and DDP averages the gradients; the same global batch has the
+    same rate under any rule. Teeth: one image of one batch of the N = 1 run swapped for one the
+    16 steps never see is outside the tolerance."""
+    from torch.utils.data import DistributedSampler
+
+    from dtstudy.training import loop
+
+    steps, recipe = 16, {**at_scale_goyal_recipe(), "warmup_steps": 4}
+    assert recipe["scaling"] == "weak"  # batch_size is the per-worker batch
+    many, many_state, _ = emulated_run(tmp_path, tiny_data, workers=4, batch_size=8, steps=steps, **recipe)
+    one, one_state, _ = emulated_run(tmp_path, tiny_data, workers=1, batch_size=32, steps=steps, **recipe)
+    assert many["steps"] == one["steps"] == steps
+    assert many["global_batch"] == one["global_batch"] == 32 and many["per_worker_batch"] == 8
+    assert many["lr_schedule"] == one["lr_schedule"] and many["lr_schedule"]["warmup_steps"] == 4
+    losses, parameters = shortcut_differences(many, many_state, one, one_state)
+    assert losses < SHORTCUT_LOSS_RTOL and parameters < SHORTCUT_PARAMETER_ATOL, (losses, parameters)
+    assert one["train_loss"][0] != pytest.approx(one["train_loss"][-1], rel=1e-3)  # it trained
+
+    class OneImageSwapped(DistributedSampler):
+        def __iter__(self):
+            indices = list(super().__iter__())
+            indices[3 * 32] = indices[-1]  # step 3's first image: the epoch's last, past the 16 steps
+            return iter(indices)
+
+    monkeypatch.setattr(loop, "DistributedSampler", OneImageSwapped)
+    swapped, swapped_state, _ = emulated_run(
+        tmp_path, tiny_data, workers=1, batch_size=32, steps=steps, name="swapped", **recipe
+    )
+    losses, parameters = shortcut_differences(swapped, swapped_state, one, one_state)
+    assert losses > SHORTCUT_LOSS_RTOL and parameters > SHORTCUT_PARAMETER_ATOL, (losses, parameters)
 
 
 # ----- (b) determinism -----------------------------------------------------------------------
