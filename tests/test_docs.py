@@ -532,8 +532,6 @@ def test_the_values_config_readme_quotes_for_the_shipped_configs_are_theirs():
         "hybrid.yaml",
         "cluster.yaml",
         "at-scale.yaml",
-        "at-scale-async.yaml",
-        "at-scale-onebit.yaml",
     }
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     wrong = []

@@ -11,9 +11,11 @@ from dtstudy.analysis.claims import (
     ABOVE,
     BELOW,
     CHANCE_MULTIPLE,
+    DEPENDS,
     FAMILY_ERROR,
     LEARNED_SHARE,
     LEVEL,
+    RATE_FACTORS,
     RELATIVE_MARGIN,
     SCALES,
     UNDECIDED_READING,
@@ -161,9 +163,14 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
         "A claim of little or no loss (Seide's) reads the margin first: a loss within it is little even where "
         "the seeds tell it from zero, more than it only when the whole interval lies beyond. "
         "An N where a run-set the claim compares did not learn (its mean test top-1 below "
-        f"{LEARNED_SHARE:.0%} of allreduce's best cell in this study, and at least {CHANCE_MULTIPLE} x chance), "
-        "or where neither reached the target, reads "
+        f"{LEARNED_SHARE:.0%} of allreduce's best cell in this study, its own or a variant's at any N, or below "
+        f"{CHANCE_MULTIPLE} x chance), or where neither reached the target, reads "
         '"cannot tell at N=…": no evidence for or against; a claim with no other N reads "cannot tell". '
+        "A claim that reads a treatment against a control at each global batch or bound (Goyal's linear rule "
+        "against the best rate of a sweep at that batch, picked by validation top-1; Dai's staleness bounds "
+        "against the smallest bound) cannot tell at a batch or bound only where the control did not learn: "
+        "the control shows what the budget can learn, and a treatment that did not learn where it did is the "
+        "effect itself. "
         "No interval is narrower than what it was measured on (a top-1 the test split's 1/n, a time or steps "
         "to the target the validation grid's step), so seeds that agree or a deterministic emulated time do not "
         'make a difference apart. A claim\'s "above"/"below" over several N are held to a family-wise '
@@ -171,7 +178,12 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
         "stricter level its place among them asks. Runs of two strategies at the same N and "
         "seed share their data order and straggler draws, so they are compared by their per-seed differences "
         '("paired by seed"). '
-        "Times are the emulated cluster's training seconds.",
+        "Times are the emulated cluster's training seconds, on the compute rate the study assumed "
+        "(emulate.images_per_s): a claim read on them (Jin's) is judged again at "
+        + " and ".join(f"x{factor:g}" for factor in RATE_FACTORS)
+        + " that rate, on a rescaled clock (each run's time to the target moved by its steps' compute), not a "
+        "rerun: what the runs learned, and when, stays as measured. A verdict that changes with the rate reads "
+        f'"{DEPENDS}", with what each rate gives.',
         "",
     ]
     for verdict in verdicts:
