@@ -1,9 +1,9 @@
 """The at-scale study (config/at-scale.yaml, docs/emulation.md "The at-scale study"): emulated
 runs through Snakemake, and the published claims it tests (dtstudy.analysis.claims).
 
-- the shipped config validates, its DAG has one train and one evaluate job per strategy x N x
-  seed, no projection, and each emulated run reserves EMULATED_RUN_THREADS cores; enabling the
-  parameter servers is one line;
+- the shipped config validates, its DAG has one train and one evaluate job per strategy (or
+  variant) x N x seed, no projection, one core a run; every claim has its runs in the one study
+  and part 1 makes the same number of updates at every N;
 - a tiny emulated study runs end to end through Snakemake: tables, the new plot, findings with
   the claims section, no warm pool, no projection;
 - each claim's verdict on synthetic accuracy tables: holds, from which N, does not hold, not
@@ -18,7 +18,6 @@ import math
 
 import pandas as pd
 import pytest
-import yaml
 from conftest import REPO, run_snakemake, tiny_study
 from test_workflow import job_counts, shipped_study_dry_run, train_threads
 
@@ -26,11 +25,10 @@ from dtstudy.analysis import claims
 from dtstudy.analysis.findings import _versus_allreduce, claims_markdown
 from dtstudy.analysis.tables import accuracy_table, with_run_extras
 from dtstudy.common.intervals import Interval
-from dtstudy.strategies.specs import SPECS, get_spec
+from dtstudy.config import run_kinds, study_config
+from dtstudy.strategies.specs import SPECS
 
 AT_SCALE = REPO / "config/at-scale.yaml"
-AT_SCALE_ASYNC = REPO / "config/at-scale-async.yaml"
-AT_SCALE_ONEBIT = REPO / "config/at-scale-onebit.yaml"
 PARAMETER_SERVERS = ["ps_sync", "ps_backup", "ps_async", "ssp"]
 EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 
@@ -38,99 +36,86 @@ EMULATE = {"hardware": "h100_ib400", "images_per_s": 10_000.0}
 # --- the shipped config ----------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_at_scale_config_validates_and_its_dag_has_every_run_and_no_projection(tmp_path):
-    result = shipped_study_dry_run(tmp_path, AT_SCALE)
-    assert result.returncode == 0, result.stderr
-    study = yaml.safe_load(AT_SCALE.read_text())
-    assert study["launcher"]["cluster"] == "emulate" and study["workers"] == [1, 4, 16, 64, 256]
-    assert len(study["seeds"]) >= 3 and study["model"] == "lenet5" and study["dataset"]["name"] == "fashion_mnist"
-    runs = len(study["strategies"]) * 5 * len(study["seeds"])
-    # an emulated study is not projected (common.smk PROJECTS_THE_STUDY): no commbench, no project
-    assert job_counts(result.stdout) == {
-        "prepare_data": 1,
-        "init_tracking": 1,
-        "train": runs,
-        "evaluate": runs,
-        "aggregate": 1,
-        "all": 1,
-    }
-    planned = shipped_study_dry_run(tmp_path, AT_SCALE, args=("--cores", "8", "--printshellcmds"))
-    assert planned.returncode == 0, planned.stderr
-    planned = planned.stdout
-    threads = train_threads(planned)
-    assert set(threads.values()) == {1}  # EMULATED_RUN_THREADS whatever N: N=256 is one process
-    assert len(threads) == len(study["strategies"]) * 5
-    # evaluations run in their own process, not in a warm pool (none is started for emulated runs)
-    assert "python -m dtstudy evaluate" in planned and "--via-pool" not in planned
-
-
-@pytest.mark.slow
-def test_the_asynchronous_half_adds_the_parameter_servers_with_their_reference(tmp_path):
-    """config/at-scale-async.yaml, on top of at-scale.yaml, runs the four parameter servers with
-    what the asynchronous claims compare them to (allreduce, gossip), at-scale.yaml's budget
-    unchanged, each server run with 4 shards at every N (its host cost); the halves together
-    run every strategy of the at-scale study."""
-    from dtstudy.analysis import claims
-
-    result = shipped_study_dry_run(tmp_path, AT_SCALE, AT_SCALE_ASYNC)
-    assert result.returncode == 0, result.stderr
-    overlay = yaml.safe_load(AT_SCALE_ASYNC.read_text())
-    strategies = overlay["strategies"]
-    assert set(PARAMETER_SERVERS) <= set(strategies)
-    assert {claims.SYNC, claims.BACKUP, claims.ASYNC, claims.DECENTRALISED} <= set(strategies)
-    assert set(overlay) == {"strategies", "strategy_params", "train", "stragglers"}  # the budget is at-scale.yaml's
-    assert overlay["train"] == {"lr_scaling": "sqrt", "base_lr": 0.05}  # but for the rule: every N learns
-    assert {name: knobs["shards"] for name, knobs in overlay["strategy_params"].items()} == dict.fromkeys(
-        PARAMETER_SERVERS, 4
+def _at_scale() -> dict:
+    """config/at-scale.yaml over config/config.yaml, validated (defaults filled), as the study runs it."""
+    config = study_config.deep_merge(
+        study_config.read_yaml(REPO / "config/config.yaml"), study_config.read_yaml(AT_SCALE)
     )
-    # every worker a straggler of the same mean pace (so ssp's bound binds and no worker trails
-    # alone at an epoch's end), ps_backup backing up a share of N
-    assert overlay["stragglers"]["fraction"] == 1.0 and overlay["stragglers"]["distribution"] == "exponential"
-    backup = get_spec("ps_backup")
-    backups = {
-        n: n - backup.quorum(n, backup.check_params(overlay["strategy_params"]["ps_backup"], n))
-        for n in (4, 16, 64, 256)
+    return study_config.validate_schema(config)
+
+
+def _variants_of(config: dict, strategy: str) -> dict[str, dict]:
+    return {
+        name: v for name, v in config["variants"].items() if v["strategy"] == strategy and name in config["strategies"]
     }
-    assert backups == {4: 0, 16: 1, 64: 4, 256: 16}
-    runs = len(strategies) * 5 * 3
-    assert job_counts(result.stdout) == {
-        "prepare_data": 1,
-        "init_tracking": 1,
-        "train": runs,
-        "evaluate": runs,
-        "aggregate": 1,
-        "all": 1,
-    }
-    synchronous = yaml.safe_load(AT_SCALE.read_text())["strategies"]
-    assert not set(PARAMETER_SERVERS) & set(synchronous)
 
 
 @pytest.mark.slow
-def test_the_onebit_part_runs_allreduce_onebit_beside_allreduce_and_the_parts_cover_the_strategies(tmp_path):
-    """config/at-scale-onebit.yaml, on top of at-scale.yaml: allreduce_onebit with its compressed
-    reduce-scatter and allreduce, the asynchronous half's learning-rate rule, at-scale.yaml's
-    budget otherwise; the three parts run every strategy but hybrid and the ceiling."""
-    from dtstudy.analysis import claims
-
-    result = shipped_study_dry_run(tmp_path, AT_SCALE, AT_SCALE_ONEBIT)
+def test_the_at_scale_study_is_one_dag_of_its_three_parts_and_no_projection(tmp_path):
+    """One command runs the whole at-scale study: part 1's strategies at accuracy.workers, each
+    variant (Goyal's batches and rates, Dai's bounds) at its own N only, 3 seeds, one thread a
+    run, no projection (an emulated study's throughput is the model's own)."""
+    config = _at_scale()
+    result = shipped_study_dry_run(tmp_path, AT_SCALE, args=("--cores", "8", "--printshellcmds"))
     assert result.returncode == 0, result.stderr
-    overlay = yaml.safe_load(AT_SCALE_ONEBIT.read_text())
-    assert overlay["strategies"] == [claims.SYNC, claims.ONEBIT]
-    assert set(overlay) == {"strategies", "strategy_params", "train"}
-    assert overlay["train"] == yaml.safe_load(AT_SCALE_ASYNC.read_text())["train"]
-    assert overlay["strategy_params"] == {"allreduce_onebit": {"exchange": "reduce_scatter"}}
-    runs = 2 * 5 * 3
+    assert config["launcher"]["cluster"] == "emulate" and len(config["seeds"]) == 3
+    plain = [name for name in config["strategies"] if name not in config["variants"]]
+    runs = {
+        (name, n) for name in config["strategies"] for n in study_config.arm_workers(config, name, run_kinds.ACCURACY)
+    }
+    assert {(name, n) for name, n in runs if name in plain} == {(name, n) for name in plain for n in (4, 16, 64)}
+    threads = train_threads(result.stdout)
+    assert set(threads) == runs and set(threads.values()) == {1}
     assert job_counts(result.stdout) == {
         "prepare_data": 1,
         "init_tracking": 1,
-        "train": runs,
-        "evaluate": runs,
+        "train": len(runs) * 3,
+        "evaluate": len(runs) * 3,
         "aggregate": 1,
         "all": 1,
     }
-    parts = [yaml.safe_load(path.read_text())["strategies"] for path in (AT_SCALE, AT_SCALE_ASYNC, AT_SCALE_ONEBIT)]
-    assert set(SPECS) - set().union(*parts) == {"hybrid", "no_exchange"}
+    assert "--via-pool" not in result.stdout
+
+
+def test_every_claim_has_its_runs_in_the_one_study():
+    """The five claims' strategies all run (none "not measured" for want of runs): Chen's, Jin's
+    and Seide's at N = 4, 16, 64; Goyal's linear rule at each batch beside a sweep of fixed rates
+    (the rule's /2 and /4) at the same epochs on one worker; Dai's ssp bounds at one N, from 0 to
+    unbounded. The runs the claims compare are the ones they read (`bound_sweep`, the sweep)."""
+    from dtstudy.analysis import claims
+
+    config = _at_scale()
+    assert {claims.SYNC, claims.BACKUP, claims.ASYNC, claims.DECENTRALISED, claims.ONEBIT} <= set(config["strategies"])
+    goyal = _variants_of(config, claims.SYNC)
+    rules = {name: v for name, v in goyal.items() if v["train"]["lr_scaling"] == claims.LINEAR_RULE}
+    sweeps = {name: v for name, v in goyal.items() if v["train"]["lr_scaling"] == claims.SWEPT_RULE}
+    assert set(rules) | set(sweeps) == set(goyal) and len(rules) >= 4
+    for rule in rules.values():
+        assert rule["workers"] == [1]
+        batch = rule["train"]["batch_size"]
+        peak = rule["train"]["base_lr"] * batch / rule["train"].get("lr_reference_batch", 256)
+        at_batch = [v for v in sweeps.values() if v["train"]["batch_size"] == batch]
+        assert sorted(v["train"]["base_lr"] / peak for v in at_batch) == pytest.approx([0.25, 0.5])
+        assert all(v["train"]["epochs"] == rule["train"]["epochs"] and v["workers"] == [1] for v in at_batch)
+    assert len({rule["train"]["epochs"] for rule in rules.values()}) == 1  # the same epochs at every batch
+    dai = _variants_of(config, claims.BOUNDED)
+    assert len({tuple(v["workers"]) for v in dai.values()}) == 1  # one fixed N
+    bounds = [v["strategy_params"]["staleness"] for v in dai.values()]
+    assert 0 in bounds and None in bounds and len(set(bounds)) >= 5
+
+
+def test_part_one_makes_the_same_number_of_updates_at_every_n():
+    """Part 1 stops every run at train.max_steps steps per worker, which every N reaches within
+    train.epochs (the largest N's epoch is the shortest), warms up over a number of updates and
+    validates every eval_every_steps steps: the same grid of updates whatever N."""
+    config = _at_scale()
+    train = config["train"]
+    assert train["max_steps"] and train["warmup_steps"] and train["eval_every_steps"]
+    assert train["warmup_steps"] < train["max_steps"] and train["eval_every_steps"] < train["max_steps"]
+    validation = config["dataset"]["val_fraction"]
+    images = round(60_000 * (1 - validation))
+    for n in config["accuracy"]["workers"]:
+        assert train["epochs"] * (images // n // train["batch_size"]) >= train["max_steps"], n
 
 
 # --- a tiny emulated study through Snakemake -------------------------------------------------

@@ -29,10 +29,19 @@ and names them. Intervals are read as the table gives them, unclipped: a top-1 i
 outside [0, 1] says that there are too few seeds for its spread, and the reading says so.
 Four rules keep a reading from saying more than the runs can:
 - **Did not learn** (`learning_bar`): a cell whose mean test top-1 is below LEARNED_SHARE of the
-  same study's allreduce at N=1 (the same budget on one worker) did not learn, and a comparison
-  to the target at an N where neither run-set reached it has nothing to compare: such an N is
-  "cannot tell at N=…" in the verdict, never evidence for or against; a claim with no other N is
-  CANNOT_TELL.
+  best of the same study's allreduce cells (its own and its variants', any N), or below
+  CHANCE_MULTIPLE x chance, did not learn, and a comparison to the target at an N where neither
+  run-set reached it has nothing to compare: such an N is "cannot tell at N=…" in the verdict,
+  never evidence for or against; a claim with no other N is CANNOT_TELL. Comparing two
+  strategies, either not learning silences the N; comparing a treatment with its own control
+  (Goyal's rule against the tuned rate at a batch, Dai's bound against the smallest), only the
+  control not learning does: it shows what the budget can learn, and the treatment's failure
+  to learn where the control learned is the effect.
+- **Several designs**: Goyal's claim is read against a learning-rate sweep at each global batch
+  when the study has one (`goyal_against_tuned`), Dai's against ssp's bound at a fixed N when
+  the study varies it (`dai_against_bound`); Jin's time verdict is judged again with the
+  compute rate x0.5 and x2 (`with_rate_sensitivity`, a rescaled clock) and reads DEPENDS when
+  it changes.
 - **Resolution** (`Measure`, `StudyFacts.resolution`): no interval is narrower than what it was
   measured on (a top-1 the test split's 1/n, steps and times to the target the validation
   grid's step at that cell; a difference the sum of its terms'): seeds that all agree, or a
