@@ -64,8 +64,10 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     # a variant's runs are its strategy's under its own train keys, knobs and N: checked as that study
     listed = [name for name in config["strategies"] if name in variants]
     counted = [check_config(variant_study(config, name), check_data) for name in listed]
-    config = {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
+    whole, config = config, {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
     if not config["strategies"]:
+        if check_data:  # the whole study's GPU hours against its budget, every variant's runs together
+            budget.check_study(whole, budget.study_images(whole, counted[0]))
         return counted[0]
     # strategy_params' names are the schema's (dtstudy.strategies.specs checks they match SPECS)
     for name in config["strategies"]:
@@ -111,8 +113,9 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
         counted = check_data_against_batches(config)
         images = budget.study_images(config, counted)
         check_scaling_steps_fit(config, images)
-        # before any job: each run's time limit fits its requeues, the study its GPU-hour budget
-        budget.check_study(config, images)
+        # before any job: each run's time limit fits its requeues, the study (its variants' runs
+        # too) its GPU-hour budget
+        budget.check_study(whole, images)
         return counted
     return None
 

@@ -38,7 +38,7 @@ import yaml
 
 from dtstudy.common.atomic_files import write_json
 from dtstudy.config import run_kinds
-from dtstudy.config.study_config import deep_merge, per_worker_batch
+from dtstudy.config.study_config import arm_workers, deep_merge, per_worker_batch, strategy_of, variant_study
 from dtstudy.errors import ConfigError
 from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.perfmodel.machine import Machine, Stragglers, Workload
@@ -289,12 +289,17 @@ def study_costs(config: dict, images: Images, where: Costing) -> list[RunCost]:
     stragglers = Stragglers.from_config(config.get("stragglers"))
     costs = []
     for kind in run_kinds.kinds_run(config):
-        as_run, seeds = kind_config(config, kind), len(run_kinds.seeds(config, kind))
-        costs += [
-            dataclasses.replace(run_cost(as_run, name, n, images, where, stragglers), seeds=seeds)
-            for name in config["strategies"]
-            for n in run_kinds.workers(config, kind)
-        ]
+        seeds = len(run_kinds.seeds(config, kind))
+        for name in config["strategies"]:
+            # a variant (config `variants`) runs as its strategy under its own keys, at its own N
+            arm = variant_study(config, name) if name in config.get("variants", {}) else config
+            as_run, strategy = kind_config(arm, kind), strategy_of(config, name)
+            costs += [
+                dataclasses.replace(
+                    run_cost(as_run, strategy, n, images, where, stragglers), seeds=seeds, strategy=name
+                )
+                for n in arm_workers(config, name, kind)
+            ]
     return costs
 
 
