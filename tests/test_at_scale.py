@@ -60,9 +60,7 @@ def test_the_at_scale_study_is_one_dag_of_its_three_parts_and_no_projection(tmp_
     assert result.returncode == 0, result.stderr
     assert config["launcher"]["cluster"] == "emulate" and len(config["seeds"]) == 3
     plain = [name for name in config["strategies"] if name not in config["variants"]]
-    runs = {
-        (name, n) for name in config["strategies"] for n in study_config.arm_workers(config, name, run_kinds.ACCURACY)
-    }
+    runs = {(name, n) for name in config["strategies"] for n in run_kinds.arm_workers(config, name, run_kinds.ACCURACY)}
     assert {(name, n) for name, n in runs if name in plain} == {(name, n) for name in plain for n in (4, 16, 64)}
     threads = train_threads(result.stdout)
     assert set(threads) == runs and set(threads.values()) == {1}

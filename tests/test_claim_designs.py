@@ -261,16 +261,12 @@ def test_goyal_a_tuned_rate_at_chance_cannot_tell():
     assert verdict.evidence[-1].endswith("cannot tell: allreduce_lr0.4 did not learn"), verdict.evidence[-1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="claims.goyal_against_tuned returns the breaking global batch as Verdict.from_n, which "
-    "findings.claims_markdown writes as '(from N=…)': a break at global batch 512 (N=64) reads 'from N=512'",
-)
-def test_goyal_against_the_sweep_says_from_which_n_in_findings():
+def test_goyal_against_the_sweep_says_from_which_batch_in_findings():
+    """The break is at a global batch, and findings.md says so (not "from N=512", an N never run)."""
     verdict = goyal(sweep_cells({64: BROKEN}))
     heading = claims_markdown([verdict], "emulated")[-len(verdict.evidence) - 1]
     assert heading.startswith("- **Goyal et al. 2017")
-    assert "(from N=64)" in heading or "(from global batch 512)" in heading, heading
+    assert "(from global batch 512)" in heading and "N=512" not in heading, heading
 
 
 # --- Dai against ssp's bound at a fixed N ---------------------------------------------------

@@ -16,9 +16,9 @@ updates at every N (train.warmup_steps, train.eval_every_steps).
 - warmup_steps in the schedule, eval_every_steps in the loop's grid and the budget's count;
 - a SLURM study's predicted cost: each variant costed as its strategy at its own N, its runs
   counted against launcher.gpu_hour_budget with the rest;
-- bugs found on the way, held as strict xfails: the run count ignores the variants' own N, the
-  projection cannot take a variant, a variant's knob errors name the study's key, and a run
-  stopped by max_steps on the grid scores that point twice.
+- the run count counts each variant at its own N, the projection leaves variants out, a
+  variant's knob error names the variant, and a run stopped by max_steps on a grid point scores
+  it once.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from dtstudy.checks import check_config, load_config
 from dtstudy.config import run_kinds
 from dtstudy.config.study_config import (
     VARIANT_KEY,
-    arm_workers,
     deep_merge,
     read_yaml,
     run_config,
@@ -173,10 +172,16 @@ def test_a_variant_runs_at_its_own_n_of_every_kind_else_at_the_kinds():
         )
     )
     for kind in (run_kinds.ACCURACY, run_kinds.SCALING):
-        assert arm_workers(config, "quick", kind) == [2]
-    assert arm_workers(config, "bounded", run_kinds.ACCURACY) == arm_workers(config, "allreduce", run_kinds.ACCURACY)
-    assert arm_workers(config, "bounded", run_kinds.SCALING) == [1] == arm_workers(config, "ssp", run_kinds.SCALING)
-    assert arm_workers(config, "allreduce", run_kinds.ACCURACY) == [2]
+        assert run_kinds.arm_workers(config, "quick", kind) == [2]
+    assert run_kinds.arm_workers(config, "bounded", run_kinds.ACCURACY) == run_kinds.arm_workers(
+        config, "allreduce", run_kinds.ACCURACY
+    )
+    assert (
+        run_kinds.arm_workers(config, "bounded", run_kinds.SCALING)
+        == [1]
+        == run_kinds.arm_workers(config, "ssp", run_kinds.SCALING)
+    )
+    assert run_kinds.arm_workers(config, "allreduce", run_kinds.ACCURACY) == [2]
 
 
 def test_a_variants_run_config_is_its_strategys_under_its_study_naming_it():
@@ -343,8 +348,8 @@ def test_the_at_scale_variants_run_at_their_own_n_with_their_keys():
     assert {name.split("_")[0] for name in variants} == {"goyal", "ssp"}
     for name in variants:
         n = [16] if name.startswith("ssp_") else [1]
-        assert arm_workers(config, name, run_kinds.ACCURACY) == n, name
-    assert arm_workers(config, "allreduce", run_kinds.ACCURACY) == [4, 16, 64]
+        assert run_kinds.arm_workers(config, name, run_kinds.ACCURACY) == n, name
+    assert run_kinds.arm_workers(config, "allreduce", run_kinds.ACCURACY) == [4, 16, 64]
     unbounded = run_config(config, "ssp_unbounded")
     assert unbounded["strategy_params"]["ssp"] == {"shards": 4, "staleness": None}
     assert unbounded["train"] == run_config(config, "ps_async")["train"]  # part 1's recipe
@@ -452,11 +457,6 @@ def test_an_emulated_variants_run_trains_its_strategy_with_its_keys(emulated_var
     assert [(point["step"], point["images"]) for point in metrics["val"]] == [(12, 200)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="training/loop.py: a run that max_steps stops on a grid point (train_one_epoch's grid_point_due, "
-    "then validate's epoch-end point at the same step) scores that point twice",
-)
 def test_a_run_stopped_by_max_steps_on_the_grid_scores_its_last_point_once(emulated_variant_run):
     assert [point["step"] for point in emulated_variant_run["val_grid"]] == [4, 8, 12]
 
@@ -666,21 +666,15 @@ def test_a_variants_runs_count_against_the_gpu_hour_budget(monkeypatch):
         check_config(slurm_study(["twin", "twin2"], gpu_hour_budget=1.5 * cost))
 
 
-# --- bugs found on the way (strict xfails) ---------------------------------------------------
+# --- found on the way: run count, projection, errors ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config/run_kinds.py run_count: len(strategies) x workers(kind) x seeds counts each variant "
-    "at every N of the kind, not at its own (arm_workers): `dtstudy check-config` and the budget's "
-    "'runs' say 207 accuracy runs of config/at-scale.yaml whose DAG has 99",
-)
 def test_the_run_count_counts_each_variant_at_its_own_n(capsys):
     from dtstudy.__main__ import main
 
     config = load_config(AT_SCALE)
     planned = sum(
-        len(arm_workers(config, name, run_kinds.ACCURACY)) * len(run_kinds.seeds(config, run_kinds.ACCURACY))
+        len(run_kinds.arm_workers(config, name, run_kinds.ACCURACY)) * len(run_kinds.seeds(config, run_kinds.ACCURACY))
         for name in config["strategies"]
     )
     assert planned == 99  # what the dry run plans (test_the_at_scale_dry_run_plans_goyal_at_n1_and_dai_at_n16_only)
@@ -689,13 +683,6 @@ def test_the_run_count_counts_each_variant_at_its_own_n(capsys):
     assert run_kinds.run_count(config, run_kinds.ACCURACY) == 99
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="projection/project.py run_study: SPECS[name] for every name of config['strategies'] (line 494, "
-    "and _project_study_on's profile_strategy_params and needs_matrices) raises KeyError on a variant's "
-    "name: the project rule of a local study with a variant fails",
-)
 def test_the_projection_takes_a_study_with_a_variant(tmp_path):
     from test_projection import fake_run
 
@@ -727,12 +714,6 @@ def test_the_projection_takes_a_study_with_a_variant(tmp_path):
     assert {("allreduce", n) for n in (1, 2, 64)} <= {(row["strategy"], row["workers"]) for row in rows}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checks.py check_config checks a listed variant as variant_study, whose errors name the study's "
-    "keys: an invalid knob in variants.v.strategy_params is reported as 'strategy_params.ssp.staleness', "
-    "a key the config may not even have",
-)
 def test_a_variants_knob_error_names_the_variants_key():
     message = error_of(
         tiny_study(

@@ -63,7 +63,7 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
             )
     # a variant's runs are its strategy's under its own train keys, knobs and N: checked as that study
     listed = [name for name in config["strategies"] if name in variants]
-    counted = [check_config(variant_study(config, name), check_data) for name in listed]
+    counted = [_check_variant(config, name, check_data) for name in listed]
     whole, config = config, {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
     if not config["strategies"]:
         if check_data:  # the whole study's GPU hours against its budget, every variant's runs together
@@ -118,6 +118,17 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
         budget.check_study(whole, images)
         return counted
     return None
+
+
+def _check_variant(config: dict, name: str, check_data: bool) -> int | None:
+    """A listed variant checked as the study it runs under (variant_study); its error says which
+    variant, since the key it names is the variant's study's (its train keys and knobs merged)."""
+    try:
+        return check_config(variant_study(config, name), check_data)
+    except ConfigError as err:
+        raise ConfigError(
+            f"config key 'variants.{name}' (checked as its own study, its keys over the study's): {err}"
+        ) from None
 
 
 def check_model_input(config: dict) -> None:

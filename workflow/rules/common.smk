@@ -130,7 +130,7 @@ def runs_of(kind, filename):
         for path in expand(
             os.path.join(RUN_DIRS[kind], filename),
             strategy=name,
-            workers=study_config.arm_workers(config, name, kind),
+            workers=run_kinds.arm_workers(config, name, kind),
             seed=run_kinds.seeds(config, kind),
         )
     ]

@@ -118,6 +118,15 @@ class Verdict:
     summary: str
     from_n: int | None = None
     evidence: list[str] = field(default_factory=list)
+    #: what from_n counts: workers ("N"), or a global batch for a claim read across batches
+    from_what: str = "N"
+
+    @property
+    def from_text(self) -> str:
+        """Where it holds from, as findings.md writes it: "N=64", "global batch 512"; "" when nowhere."""
+        if not self.from_n:
+            return ""
+        return f"N={self.from_n}" if self.from_what == "N" else f"{self.from_what} {self.from_n}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -806,6 +815,7 @@ def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> 
 #: the learning-rate rule (train.lr_scaling) of the runs of a learning-rate sweep: a fixed peak rate
 #: (base_lr) whatever the batch
 SWEPT_RULE = "none"
+BATCH = "global batch"  # what goyal_against_tuned's from_n counts
 LINEAR_RULE = "linear"
 
 
@@ -889,8 +899,8 @@ def goyal_against_tuned(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -
     if broken is None:
         return Verdict(claim, source, HOLDS, said[:-1] + ": no break within the study's batches.", None, evidence)
     if not kept:
-        return Verdict(claim, source, DOES_NOT_HOLD, said, broken, evidence)
-    return Verdict(claim, source, HOLDS, said, broken, evidence)
+        return Verdict(claim, source, DOES_NOT_HOLD, said, broken, evidence, BATCH)
+    return Verdict(claim, source, HOLDS, said, broken, evidence, BATCH)
 
 
 #: what a verdict read on the emulated clock rests on (Jin's times; Chen's gradients dropped or not)

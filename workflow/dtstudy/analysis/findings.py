@@ -189,7 +189,7 @@ def claims_markdown(verdicts: Sequence[Verdict], cluster: str) -> list[str]:
     for verdict in verdicts:
         lines.append(
             f"- **{verdict.source}**: {verdict.claim}. **{verdict.status.capitalize()}**"
-            + (f" (from N={verdict.from_n})" if verdict.from_n else "")
+            + (f" (from {verdict.from_text})" if verdict.from_n else "")
             + f": {verdict.summary}"
         )
         lines += [f"  - {line}" for line in verdict.evidence]

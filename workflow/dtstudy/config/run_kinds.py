@@ -74,12 +74,21 @@ def workers(config: dict, kind: str) -> list[int]:
     return config[kind]["workers"] or config["workers"]
 
 
+def arm_workers(config: dict, name: str, kind: str) -> list[int]:
+    """N of the runs of `kind` of a name of `strategies`: a variant's own N (config `variants`),
+    else the kind's."""
+    variant = config.get("variants", {}).get(name)
+    if variant is not None and variant["workers"] is not None:
+        return list(variant["workers"])
+    return workers(config, kind)
+
+
 def seeds(config: dict, kind: str) -> list[int]:
     return config[kind]["seeds"] or config["seeds"]
 
 
 def run_count(config: dict, kind: str) -> int:
-    return len(config["strategies"]) * len(workers(config, kind)) * len(seeds(config, kind))
+    return sum(len(arm_workers(config, name, kind)) for name in config["strategies"]) * len(seeds(config, kind))
 
 
 def run_config_changes(config: dict, kind: str) -> dict:

@@ -24,7 +24,6 @@ __all__ = [
     "ConfigError",
     "OPERATIONAL_KEYS",
     "VARIANT_KEY",
-    "arm_workers",
     "deep_merge",
     "operational_part",
     "read_yaml",
@@ -116,14 +115,6 @@ def variant_study(config: dict, name: str) -> dict:
         for kind in run_kinds.KINDS:
             study[kind] = {**study[kind], "workers": None}
     return study
-
-
-def arm_workers(config: dict, name: str, kind: str) -> list[int]:
-    """N of the runs of `kind` of a name of `strategies`: a variant's own N, else the kind's."""
-    variant = config.get("variants", {}).get(name)
-    if variant is not None and variant["workers"] is not None:
-        return list(variant["workers"])
-    return run_kinds.workers(config, kind)
 
 
 #: the words YAML reads as null and as true or false, where Snakemake's --config left them text

@@ -38,7 +38,7 @@ import yaml
 
 from dtstudy.common.atomic_files import write_json
 from dtstudy.config import run_kinds
-from dtstudy.config.study_config import arm_workers, deep_merge, per_worker_batch, strategy_of, variant_study
+from dtstudy.config.study_config import deep_merge, per_worker_batch, strategy_of, variant_study
 from dtstudy.errors import ConfigError
 from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.perfmodel.machine import Machine, Stragglers, Workload
@@ -298,7 +298,7 @@ def study_costs(config: dict, images: Images, where: Costing) -> list[RunCost]:
                 dataclasses.replace(
                     run_cost(as_run, strategy, n, images, where, stragglers), seeds=seeds, strategy=name
                 )
-                for n in arm_workers(config, name, kind)
+                for n in run_kinds.arm_workers(config, name, kind)
             ]
     return costs
 

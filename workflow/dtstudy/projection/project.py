@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -474,8 +475,13 @@ def run_study(
     metrics: list[str], commbench_path: str, config: dict, table: str, table_md: str, plot_path: str
 ) -> list[dict]:
     """The `project` rule: calibrate on the study's runs and this machine's benchmark, project
-    every strategy of the study to projection.workers on each profile of projection.hardware."""
+    every strategy of the study to projection.workers on each profile of projection.hardware.
+    A variant (config `variants`: a strategy under its own recipe) is neither projected nor
+    calibrated on: the projection is of the study's strategies under the study's recipe."""
     settings = config["projection"]
+    variants = config.get("variants", {})
+    config = {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
+    metrics = [path for path in metrics if not json.loads(Path(path).read_text()).get("variant")]
     runs = calibration.read_runs(metrics)
 
     def model() -> Path:  # a run's final model: its weights where the runs' bytes do not say

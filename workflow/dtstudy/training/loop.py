@@ -382,8 +382,11 @@ def validate(run: WorkerRun, state: LoopState, epoch: int, start: float, last: b
     """The epoch's end: the grid's point (when there is a grid) and the whole split. With a
     grid, the whole split is scored at the end of training only (`last`): the grid already
     has each epoch's end, and 3 whole-split passes cost a 4-epoch run of LeNet-5 about 2%."""
-    if run.grid_every is not None:
-        entry = evaluate_point(run, state, epoch, start, "grid")
+    scored = state.val_history[-1] if state.val_history else None
+    # a run that max_steps stops on a grid step has that point already (train_one_epoch's)
+    if run.grid_every is not None and not (scored and scored["kind"] == "grid" and scored["step"] == state.step):
+        scored = evaluate_point(run, state, epoch, start, "grid")
+    entry = scored
     if run.grid_every is None or last:
         entry = evaluate_point(run, state, epoch, start, "epoch")
     on = "" if entry["kind"] == "epoch" else f" (first {entry['images']} images)"
