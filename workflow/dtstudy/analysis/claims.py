@@ -1078,6 +1078,22 @@ def jin_crossover(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
     )
 
 
+def _status_of_effects(found: Mapping, open_: Mapping, silent: Mapping, readings: Mapping) -> str:
+    """A claim of several effects ({effect: where it was found, or None}): HOLDS with all found,
+    PARTLY with some, UNDECIDED with none found and some undecided, CANNOT_TELL when no effect
+    could be read anywhere (every reading silent), DOES_NOT_HOLD otherwise."""
+    held = [what for what, where in found.items() if where]
+    if len(held) == len(found):
+        return HOLDS
+    if held:
+        return PARTLY
+    if any(open_.values()):
+        return UNDECIDED
+    if all(len(silent[what]) == len(readings[what]) for what in found):
+        return CANNOT_TELL
+    return DOES_NOT_HOLD
+
+
 def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     """Each of Dai's three effects is found from the first N where it is apart (Holm over the
     N of that effect), undecided when it is found nowhere and some N is undecided, absent
@@ -1166,18 +1182,7 @@ def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
         return said + (f" ({told})" if told and answered else "")
 
     held = [n for n in found.values() if n]
-    told_nothing = all(len(silent[what]) == len(readings[what]) for what in effects)
-    status = (
-        HOLDS
-        if len(held) == len(found)
-        else PARTLY
-        if held
-        else UNDECIDED
-        if any(open_.values())
-        else CANNOT_TELL
-        if told_nothing
-        else DOES_NOT_HOLD
-    )
+    status = _status_of_effects(found, open_, silent, readings)
     return Verdict(
         claim,
         source,
@@ -1273,18 +1278,7 @@ def dai_against_bound(table: pd.DataFrame, study: StudyFacts, sweep: pd.DataFram
             return f"whether {what}: cannot tell at " + "; ".join(f"{k}: {why}" for k, why in silent[what].items())
         return f"{what} at no {'N' if not where else 'bound'}{where}" if readings[what] else f"whether {what}: not read"
 
-    held = [what for what in effects if found[what]]
-    status = (
-        HOLDS
-        if len(held) == len(effects)
-        else PARTLY
-        if held
-        else UNDECIDED
-        if any(open_.values())
-        else CANNOT_TELL
-        if all(len(silent[w]) == len(readings[w]) for w in effects)
-        else DOES_NOT_HOLD
-    )
+    status = _status_of_effects(found, open_, silent, readings)
     return Verdict(claim, source, status, _sentence(*(effect(what) for what in effects)), None, evidence)
 
 
