@@ -825,6 +825,11 @@ def _tuned(rows: pd.DataFrame) -> pd.Series:
     return rows.loc[rows["val_top1"].idxmax()]
 
 
+def _batches(sizes) -> str:
+    """'global batch 256, 1024'."""
+    return "global batch " + ", ".join(str(size) for size in sizes)
+
+
 def goyal_against_tuned(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verdict:
     """Goyal's claim as Goyal et al. test it: at each global batch, allreduce under the linear
     rule with warm-up (lr_rule linear) against the best of a learning-rate sweep at that batch
@@ -883,13 +888,12 @@ def goyal_against_tuned(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -
             silent[batch] = comparison.why
         else:
             kept.append(batch)
-    batches = lambda bs: "global batch " + ", ".join(str(b) for b in bs)  # noqa: E731
-    told = "; ".join(f"cannot tell at {batches([b])}: {why}" for b, why in silent.items())
+    told = "; ".join(f"cannot tell at {_batches([b])}: {why}" for b, why in silent.items())
     parts = [
-        f"kept up to {batches([kept[-1]])}" if kept else "",
-        f"the study cannot tell at {batches(undecided)} (intervals too wide)" if undecided else "",
+        f"kept up to {_batches([kept[-1]])}" if kept else "",
+        f"the study cannot tell at {_batches(undecided)} (intervals too wide)" if undecided else "",
         told,
-        f"below the tuned rate's from {batches([broken])}" if broken is not None else "",
+        f"below the tuned rate's from {_batches([broken])}" if broken is not None else "",
     ]
     said = "Against the best rate of a sweep at each batch, accuracy is " + "; ".join(x for x in parts if x) + "."
     if not kept and not undecided and broken is None:

@@ -213,26 +213,29 @@ def steps_to_accuracy(metrics: Mapping) -> float:
     return float(reached[0]) if reached else math.nan
 
 
+def _number(value) -> float:
+    return math.nan if value is None else float(value)
+
+
 def run_extras(metrics: Mapping) -> dict:
     """RUN_EXTRAS of one run's metrics.json: its global batch, its steps to the target, and the
     mean staleness of the gradients it applied (the asynchronous parameter servers record it,
     strategy_metrics.staleness_mean); NaN for what the run does not record."""
     staleness = (metrics.get("strategy_metrics") or {}).get("staleness_mean")
     schedule, knobs = metrics.get("lr_schedule") or {}, metrics.get("strategy_params") or {}
-    number = lambda value: math.nan if value is None else float(value)  # noqa: E731
     return {
         "global_batch": float(metrics.get("global_batch") or math.nan),
         "steps_to_accuracy": steps_to_accuracy(metrics),
-        "staleness": number(staleness),
+        "staleness": _number(staleness),
         "lr_rule": schedule.get("rule"),
-        "peak_lr": number(schedule.get("peak_lr")),
-        "val_top1": number(metrics.get("final_val_top1")),
+        "peak_lr": _number(schedule.get("peak_lr")),
+        "val_top1": _number(metrics.get("final_val_top1")),
         # ssp's bound s (its knob `staleness`; null: unbounded); NaN for a strategy without one
         "staleness_bound": (math.inf if knobs["staleness"] is None else float(knobs["staleness"]))
         if "staleness" in knobs
         else math.nan,
         # an emulated step's compute, what the claims rescale to try another compute rate
-        "step_compute_s": number((metrics.get("emulation") or {}).get("step_compute_s")),
+        "step_compute_s": _number((metrics.get("emulation") or {}).get("step_compute_s")),
     }
 
 
