@@ -867,8 +867,11 @@ def fake_run(folder, strategy, workers, throughput, comm_s, bytes_per_step, stra
     return str(folder / "metrics.json")
 
 
-def test_project_rule_on_recorded_runs(tmp_path):
-    # what the rule reads: metrics.json files and the benchmark's JSON; 61706 parameters
+def recorded_runs(tmp_path) -> list[str]:
+    """What the project rule reads: allreduce's metrics.json at N = 1, 2 and gossip's at N = 2
+    (LeNet-5's 61706 parameters), and this machine's benchmark in tmp_path/bench.json."""
+    import json
+
     ring = 2 * (2 - 1) / 2 * 61706 * 4
     metrics = [
         fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
@@ -882,9 +885,12 @@ def test_project_rule_on_recorded_runs(tmp_path):
         "compute_scale": {"1": 1.0, "2": 1.0},
         "cpu_share": {"1": 1.0, "2": 1.0},
     }
-    import json
-
     (tmp_path / "bench.json").write_text(json.dumps(bench))
+    return metrics
+
+
+def test_project_rule_on_recorded_runs(tmp_path):
+    metrics = recorded_runs(tmp_path)
     config = {
         "model": "lenet5",
         "strategies": ["allreduce", "gossip"],

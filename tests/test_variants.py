@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -684,23 +685,16 @@ def test_the_run_count_counts_each_variant_at_its_own_n(capsys):
 
 
 def test_the_projection_takes_a_study_with_a_variant(tmp_path):
-    from test_projection import fake_run
+    """The project rule projects the study's strategies and leaves a variant out (its own recipe
+    is not the study's); before, a variant's name raised KeyError in it."""
+    from test_projection import recorded_runs
 
     from dtstudy.projection import project
 
-    metrics = [
-        fake_run(tmp_path / "a1", "allreduce", 1, 8000.0, 0.0, 0.0),
-        fake_run(tmp_path / "a2", "allreduce", 2, 14000.0, 0.0005, 2 * (2 - 1) / 2 * 61706 * 4),
-        fake_run(tmp_path / "g2", "gossip", 2, 13000.0, 0.0008, 61706 * 4),
-    ]
-    bench = {
-        "fit": {"allreduce": {"latency_s": 1e-4, "bandwidth": 2e9}, "p2p": {"latency_s": 5e-5, "bandwidth": 2e9}},
-        "kernels_s_per_byte": {"allreduce_fp16": 1e-10, "server_pass": 5e-11},
-        "jitter": {"skew_fraction": 0.05},
-        "compute_scale": {"1": 1.0, "2": 1.0},
-        "cpu_share": {"1": 1.0, "2": 1.0},
-    }
-    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    metrics = recorded_runs(tmp_path)
+    ring_run = next(path for path in metrics if "g2" in str(path))
+    recorded = json.loads(Path(ring_run).read_text())
+    Path(ring_run).write_text(json.dumps({**recorded, "variant": "ring"}))  # gossip's run is the variant's
     config = {
         "model": "lenet5",
         "strategies": ["allreduce", "ring"],
@@ -712,6 +706,7 @@ def test_the_projection_takes_a_study_with_a_variant(tmp_path):
     out = [str(tmp_path / name) for name in ("projection.csv", "projection.md", "projection.png")]
     rows = project.run_study(metrics, str(tmp_path / "bench.json"), config, *out)
     assert {("allreduce", n) for n in (1, 2, 64)} <= {(row["strategy"], row["workers"]) for row in rows}
+    assert {row["strategy"] for row in rows} == {"allreduce"}  # neither the variant nor its run's strategy
 
 
 def test_a_variants_knob_error_names_the_variants_key():
