@@ -35,16 +35,21 @@ def test_constant_after_warmup():
     assert [schedule(s) for s in (0, 1, 2, 9)] == pytest.approx([0.15, 0.3, 0.3, 0.3])
 
 
+#: a run's train keys as make_schedule reads them: 3 epochs, a warm-up of one, 0.05 at batch 256
+SCHEDULE_TRAIN = {
+    "base_lr": 0.05,
+    "lr_reference_batch": 256,
+    "lr_scaling": "linear",
+    "epochs": 3,
+    "max_steps": None,
+    "warmup_epochs": 1,
+    "warmup_steps": None,
+    "lr_schedule": "cosine",
+}
+
+
 def test_make_schedule_from_config():
-    train = {
-        "base_lr": 0.05,
-        "lr_reference_batch": 256,
-        "lr_scaling": "linear",
-        "epochs": 3,
-        "max_steps": None,
-        "warmup_epochs": 1,
-        "lr_schedule": "cosine",
-    }
+    train = SCHEDULE_TRAIN
     schedule = make_schedule(train, update_batch=256, steps_per_epoch=100)
     assert (schedule.peak_lr, schedule.warmup_steps, schedule.total_steps) == (pytest.approx(0.05), 100, 300)
     schedule = make_schedule({**train, "max_steps": 50}, update_batch=512, steps_per_epoch=100)
