@@ -33,6 +33,7 @@ import pytest
 from conftest import REPO, tiny_study, validated
 from test_aggregate import write_run
 from test_run_kinds import worker_log
+from test_schedule import SCHEDULE_TRAIN
 from test_workflow import dry_run, job_counts, jobs_of, run_config_of, shipped_study_dry_run
 
 from dtstudy.analysis.runs import FAMILY_OF, load_run_metrics, load_runs
@@ -542,17 +543,6 @@ def test_the_scaling_table_gives_a_variant_its_strategys_family(variant_runs):
 
 # --- warmup_steps and eval_every_steps -------------------------------------------------------
 
-SCHEDULE_TRAIN = {
-    "base_lr": 0.05,
-    "lr_reference_batch": 256,
-    "lr_scaling": "linear",
-    "epochs": 3,
-    "max_steps": None,
-    "warmup_epochs": 1,
-    "warmup_steps": None,
-    "lr_schedule": "cosine",
-}
-
 
 @pytest.mark.parametrize(
     "warmup_steps, steps_per_epoch, warmup",
@@ -645,6 +635,23 @@ def test_the_budget_report_costs_a_variant_as_its_strategy():
     assert {cost.workers for cost in costs if cost.strategy == "allreduce"} == set(one_n["workers"])
 
 
+def test_the_data_set_is_counted_once_however_many_variants(monkeypatch):
+    """Every listed variant is checked against the data set (its batch at its N), but the data
+    set is counted once: on a cluster that walks an ImageNet folder, which must not happen once a
+    variant. A variant's batch too large for the count is still refused, naming the variant."""
+    import dtstudy.checks as checks
+
+    counts = []
+    monkeypatch.setattr(checks, "count_training_images", lambda config: counts.append(1) or 1800)
+    quick = {"strategy": "allreduce", "workers": [2], "train": {"batch_size": 16}}
+    study = tiny_study(strategies=["allreduce", "quick", "slow"], variants={"quick": quick, "slow": quick})
+    assert check_config(validate_schema(study)) == 1800
+    assert counts == [1]
+    huge = {"strategy": "allreduce", "workers": [2], "train": {"batch_size": 1000}}
+    with pytest.raises(ConfigError, match=r"'variants\.huge'.*train\.batch_size"):
+        check_config(validate_schema(tiny_study(strategies=["allreduce", "huge"], variants={"huge": huge})))
+
+
 def test_a_variants_runs_count_against_the_gpu_hour_budget(monkeypatch):
     from test_budget import IMAGENET_TRAIN
 
@@ -652,7 +659,7 @@ def test_a_variants_runs_count_against_the_gpu_hour_budget(monkeypatch):
     from dtstudy.projection import budget
 
     # the data set (ImageNet on a cluster) counted, not walked
-    monkeypatch.setattr(checks, "check_data_against_batches", lambda config: IMAGENET_TRAIN)
+    monkeypatch.setattr(checks, "count_training_images", lambda config: IMAGENET_TRAIN)
     alone = slurm_study(["allreduce"])
     where = budget.cluster_costing(alone)
     cost = budget.total_gpu_hours(budget.study_costs(alone, budget.study_images(alone, IMAGENET_TRAIN), where))

@@ -9,6 +9,7 @@ the GPU-hour budget). They run when the Snakefile is parsed, before any job star
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from dtstudy.config import run_kinds
@@ -43,7 +44,9 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     """The checks a schema cannot do; raises ConfigError naming the key. `check_data`: also
     look at the data set on disk (Snakemake's main process does; the jobs it starts, which
     parse the Snakefile again, need not walk the data set again) and return its training
-    images (count_training_images; None without `check_data`)."""
+    images (count_training_images; None without `check_data`). A variant listed in
+    `strategies` is checked as the study it runs under (variant_study); the data set is counted
+    once, and the GPU-hour budget is the whole study's, every variant's runs included."""
     variants = config["variants"]
     for i, name in enumerate(config["strategies"]):
         if name not in SPECS and name not in variants:
@@ -61,14 +64,46 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
                 f"config key 'variants.{name}.strategy': unknown strategy {variant['strategy']!r}; "
                 f"allowed: {', '.join(sorted(SPECS))}"
             )
-    # a variant's runs are its strategy's under its own train keys, knobs and N: checked as that study
-    listed = [name for name in config["strategies"] if name in variants]
-    counted = [_check_variant(config, name, check_data) for name in listed]
-    whole, config = config, {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
-    if not config["strategies"]:
-        if check_data:  # the whole study's GPU hours against its budget, every variant's runs together
-            budget.check_study(whole, budget.study_images(whole, counted[0]))
-        return counted[0]
+    # each study whose runs the config makes: its own strategies', then each listed variant's
+    studies = {None: {**config, "strategies": [name for name in config["strategies"] if name not in variants]}}
+    studies.update({name: variant_study(config, name) for name in config["strategies"] if name in variants})
+    for name, study in studies.items():
+        with _as_variant(name):
+            check_study_layers(study)
+    if not check_data:
+        return None
+    counted = count_training_images(config)  # a variant shares the study's data set
+    for name, study in studies.items():
+        if name is None and not study["strategies"]:
+            continue  # a study of variants alone: no run takes the study's own batch
+        with _as_variant(name):
+            check_data_against_batches(study, counted)
+            check_scaling_steps_fit(study, budget.study_images(study, counted))
+    # before any job: each run's time limit fits its requeues, the study (its variants' runs
+    # too) its GPU-hour budget
+    budget.check_study(config, budget.study_images(config, counted))
+    return counted
+
+
+@contextlib.contextmanager
+def _as_variant(name: str | None):
+    """A variant's study's errors say which variant, since the key they name is the variant's
+    study's (its train keys and knobs merged over the study's); the study's own pass through."""
+    if name is None:
+        yield
+        return
+    try:
+        yield
+    except ConfigError as err:
+        raise ConfigError(
+            f"config key 'variants.{name}' (checked as its own study, its keys over the study's): {err}"
+        ) from None
+
+
+def check_study_layers(config: dict) -> None:
+    """The checks across the other layers of one study's strategies (no data set): knobs for
+    every N, the job layout over nodes, the optimizer, the model's input, stragglers, the
+    projection's hardware, the emulated cluster, the loader."""
     # strategy_params' names are the schema's (dtstudy.strategies.specs checks they match SPECS)
     for name in config["strategies"]:
         for workers in config["workers"]:
@@ -109,26 +144,6 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     hardware.check_study_profiles(config["projection"]["hardware"], config["strategies"])
     check_emulate(config)  # launcher.cluster emulate: its strategies and its cluster's clock
     check_loader(config["loader"], config["launcher"]["device"])
-    if check_data:
-        counted = check_data_against_batches(config)
-        images = budget.study_images(config, counted)
-        check_scaling_steps_fit(config, images)
-        # before any job: each run's time limit fits its requeues, the study (its variants' runs
-        # too) its GPU-hour budget
-        budget.check_study(whole, images)
-        return counted
-    return None
-
-
-def _check_variant(config: dict, name: str, check_data: bool) -> int | None:
-    """A listed variant checked as the study it runs under (variant_study); its error says which
-    variant, since the key it names is the variant's study's (its train keys and knobs merged)."""
-    try:
-        return check_config(variant_study(config, name), check_data)
-    except ConfigError as err:
-        raise ConfigError(
-            f"config key 'variants.{name}' (checked as its own study, its keys over the study's): {err}"
-        ) from None
 
 
 def check_model_input(config: dict) -> None:
@@ -153,10 +168,11 @@ def count_training_images(config: dict) -> int:
         raise ConfigError(str(err)) from None
 
 
-def check_data_against_batches(config: dict) -> int:
+def check_data_against_batches(config: dict, train_images: int | None = None) -> int:
     """The data set exists and holds enough training images for every N's global batch;
-    returns its training images (count_training_images)."""
-    train_images = count_training_images(config)
+    returns its training images (count_training_images, unless `train_images` already counted them)."""
+    if train_images is None:
+        train_images = count_training_images(config)
     train = config["train"]
     usable = train_images if config["dataset"]["subset"] is None else config["dataset"]["subset"]
     usable = int(usable * (1 - config["dataset"]["val_fraction"]))
