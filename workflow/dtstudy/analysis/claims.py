@@ -676,6 +676,13 @@ def _not_measured(claim: str, source: str, why: str) -> Verdict:
 
 # --- the claims -----------------------------------------------------------------------
 
+#: (claim, source) of the two claims each read in two designs (the study decides which: a sweep or not)
+GOYAL = (
+    "linear learning-rate scaling with warm-up keeps accuracy up to a global batch, then breaks",
+    "Goyal et al. 2017 (8k images on ImageNet)",
+)
+DAI = ("staleness grows with N and costs asynchronous SGD accuracy and steps", "Dai et al. 2019")
+
 
 def _silent(ns: Sequence[int], readings: Sequence[Reading], whys: Sequence[str | None]) -> dict[int, str]:
     return {n: why for n, reading, why in zip(ns, readings, whys) if reading.side == CANNOT_TELL_READING}
@@ -691,10 +698,7 @@ def goyal_batch_limit(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> 
     undecided N before the break makes it PARTLY (some N kept) or UNDECIDED (none), and the
     summary names it; an N where allreduce did not learn (learning_bar) is neither: the study
     cannot tell there (the budget failed, not the rule), and with no other N it is CANNOT_TELL."""
-    claim, source = (
-        "linear learning-rate scaling with warm-up keeps accuracy up to a global batch, then breaks",
-        "Goyal et al. 2017 (8k images on ImageNet)",
-    )
+    claim, source = GOYAL
     if "lr_rule" in table.columns and (_runs_of(table, SYNC)["lr_rule"] == SWEPT_RULE).any():
         return goyal_against_tuned(table, study)
     why = unmeasured(table, [SYNC])
@@ -837,12 +841,9 @@ def goyal_against_tuned(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -
     not below the tuned result by more than TOP1_MARGIN; broken: below it, intervals apart at
     Holm's level over the batches. HOLDS with batches kept and broken from a batch up to the
     largest, or kept at every batch (no break within the study); PARTLY/UNDECIDED with undecided
-    batches; DOES_NOT_HOLD when broken at the smallest batch; a batch where either did not learn
-    cannot tell."""
-    claim, source = (
-        "linear learning-rate scaling with warm-up keeps accuracy up to a global batch, then breaks",
-        "Goyal et al. 2017 (8k images on ImageNet)",
-    )
+    batches; DOES_NOT_HOLD when broken at the smallest batch; a batch where the tuned rate did
+    not learn cannot tell (where only the rule did not, that is its break)."""
+    claim, source = GOYAL
     rows = _runs_of(table, SYNC)
     if (rows["seeds"] < 2).any():
         return _not_measured(claim, source, "allreduce ran with a single seed: no interval to tell a difference")
@@ -1105,8 +1106,7 @@ def dai_staleness(table: pd.DataFrame, study: StudyFacts = StudyFacts()) -> Verd
     the target) cannot tell that effect. HOLDS with all three found, PARTLY with some, UNDECIDED
     with none found and some undecided, CANNOT_TELL when no effect can be read at any N,
     DOES_NOT_HOLD otherwise."""
-    claim = "staleness grows with N and costs asynchronous SGD accuracy and steps"
-    source = "Dai et al. 2019"
+    claim, source = DAI
     why = unmeasured(table, [ASYNC, SYNC])
     if why:
         return _not_measured(claim, source, why)
@@ -1228,8 +1228,7 @@ def dai_against_bound(table: pd.DataFrame, study: StudyFacts, sweep: pd.DataFram
     reading has it), the staleness costs accuracy (top-1 at each larger bound below the
     smallest bound's, paired by seed) and steps (steps to the target above it); each found from
     the first N or bound where it is apart (Holm over them), as dai_staleness reads them."""
-    claim = "staleness grows with N and costs asynchronous SGD accuracy and steps"
-    source = "Dai et al. 2019"
+    claim, source = DAI
     effects = {"staleness grows with N": ABOVE, "accuracy is lost": BELOW, "more steps are needed": ABOVE}
     items = {what: {} for what in effects}
     asynchronous = _rows(table, ASYNC)
@@ -1244,10 +1243,10 @@ def dai_against_bound(table: pd.DataFrame, study: StudyFacts, sweep: pd.DataFram
         )
     base, n = sweep.iloc[0], int(sweep.iloc[0]["workers"])
     versus = f"{_bound(base)}'s"
+    # the smallest bound shows what the budget learns: only when it did not is a bound silent;
+    # a larger bound's failure to learn where it learned is what the staleness cost
+    learned = not_learned(table, [base["strategy"]], n)
     for _, row in sweep.iloc[1:].iterrows():
-        # the smallest bound shows what the budget learns: only when it did not is a bound silent;
-        # a larger bound's failure to learn where it learned is what the staleness cost
-        learned = not_learned(table, [base["strategy"]], n)
         items["accuracy is lost"][_bound(row)] = replace(_compare(study, row, base, "top1", versus, BELOW), why=learned)
         items["more steps are needed"][_bound(row)] = (
             Comparison(None, None, "steps_to_accuracy", versus, why=learned)
