@@ -236,6 +236,7 @@ def read_runs(paths: list[str | Path]) -> list[dict]:
                 "per_worker_batch": m["per_worker_batch"],
                 "oversubscribed": m["environment"].get("oversubscribed", False),
                 "strategy_params": m.get("strategy_params", {}),
+                "variant": m.get("variant"),  # config `variants`: a strategy under its own recipe
             }
         )
     return runs

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -481,8 +480,7 @@ def run_study(
     settings = config["projection"]
     variants = config.get("variants", {})
     config = {**config, "strategies": [name for name in config["strategies"] if name not in variants]}
-    metrics = [path for path in metrics if not json.loads(Path(path).read_text()).get("variant")]
-    runs = calibration.read_runs(metrics)
+    runs = [run for run in calibration.read_runs(metrics) if not run["variant"]]
 
     def model() -> Path:  # a run's final model: its weights where the runs' bytes do not say
         return RunFolder(Path(metrics[0]).parent).model
