@@ -207,6 +207,12 @@ def test_what_each_kind_means_for_a_run():
     assert [b.predicts_costs for b in (local, slurm, emulate)] == [False, True, False]
     assert local.uses_pool(launcher(local_processes="pool")) and not local.uses_pool(launcher(local_processes="tasks"))
     assert not slurm.uses_pool(launcher(local_processes="pool"))
+    # evaluations: in the pool wherever the runs are on this machine and no interpreter is warm
+    # for them (emulated runs are one process each), never on SLURM (a job with the runs' GPU)
+    assert local.evaluates_in_pool(launcher(local_processes="pool"))
+    assert not local.evaluates_in_pool(launcher(local_processes="tasks"))
+    assert not slurm.evaluates_in_pool(launcher(local_processes="pool"))
+    assert emulate.evaluates_in_pool(launcher(local_processes="tasks")) and not emulate.uses_pool(launcher())
 
 
 def test_the_keys_each_kind_reads_alone_are_logged_for_its_runs_only():

@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-from dtstudy.checks import load_config
 from dtstudy.config import run_kinds, study_config
 from dtstudy.errors import ConfigError
 
@@ -19,6 +18,10 @@ from dtstudy.errors import ConfigError
 def _config(args) -> dict:
     if args.config_json:
         return json.loads(args.config_json)
+    # here, not at the top: the checks import the projection and scipy, a second or two of
+    # start-up each rule's command would pay for a config that comes as JSON
+    from dtstudy.checks import load_config
+
     return load_config(args.config)
 
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 LEVEL = 0.95
 MIN_SEEDS_FOR_CI = 3
@@ -69,6 +68,8 @@ def mean_interval(values: Sequence[float], level: float = LEVEL) -> Interval:
         return Interval(mean, math.nan, math.nan, n, kind)
     if kind == "range":
         return Interval(mean, float(data.min()), float(data.max()), n, kind)
+    from scipy import stats  # here: scipy.stats costs every command that imports this module a second
+
     half = float(stats.t.ppf(0.5 + level / 2, n - 1) * data.std(ddof=1) / math.sqrt(n))
     return Interval(mean, mean - half, mean + half, n, "t95")
 

@@ -22,14 +22,22 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as F
 
 # torchvision's RandomResizedCrop defaults (Szegedy et al. 2015's "Inception" crop)
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
 EVAL_RESIZE = 256 / 224  # resize the shorter side to 256 for a 224 crop
+
+
+def _v2():
+    """torchvision's transforms v2 functions and its interpolation modes, imported at the first
+    transform: importing torchvision (its models and ops, torch._dynamo) costs every run's
+    process seconds of start-up, and a tensor data set's runs never transform an image."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional
+
+    return functional, InterpolationMode
 
 
 #: what a pass's draws are for: one stream of draws each, for the same seed and epoch
@@ -93,6 +101,7 @@ class RandomResizedCropFlip:
 
     def apply(self, image: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
         top, left, h, w, flip = plan.tolist()
+        F, InterpolationMode = _v2()
         out = F.resized_crop(
             image, top, left, h, w, [self.size, self.size], interpolation=InterpolationMode.BILINEAR, antialias=True
         )
@@ -117,6 +126,7 @@ class ResizeCenterCrop:
         return torch.empty(0, dtype=torch.int64)
 
     def apply(self, image: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        F, InterpolationMode = _v2()
         image = F.resize(
             image, [int(self.size * EVAL_RESIZE)], interpolation=InterpolationMode.BILINEAR, antialias=True
         )

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import yaml
-from scipy import stats
 
 from dtstudy.common import intervals
 from dtstudy.errors import ConfigError
@@ -63,6 +62,8 @@ def line_intervals(points: list[list[float]], level: float = intervals.LEVEL) ->
     to estimate)."""
     if len(points) < 3:
         return None
+    from scipy import stats  # here: the train command imports this module, and scipy.stats costs it a second
+
     fit = stats.linregress([x for x, _ in points], [y for _, y in points])
     t = stats.t.ppf(0.5 + level / 2, len(points) - 2)
     return (
