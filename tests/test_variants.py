@@ -333,7 +333,7 @@ def test_the_at_scale_dry_run_plans_goyal_at_n1_and_dai_at_n16_only(tmp_path):
     ssp = run_config_of(jobs[("ssp_s0", 16, 2)])
     assert ssp[VARIANT_KEY] == {"name": "ssp_s0", "strategy": "ssp"}
     assert ssp["strategy_params"] == {"ssp": {"shards": 4, "staleness": 0}}
-    assert (ssp["train"]["max_steps"], ssp["train"]["warmup_steps"], ssp["train"]["eval_every_steps"]) == (200, 40, 20)
+    assert (ssp["train"]["max_steps"], ssp["train"]["warmup_steps"], ssp["train"]["eval_every_steps"]) == (200, 80, 20)
     goyal = run_config_of(jobs[("goyal_b1024_rule", 1, 0)])
     assert (goyal["train"]["batch_size"], goyal["train"]["max_steps"], goyal["train"]["warmup_steps"]) == (
         1024,
@@ -354,10 +354,12 @@ def test_the_at_scale_variants_run_at_their_own_n_with_their_keys():
     assert run_kinds.arm_workers(config, "allreduce", run_kinds.ACCURACY) == [4, 16, 64]
     unbounded = run_config(config, "ssp_unbounded")
     assert unbounded["strategy_params"]["ssp"] == {"shards": 4, "staleness": None}
-    assert unbounded["train"] == run_config(config, "ps_async")["train"]  # part 1's recipe
+    # part 1's recipe at half its base rate, the same at every bound
+    assert unbounded["train"] == {**run_config(config, "ps_async")["train"], "base_lr": 0.05}
+    assert {run_config(config, name)["train"]["base_lr"] for name in variants if name.startswith("ssp_")} == {0.05}
     half = run_config(config, "goyal_b64_half")["train"]
     assert (half["batch_size"], half["lr_scaling"], half["base_lr"], half["evals_per_epoch"]) == (64, "none", 0.025, 10)
-    assert (half["max_steps"], half["warmup_steps"], half["eval_every_steps"], half["epochs"]) == (None, None, None, 4)
+    assert (half["max_steps"], half["warmup_steps"], half["eval_every_steps"], half["epochs"]) == (None, None, None, 3)
 
 
 # --- a variant's run -------------------------------------------------------------------------
