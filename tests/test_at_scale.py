@@ -72,7 +72,7 @@ def test_the_at_scale_study_is_one_dag_of_its_three_parts_and_no_projection(tmp_
         "aggregate": 1,
         "all": 1,
     }
-    # every evaluation is scored in the study's warm pool, no training run is
+    # every evaluation is scored in the study's warm pool (the --via-pool of the evaluate rule)
     assert result.stdout.count("--via-pool") == len(runs) * 3
     assert all("--via-pool" in line for line in result.stdout.splitlines() if "dtstudy evaluate" in line)
 
@@ -157,12 +157,12 @@ def test_an_emulated_study_writes_its_tables_plots_and_claims(emulated_study):
     assert "**Not measured**: No runs of ps_backup, ps_async" in section
     # one seed: no interval, so no verdict on allreduce's limit
     assert "**Not measured**: Allreduce ran with a single seed at some N" in section
-    # an emulated run is one process: no submitit job, no projection; its evaluation is scored
-    # in the study's warm pool (no interpreter start a run)
+    # an emulated run is one process: no submitit job, no projection; the study's warm pool
+    # forks it and scores its test split (no interpreter start a run)
     assert not (results / "tables/projection.csv").exists() and not (results / "commbench").exists()
     assert not list(results.glob("logs/submitit/**/*.out"))
     assert "in the warm pool" in (results / "logs/evaluate/gossip/n4/seed0.log").read_text()
-    assert "in the warm pool" not in (results / "logs/train/gossip/n4/seed0.log").read_text()
+    assert "in the warm pool" in (results / "logs/train/gossip/n4/seed0.log").read_text()
     metrics = json.loads((results / "runs/gossip/n4/seed0/metrics.json").read_text())
     assert metrics["emulation"]["hardware"] == "h100_ib400"
 

@@ -207,12 +207,9 @@ def test_what_each_kind_means_for_a_run():
     assert [b.predicts_costs for b in (local, slurm, emulate)] == [False, True, False]
     assert local.uses_pool(launcher(local_processes="pool")) and not local.uses_pool(launcher(local_processes="tasks"))
     assert not slurm.uses_pool(launcher(local_processes="pool"))
-    # evaluations: in the pool wherever the runs are on this machine and no interpreter is warm
-    # for them (emulated runs are one process each), never on SLURM (a job with the runs' GPU)
-    assert local.evaluates_in_pool(launcher(local_processes="pool"))
-    assert not local.evaluates_in_pool(launcher(local_processes="tasks"))
-    assert not slurm.evaluates_in_pool(launcher(local_processes="pool"))
-    assert emulate.evaluates_in_pool(launcher(local_processes="tasks")) and not emulate.uses_pool(launcher())
+    # an emulated run is one process of this machine: the pool forks it too (and scores it), unless tasks
+    assert emulate.uses_pool(launcher(local_processes="pool"))
+    assert not emulate.uses_pool(launcher(local_processes="tasks"))
 
 
 def test_the_keys_each_kind_reads_alone_are_logged_for_its_runs_only():
@@ -228,7 +225,8 @@ def test_the_keys_each_kind_reads_alone_are_logged_for_its_runs_only():
     assert "local_processes" in logged("local") and "max_resubmits" not in logged("local")
     assert {"max_resubmits", "gpus_per_node", "partition"} <= logged("slurm")
     assert "local_processes" not in logged("slurm")
-    assert not (logged("emulate") & {"local_processes", "max_resubmits", "gpus_per_node"})
+    assert "local_processes" in logged("emulate")  # the pool forks an emulated run too
+    assert not (logged("emulate") & {"max_resubmits", "gpus_per_node"})
     assert {"cluster", "timeout_min"} <= logged("emulate")  # the shared keys stay
     assert not set(BACKENDS["local"].own_keys) & set(BACKENDS["slurm"].own_keys)
 

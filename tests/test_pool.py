@@ -1,7 +1,8 @@
 """The warm pool that forks local runs: a lost process fails its run in seconds and names
 the rank, its MLflow run ends FAILED, a rerun does not leave a second run of the same name,
 the run is RUNNING in MLflow with its metrics arriving while it trains, a study folder made
-again gets a pool of its own, and Snakemake stops the pool its runs used."""
+again gets a pool of its own, and Snakemake stops the pool its runs used. An emulated run
+forked by the pool is the run its own process makes, and ends when its command is cancelled."""
 
 from __future__ import annotations
 
@@ -212,3 +213,78 @@ def test_the_pool_address_names_the_folder_by_identity_and_the_interpreter_by_it
         subprocess.run([name, "-c", code], capture_output=True, text=True, check=True).stdout for name in names
     }
     assert len(names) == 2 and len(addresses) == 1, addresses
+
+
+EMULATED = {"launcher": {"cluster": "emulate"}, "emulate": {"hardware": "h100_ib400", "images_per_s": 32000}}
+
+
+def _emulated_train(tmp_path: Path, data_dir: Path, processes: str, out: str, max_steps: int | None = 6):
+    """`python -m dtstudy train` of an emulated run (N = 4) in the study folder `tmp_path`, its
+    process forked by the warm pool (launcher.local_processes: pool) or its own (tasks)."""
+    config = tiny_study(
+        workers=[4],
+        train={"epochs": 1 if max_steps else 500, "batch_size": 8, "max_steps": max_steps},
+        **{**EMULATED, "launcher": {**EMULATED["launcher"], "local_processes": processes}},
+    )
+    config_path = tmp_path / f"{out}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-u", "-m", "dtstudy", "train", "--config", str(config_path), "--strategy"]
+    command += ["allreduce", "--workers", "4", "--seed", "0", "--data", str(data_dir), "--out", str(tmp_path / out)]
+    command += ["--no-tracking"]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
+    )
+
+
+def _pool_jobs(study: Path) -> list[int]:
+    """The job processes the study's pool has forked and that still run."""
+    jobs = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "dtstudy.launch.pool.server" in command and os.readlink(proc / "cwd") == str(study):
+                children = (proc / "task" / proc.name / "children").read_text().split()
+                jobs += [int(pid) for pid in children]
+        except OSError:
+            continue
+    return jobs
+
+
+@pytest.mark.slow
+def test_an_emulated_run_forked_by_the_pool_is_the_run_its_own_process_makes(tmp_path, tiny_data):
+    """The pool saves an emulated run's interpreter start and imports (torch, MLflow, DDP's
+    torch._dynamo), and nothing else: the same losses, validation and weights as the run in
+    a process of its own, with its progress on the command's own output."""
+    import torch
+
+    runs = {}
+    for processes in ("tasks", "pool"):
+        command = _emulated_train(tmp_path, tiny_data, processes, processes)
+        stdout, stderr = command.communicate(timeout=300)
+        assert command.returncode == 0, stderr[-3000:]
+        runs[processes] = (read_json(tmp_path / processes / METRICS), stdout)
+    (own, own_out), (pooled, pooled_out) = runs["tasks"], runs["pool"]
+    assert "in the warm pool" in pooled_out and "in the warm pool" not in own_out
+    # the run's own progress (the forked process writes to the command's stdout), not only the client's line
+    assert "allreduce-n4-seed0: " in pooled_out and "training images" in pooled_out
+    assert pooled["train_loss"] == own["train_loss"] and len(own["train_loss"]) == 6
+    assert [point["top1"] for point in pooled["val"]] == [point["top1"] for point in own["val"]]
+    weights = {name: torch.load(tmp_path / name / "model.pt")["state_dict"] for name in runs}
+    assert all(torch.equal(weights["pool"][key], weights["tasks"][key]) for key in weights["tasks"])
+
+
+@pytest.mark.slow
+def test_a_cancelled_emulated_run_stops_in_the_pool(tmp_path, tiny_data):
+    """Snakemake cancels a rule by ending its command: the run the pool forked for it must end
+    too, not train on unseen and write outputs of a job Snakemake has given up."""
+    command = _emulated_train(tmp_path, tiny_data, "pool", "long", max_steps=None)
+    wait_for_output(command, r"training images")
+    assert _pool_jobs(tmp_path), "no job process in the pool while the run trains"
+    command.send_signal(signal.SIGTERM)
+    command.wait(timeout=30)
+    deadline = time.monotonic() + FAIL_FAST_S
+    while _pool_jobs(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pool_jobs(tmp_path), "the emulated run went on in the pool after its command ended"
+    assert not (tmp_path / "long" / METRICS).exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -114,8 +115,18 @@ def cmd_train(args) -> None:
     job_dir = args.job_dir or str(spec.folder.job_logs)
     # on SLURM with launcher.hardware: the job asks its predicted time, not timeout_min
     time_limit_min = budget.job_time_limit_min(cfg, strategy, args.workers, args.data)
+    backend = launch_backend(cfg)
+    pooled = backend.emulated and backend.uses_pool(cfg["launcher"])
     try:
-        if launch_backend(cfg).emulated:  # N logical workers in this process: no job to submit
+        if pooled:  # N logical workers in a process the pool forks
+            from dtstudy.launch.pool.client import PoolError, pool_address, request_emulated_run
+
+            try:
+                threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}  # Snakemake's, for the rule
+                metrics = request_emulated_run(pool_address(), spec, threads)
+            except PoolError as err:
+                raise TrainingJobFailed(str(err)) from None
+        elif backend.emulated:  # N logical workers in this process: no job to submit
             from dtstudy.emulation.runner import run_emulated
 
             metrics = run_emulated(spec)
@@ -126,7 +137,7 @@ def cmd_train(args) -> None:
         raise SystemExit(1) from None
     print(
         f"{spec.run_name}: {metrics['throughput']:.0f} img/s, final val top-1 {metrics['final_val_top1']:.4f}, "
-        f"wall {metrics['wall_time_s']:.1f}s"
+        f"wall {metrics['wall_time_s']:.1f}s" + (" (in the warm pool)" if pooled else "")
     )
 
 

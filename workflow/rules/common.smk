@@ -39,8 +39,8 @@ RUN_DIR = RUN_DIRS[run_kinds.ACCURACY]
 SCALING_RUN_DIR = RUN_DIRS[run_kinds.SCALING]
 # Local runs reserve the cores their processes use; cluster runs get their own nodes.
 TRAIN_ON_THIS_MACHINE = BACKEND.processes_on_this_machine
-# An emulated run (dtstudy.emulation) is one process of this machine, no submitit job, no warm
-# pool (its evaluation is in the pool: EVALUATE_FLAGS); its N logical workers take turns on torch's intra-op threads (Snakemake sets
+# An emulated run (dtstudy.emulation) is one process of this machine (forked by the study's
+# warm pool, launcher.local_processes: pool), no submitit job; its N logical workers take turns on torch's intra-op threads (Snakemake sets
 # OMP_NUM_THREADS to the job's threads), so it reserves EMULATED_RUN_THREADS cores. One, so that
 # --cores all runs that many runs side by side: LeNet-5's per-worker batches of 8 lose on a
 # second thread (the measurement: docs/records/measurements.json, emulated_run_threads).
@@ -50,9 +50,9 @@ EMULATED_RUN_THREADS = 1
 # machine's gloo benchmark; an emulated study's throughput is that model's own output on a
 # hardware profile, so projecting it would fit the model to itself: no project target.
 PROJECTS_THE_STUDY = not EMULATED
-# Local and emulated evaluations run in the study's warm pool (dtstudy.launch.pool): no
-# interpreter start and torch import for each run's second of scoring.
-EVALUATE_FLAGS = "--via-pool" if BACKEND.evaluates_in_pool(config["launcher"]) else ""
+# Local and emulated evaluations run in the study's warm pool (dtstudy.launch.pool), like the
+# training runs: no interpreter start and torch import for each run's second of scoring.
+EVALUATE_FLAGS = "--via-pool" if BACKEND.uses_pool(config["launcher"]) else ""
 # On a GPU cluster an evaluation is a SLURM job with one of the runs' GPUs (their partition,
 # account...); elsewhere it takes the profile's default resources.
 EVALUATE_RESOURCES = BACKEND.evaluation_resources(config["launcher"])

@@ -54,13 +54,9 @@ class LaunchBackend:
         return launcher["max_resubmits"] if self.resubmits else 0
 
     def uses_pool(self, launcher: dict) -> bool:
-        """Whether the study's warm pool (dtstudy.launch.pool) forks a run's processes."""
+        """Whether the study's warm pool (dtstudy.launch.pool) forks a run's processes (and
+        scores each run's test split)."""
         return False
-
-    def evaluates_in_pool(self, launcher: dict) -> bool:
-        """Whether the evaluate rule asks the study's warm pool to score a run on this machine
-        (no interpreter start and torch import per run) rather than running it itself."""
-        return self.uses_pool(launcher)
 
     def job_environment(self) -> dict[str, str | None]:
         """What a job's tasks take from the launcher's environment (None: unset there)."""

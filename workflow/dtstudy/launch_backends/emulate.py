@@ -1,7 +1,9 @@
 """launcher.cluster `emulate`: no job; the train command runs a run's N logical workers as
 threads of its own process on the clock of the `emulate` section's hardware profile
-(dtstudy.emulation). Its runs spread over the profile's nodes as a SLURM job's would. Their
-evaluations are scored in the study's warm pool (dtstudy.launch.pool)."""
+(dtstudy.emulation). Its runs spread over the profile's nodes as a SLURM job's would. With
+launcher.local_processes `pool` (the default) that process is forked by the study's warm pool
+(dtstudy.launch.pool), which also scores each run's test split; with `tasks` it is the train
+command's own."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ from dtstudy.launch_backends.base import LaunchBackend
 class EmulateBackend(LaunchBackend):
     kind = "emulate"
     emulated = True
+    own_keys = ("local_processes",)
 
-    def evaluates_in_pool(self, launcher: dict) -> bool:
-        # a run's evaluation is a second of work after seconds of interpreter start and imports,
-        # paid once a run: an emulated study is many short runs on this machine
-        return True
+    def uses_pool(self, launcher: dict) -> bool:
+        # an emulated study is many short runs on this machine: a fresh interpreter would spend
+        # seconds importing torch, MLflow and DDP's compiler for each run and each evaluation
+        return launcher["local_processes"] == "pool"
 
 
 EMULATE = EmulateBackend()

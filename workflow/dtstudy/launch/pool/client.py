@@ -1,5 +1,6 @@
 """The warm pool's client side: the pool's address for a study and this code, starting the
-pool (the server), and asking it for a run, an evaluation or its stop.
+pool (the server), and asking it for a run (its ranks, or an emulated run), an evaluation
+or its stop.
 
 This module imports neither torch nor MLflow: clients (the submitit task, the evaluate
 command) stay light; the server (dtstudy.launch.pool.server) imports them.
@@ -164,6 +165,24 @@ def request_training(
         },
     )
     return json.loads(spec.folder.metrics.read_text())  # rank 0 wrote it; a failure raised above
+
+
+def request_emulated_run(address: str, spec: RunSpec, environ: dict[str, str | None] | None = None) -> dict:
+    """Run `spec` emulated (dtstudy.emulation: its N logical workers in one process) in a
+    process the pool forks, which writes to this process's stdout and stderr (their file
+    descriptors travel with the request) and sets `environ` (the job's OMP_NUM_THREADS) first.
+    Returns the run's metrics (metrics.json)."""
+    with connect(address) as sock:
+        send(sock, {"kind": "emulate", "spec": spec.__dict__, "environ": environ or {}})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        socket.send_fds(sock, [b"\0"], [sys.stdout.fileno(), sys.stderr.fileno()])
+        reply = receive(sock)
+    if reply is None:
+        raise PoolError(f"the warm pool closed the connection during 'emulate' (it died?); its log: {address}.log")
+    if not reply.get("ok"):
+        raise PoolError(reply.get("error", "unknown error"))
+    return json.loads(spec.folder.metrics.read_text())
 
 
 def request_evaluation(address: str, run_dir: str, data_dir: str, out: str) -> dict:

@@ -1,5 +1,5 @@
 """The warm pool's server (`python -m dtstudy.launch.pool.server`, started by the first client):
-its main loop, the train and evaluate requests, and the forked ranks of a run.
+its main loop, the train, emulate and evaluate requests, and the forked ranks of a run.
 
 It imports torch, the strategies and MLflow once, in `serve`, then forks a job process per
 request, which forks one process per rank of a run.
@@ -35,6 +35,8 @@ WARM_MODULES = (
     "torchvision",
     "dtstudy.launch.rank_process",
     "dtstudy.training.evaluate",
+    "dtstudy.emulation.runner",
+    "torch._dynamo",  # DistributedDataParallel's constructor imports it: seconds a run
     "dtstudy.tracking.mlflow_store",
     "mlflow.store.tracking.sqlalchemy_store",
     "mlflow.store.db.utils",
@@ -99,7 +101,7 @@ def _serve_request(conn: socket.socket, message: dict) -> int:
     """In a forked job process: do the request, reply, return the exit status."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        handler = {"train": _train, "evaluate": _evaluate}[message["kind"]]
+        handler = {"train": _train, "emulate": _emulate, "evaluate": _evaluate}[message["kind"]]
         send(conn, {"ok": True, **handler(conn, message)})
         return 0
     except BaseException as error:  # the reply says what went wrong; the pool goes on
@@ -120,6 +122,53 @@ def _evaluate(conn: socket.socket, message: dict) -> dict:
     if held is not None:
         cores.pin(held.cores)
     return {"result": evaluate_run(message["run_dir"], message["data_dir"], message["out"])}
+
+
+def _emulate(conn: socket.socket, message: dict) -> dict:
+    """An emulated run (dtstudy.emulation) in this job process: its output on the client's
+    stdout and stderr (their descriptors follow the request), the client's threads (the
+    train rule's OMP_NUM_THREADS); ended when the client goes away (a cancelled rule)."""
+    import threading
+
+    import torch
+
+    from dtstudy.emulation.runner import run_emulated
+
+    _, fds, _, _ = socket.recv_fds(conn, 1, 2)
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    apply_environment(message.get("environ", {}))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    finished = threading.Event()
+    threading.Thread(target=_exit_when_closed, args=(conn, finished), daemon=True).start()
+    try:
+        run_emulated(RunSpec(**message["spec"]))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # to the client's stderr: the rule's log
+        raise
+    finally:
+        finished.set()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return {}
+
+
+def _exit_when_closed(conn: socket.socket, finished) -> None:
+    """In an emulated run's job process: end it when its client goes away before the run
+    finished (the client sends nothing more, so readable means closed)."""
+    import select
+
+    with contextlib.suppress(OSError, ValueError):
+        select.select([conn], [], [])
+        if not finished.is_set() and _closed(conn, blocking=True):
+            os._exit(1)
 
 
 def _train(conn: socket.socket, message: dict) -> dict:
@@ -241,9 +290,9 @@ def _last_error(path: str, lines: int = 3) -> str:
     return ("\n  " + "\n  ".join(tail)) if tail else ""
 
 
-def _closed(conn: socket.socket) -> bool:
+def _closed(conn: socket.socket, blocking: bool = False) -> bool:
     try:
-        return conn.recv(1, socket.MSG_PEEK) == b""
+        return conn.recv(1, socket.MSG_PEEK | (0 if blocking else socket.MSG_DONTWAIT)) == b""
     except BlockingIOError:
         return False
     except OSError:
