@@ -104,7 +104,7 @@ def test_more_workers_on_a_node_than_visible_gpus_fails_before_the_group_forms(m
     key and the counts before it joins (the GPU count is faked: no GPU here)."""
     import torch
 
-    from dtstudy.launch.process_group import pick_device
+    from dtstudy.training.compute import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -27,13 +27,13 @@ from dtstudy.emulation.clock import EmulatedClock, ExchangeCosts, ShardClock
 from dtstudy.emulation.process_group import BACKEND
 from dtstudy.emulation.settings import EmulatedCluster, emulated_cluster
 from dtstudy.emulation.workers import LogicalWorkers
-from dtstudy.launch.process_group import pick_device
 from dtstudy.launch_backends.emulate import EMULATE
 from dtstudy.perfmodel.machine import Machine
 from dtstudy.runspec import RunSpec
 from dtstudy.strategies.base import DistContext
 from dtstudy.strategies.specs import get_spec
 from dtstudy.tracking.run_outputs import write_metrics
+from dtstudy.training.compute import pick_device
 from dtstudy.training.loop import train_worker
 
 

@@ -44,25 +44,7 @@ from dtstudy.common.ports import free_port
 from dtstudy.gloo_loops import lower_gloo_event_loops
 from dtstudy.runspec import TaskLayout
 from dtstudy.strategies.base import DistContext
-
-
-def pick_device(preference: str, local_rank: int, workers_per_node: int = 1) -> torch.device:
-    """The device of a worker: its own GPU on CUDA, else the CPU. NCCL refuses two ranks on
-    one GPU (its first collective fails with "Duplicate GPU detected"), so a node with fewer
-    visible GPUs than workers is an error here, before the run joins its group."""
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
-    if not use_cuda:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("launcher.device is 'cuda' but this task sees no GPU")
-    gpus = torch.cuda.device_count()
-    if workers_per_node > gpus:
-        raise RuntimeError(
-            f"launcher.device {preference!r}: {workers_per_node} workers on this node but {gpus} visible "
-            f"GPU(s); NCCL needs one GPU per worker. Use workers <= {gpus} per node "
-            "(launcher.gpus_per_node on SLURM), or launcher.device: cpu (gloo)"
-        )
-    return torch.device("cuda", local_rank)
+from dtstudy.training.compute import pick_device
 
 
 def rendezvous_port(job_env, is_master: bool, timeout_s: float) -> int:

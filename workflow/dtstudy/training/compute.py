@@ -1,6 +1,7 @@
-"""How a training step computes: its precision (train.precision, through autocast, fp16 with a
-GradScaler) and the memory layout of the model and its inputs (train.memory_format), as
-torchvision's classification references and NVIDIA's ResNet-50 recipe train on a GPU."""
+"""How a training step computes: on which device (launcher.device), its precision
+(train.precision, through autocast, fp16 with a GradScaler) and the memory layout of the model
+and its inputs (train.memory_format), as torchvision's classification references and NVIDIA's
+ResNet-50 recipe train on a GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,25 @@ import torch
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: train.memory_format -> the layout of 4-d weights and inputs; `auto` is resolved per device
 MEMORY_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.preserve_format}
+
+
+def pick_device(preference: str, local_rank: int, workers_per_node: int = 1) -> torch.device:
+    """The device of a worker: its own GPU on CUDA, else the CPU. NCCL refuses two ranks on
+    one GPU (its first collective fails with "Duplicate GPU detected"), so a node with fewer
+    visible GPUs than workers is an error here, before the run joins its group."""
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("launcher.device is 'cuda' but this task sees no GPU")
+    gpus = torch.cuda.device_count()
+    if workers_per_node > gpus:
+        raise RuntimeError(
+            f"launcher.device {preference!r}: {workers_per_node} workers on this node but {gpus} visible "
+            f"GPU(s); NCCL needs one GPU per worker. Use workers <= {gpus} per node "
+            "(launcher.gpus_per_node on SLURM), or launcher.device: cpu (gloo)"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def resolve_memory_format(name: str, device: torch.device) -> str:

@@ -225,7 +225,7 @@ def _cores_per_rank(spec: RunSpec, environ: dict) -> list[int]:
 
 def _workers_on_gpu(preference: str, environ: dict) -> bool:
     """Whether the run's workers will compute on GPUs (launcher.device, as
-    dtstudy.launch.process_group.pick_device resolves it in the ranks), seen from the job
+    dtstudy.training.compute.pick_device resolves it in the ranks), seen from the job
     process without initialising CUDA, which would break the ranks it forks: `auto` counts
     the GPUs that the client's CUDA_VISIBLE_DEVICES leaves visible through NVML alone.
     torch.cuda.device_count() would fall back to the CUDA runtime where NVML cannot tell
