@@ -40,8 +40,9 @@ SCALING_RUN_DIR = RUN_DIRS[run_kinds.SCALING]
 # Local runs reserve the cores their processes use; cluster runs get their own nodes.
 TRAIN_ON_THIS_MACHINE = BACKEND.processes_on_this_machine
 # An emulated run (dtstudy.emulation) is one process of this machine (forked by the study's
-# warm pool, launcher.local_processes: pool), no submitit job; its N logical workers take turns on torch's intra-op threads (Snakemake sets
-# OMP_NUM_THREADS to the job's threads), so it reserves EMULATED_RUN_THREADS cores. One, so that
+# warm pool, launcher.local_processes: pool), no submitit job; its N logical workers take turns
+# on torch's intra-op threads (Snakemake sets OMP_NUM_THREADS to the job's threads, which the
+# pool's process takes), so it reserves EMULATED_RUN_THREADS cores. One, so that
 # --cores all runs that many runs side by side: LeNet-5's per-worker batches of 8 lose on a
 # second thread (the measurement: docs/records/measurements.json, emulated_run_threads).
 EMULATED = BACKEND.emulated

@@ -126,9 +126,15 @@ def connect(address: str, log_path: str | Path | None = None) -> socket.socket:
         )
 
 
-def _request(address: str, message: dict) -> dict:
+def _request(address: str, message: dict, output: bool = False) -> dict:
+    """Send `message`, and with `output` this process's stdout and stderr descriptors after
+    it (for the job to write to); the pool's reply, PoolError when it failed."""
     with connect(address) as sock:
         send(sock, message)
+        if output:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            socket.send_fds(sock, [b"\0"], [sys.stdout.fileno(), sys.stderr.fileno()])
         reply = receive(sock)
     if reply is None:
         raise PoolError(
@@ -172,17 +178,8 @@ def request_emulated_run(address: str, spec: RunSpec, environ: dict[str, str | N
     process the pool forks, which writes to this process's stdout and stderr (their file
     descriptors travel with the request) and sets `environ` (the job's OMP_NUM_THREADS) first.
     Returns the run's metrics (metrics.json)."""
-    with connect(address) as sock:
-        send(sock, {"kind": "emulate", "spec": spec.__dict__, "environ": environ or {}})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        socket.send_fds(sock, [b"\0"], [sys.stdout.fileno(), sys.stderr.fileno()])
-        reply = receive(sock)
-    if reply is None:
-        raise PoolError(f"the warm pool closed the connection during 'emulate' (it died?); its log: {address}.log")
-    if not reply.get("ok"):
-        raise PoolError(reply.get("error", "unknown error"))
-    return json.loads(spec.folder.metrics.read_text())
+    _request(address, {"kind": "emulate", "spec": spec.__dict__, "environ": environ or {}}, output=True)
+    return json.loads(spec.folder.metrics.read_text())  # the run wrote it; a failure raised above
 
 
 def request_evaluation(address: str, run_dir: str, data_dir: str, out: str) -> dict:

@@ -135,11 +135,7 @@ def _emulate(conn: socket.socket, message: dict) -> dict:
     from dtstudy.emulation.runner import run_emulated
 
     _, fds, _, _ = socket.recv_fds(conn, 1, 2)
-    for target, fd in zip((1, 2), fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    _write_to(*fds)
     apply_environment(message.get("environ", {}))
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
@@ -317,6 +313,16 @@ def _stop(running: dict[int, int]) -> None:
         running.pop(pid)
 
 
+def _write_to(stdout_fd: int, stderr_fd: int) -> None:
+    """This forked process's stdout and stderr (descriptors 1 and 2, and Python's streams on
+    them, line-buffered) become the open files `stdout_fd` and `stderr_fd`, which are closed."""
+    for target, fd in ((1, stdout_fd), (2, stderr_fd)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
 def _run_rank(spec: RunSpec, rank: int, out: str, err: str, timings: dict, environ: dict) -> int:
     """In a forked rank: the client's environment (the pool never touches CUDA, so a rank's
     CUDA_VISIBLE_DEVICES still counts), its output to its log files, then the run's body."""
@@ -325,12 +331,7 @@ def _run_rank(spec: RunSpec, rank: int, out: str, err: str, timings: dict, envir
     apply_environment(environ)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    _write_to(*(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) for path in (out, err)))
     try:
         from dtstudy.launch.rank_process import run_forked_process
 
