@@ -726,3 +726,86 @@ def test_a_variants_knob_error_names_the_variants_key():
     )
     assert "staleness" in message and "-1" in message
     assert "variants.v" in message, message
+
+
+# --- strategy_train: a registered strategy's own train keys, its row keeping its name -------------
+
+
+def test_strategy_train_defaults_to_none_and_its_keys_are_checked_as_train_is():
+    assert validate_schema(tiny_study())["strategy_train"] == {}
+    for train, words in (
+        ({"bach_size": 8}, ["'strategy_train.ssp.bach_size'", "unknown key", "batch_size"]),
+        ({"base_lr": -0.1}, ["'strategy_train.ssp.base_lr'"]),
+        ({"lr_scaling": "cubic"}, ["'strategy_train.ssp.lr_scaling'", "'cubic'"]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            validate_schema(tiny_study(strategy_train={"ssp": train}))
+        assert all(word in str(err.value) for word in words), str(err.value)
+    # the control: a key of train is taken
+    assert validate_schema(tiny_study(strategy_train={"ssp": {"base_lr": 0.05}}))["strategy_train"] == {
+        "ssp": {"base_lr": 0.05}
+    }
+
+
+def test_strategy_train_names_a_registered_strategy():
+    message = error_of(tiny_study(strategy_train={"telepathy": {"base_lr": 0.05}}))
+    assert "config key 'strategy_train.telepathy': unknown strategy 'telepathy'; allowed: allreduce" in message
+    # a variant's name is not a strategy's: its own train keys are its `train`
+    message = error_of(variant_study_config(strategy_train={"quick": {"base_lr": 0.05}}))
+    assert "'strategy_train.quick': unknown strategy 'quick'" in message
+
+
+def test_a_strategys_runs_and_its_variants_train_under_its_strategy_train():
+    config = validated(
+        variant_study_config(
+            train={"base_lr": 0.3},
+            strategy_train={"allreduce": {"base_lr": 0.05, "warmup_steps": 7}, "ssp": {"momentum": 0.5}},
+        )
+    )
+    own = run_config(config, "allreduce")
+    assert (own["train"]["base_lr"], own["train"]["warmup_steps"], own["train"]["momentum"]) == (0.05, 7, 0.9)
+    assert VARIANT_KEY not in own  # its row keeps its name
+    # a variant of it: the strategy's keys under the variant's own (quick sets warmup_steps 3)
+    quick = run_config(config, "quick")
+    assert (quick["train"]["base_lr"], quick["train"]["warmup_steps"], quick["train"]["batch_size"]) == (0.05, 3, 16)
+    bounded = run_config(config, "bounded")  # ssp's
+    assert (bounded["train"]["momentum"], bounded["train"]["base_lr"]) == (0.5, 0.3)
+    # the control: a strategy without any trains under the study's keys, and the study is unchanged
+    plain = validated(variant_study_config(train={"base_lr": 0.3}))
+    assert run_config(config, "gossip")["train"] == config["train"] == run_config(plain, "bounded")["train"]
+    assert run_config(plain, "allreduce")["train"]["base_lr"] == 0.3
+    assert config["train"]["base_lr"] == 0.3
+
+
+def test_a_strategy_with_strategy_train_is_checked_as_the_study_it_runs_under():
+    message = error_of(tiny_study(strategy_train={"allreduce": {"nesterov": True, "momentum": 0.0}}))
+    assert "config key 'strategy_train.allreduce' (checked as its own study" in message
+    assert "nesterov" in message and "needs momentum" in message, message
+    message = error_of(tiny_study(strategy_train={"allreduce": {"batch_size": 1000}}))
+    assert "'strategy_train.allreduce'" in message and "1800 training images" in message, message
+    # the control: the same keys for a strategy the study does not run are not its runs' keys
+    assert validated(tiny_study(strategy_train={"gossip": {"batch_size": 1000}}))
+
+
+def test_the_budget_costs_a_strategy_under_its_strategy_train():
+    from dtstudy.projection import budget
+
+    alone = slurm_study(["allreduce"])
+    images = budget.study_images(alone, None)
+    plain = budget.report(alone, images)["profiles"]["h100_ib400"]["total_gpu_hours"]
+    own = slurm_study(["allreduce"])
+    own["strategy_train"] = {"allreduce": {"epochs": 2 * alone["train"]["epochs"]}}
+    study = slurm_study(["allreduce"])
+    study["train"]["epochs"] *= 2
+    hours = [budget.report(config, images)["profiles"]["h100_ib400"]["total_gpu_hours"] for config in (own, study)]
+    assert hours[0] == pytest.approx(hours[1]) and hours[0] > 1.5 * plain
+
+
+def test_the_at_scale_study_trains_the_asynchronous_servers_at_its_stated_rate():
+    config = at_scale()
+    assert run_config(config, "ps_async")["train"]["base_lr"] == config["strategy_train"]["ps_async"]["base_lr"]
+    assert config["strategy_train"]["ps_async"]["base_lr"] < config["train"]["base_lr"]
+    # the others at the study's, and ssp's bounds at the same rate as ps_async (unbounded ssp is ps_async)
+    for name in ("allreduce", "ps_backup", "gossip", "allreduce_onebit"):
+        assert run_config(config, name)["train"] == run_config(config, "allreduce")["train"]
+    assert run_config(config, "ssp_unbounded")["train"] == run_config(config, "ps_async")["train"]

@@ -18,8 +18,9 @@ from dtstudy.config.study_config import (
     global_batch_size,
     read_yaml,
     run_config,
+    strategy_of,
+    strategy_study,
     validate_schema,
-    variant_study,
 )
 from dtstudy.data.checks import check_dataset, check_loader
 from dtstudy.data.errors import DataConfigError
@@ -45,8 +46,9 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     look at the data set on disk (Snakemake's main process does; the jobs it starts, which
     parse the Snakefile again, need not walk the data set again) and return its training
     images (count_training_images; None without `check_data`). A variant listed in
-    `strategies` is checked as the study it runs under (variant_study); the data set is counted
-    once, and the GPU-hour budget is the whole study's, every variant's runs included."""
+    `strategies`, and a strategy with strategy_train, is checked as the study it runs under
+    (strategy_study); the data set is counted once, and the GPU-hour budget is the whole
+    study's, every variant's runs included."""
     variants = config["variants"]
     for i, name in enumerate(config["strategies"]):
         if name not in SPECS and name not in variants:
@@ -64,11 +66,24 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
                 f"config key 'variants.{name}.strategy': unknown strategy {variant['strategy']!r}; "
                 f"allowed: {', '.join(sorted(SPECS))}"
             )
-    # each study whose runs the config makes: its own strategies', then each listed variant's
-    studies = {None: {**config, "strategies": [name for name in config["strategies"] if name not in variants]}}
-    studies.update({name: variant_study(config, name) for name in config["strategies"] if name in variants})
+    for name in config["strategy_train"]:
+        if name not in SPECS:
+            raise ConfigError(
+                f"config key 'strategy_train.{name}': unknown strategy {name!r}; allowed: {', '.join(sorted(SPECS))}"
+            )
+    # each study whose runs the config makes: the strategies' that train under the study's own
+    # keys, then each one's with its strategy_train and each listed variant's
+    own_keys = variants.keys() | config["strategy_train"].keys()
+    studies = {None: {**config, "strategies": [name for name in config["strategies"] if name not in own_keys]}}
+    studies.update(
+        {
+            name: {**strategy_study(config, name), "strategies": [strategy_of(config, name)]}
+            for name in config["strategies"]
+            if name in own_keys
+        }
+    )
     for name, study in studies.items():
-        with _as_variant(name):
+        with _as_own_study(name):
             check_study_layers(study)
     if not check_data:
         return None
@@ -76,7 +91,7 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
     for name, study in studies.items():
         if name is None and not study["strategies"]:
             continue  # a study of variants alone: no run takes the study's own batch
-        with _as_variant(name):
+        with _as_own_study(name):
             check_data_against_batches(study, counted)
             check_scaling_steps_fit(study, budget.study_images(study, counted))
     # before any job: each run's time limit fits its requeues, the study (its variants' runs
@@ -86,17 +101,19 @@ def check_config(config: dict, check_data: bool = True) -> int | None:
 
 
 @contextlib.contextmanager
-def _as_variant(name: str | None):
-    """A variant's study's errors say which variant, since the key they name is the variant's
-    study's (its train keys and knobs merged over the study's); the study's own pass through."""
+def _as_own_study(name: str | None):
+    """A variant's study's errors say which variant, and a strategy_train's which strategy,
+    since the key they name is that study's (its train keys and knobs merged over the
+    study's); the study's own pass through."""
     if name is None:
         yield
         return
     try:
         yield
     except ConfigError as err:
+        section = "strategy_train" if name in SPECS else "variants"
         raise ConfigError(
-            f"config key 'variants.{name}' (checked as its own study, its keys over the study's): {err}"
+            f"config key '{section}.{name}' (checked as its own study, its keys over the study's): {err}"
         ) from None
 
 

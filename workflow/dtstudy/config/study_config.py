@@ -32,6 +32,7 @@ __all__ = [
     "retype_command_line",
     "run_config",
     "strategy_of",
+    "strategy_study",
     "validate_schema",
     "variant_study",
 ]
@@ -80,9 +81,12 @@ VARIANT_KEY = "variant"
 
 
 def _check_variants(config: dict) -> None:
-    """Each variant's train keys against the schema's `train`, its N against `workers`; its
-    name is not a registered strategy's (dtstudy.checks checks the strategy and its knobs)."""
+    """Each variant's train keys, and each strategy_train's, against the schema's `train`; a
+    variant's N against `workers`; its name is not a registered strategy's, and a
+    strategy_train's is (dtstudy.checks checks both with the strategy and its knobs)."""
     train_schema = schema.load_schema()["properties"]["train"]
+    for name, train in config["strategy_train"].items():
+        schema.check(train, {**train_schema, "default": None}, prefix=("strategy_train", name))
     for name, variant in config["variants"].items():
         schema.check(variant["train"], {**train_schema, "default": None}, prefix=("variants", name, "train"))
         for i, n in enumerate(variant["workers"] or []):
@@ -100,21 +104,31 @@ def strategy_of(config: dict, name: str) -> str:
 
 
 def variant_study(config: dict, name: str) -> dict:
-    """The study config a variant's runs train under: the study's, with the variant's train
-    keys and knobs over it, its strategy as the only one and its N as `workers` (what
-    dtstudy.checks checks it as)."""
+    """The study config a variant's runs train under: the study's, with its strategy's
+    strategy_train and then the variant's train keys and knobs over it, its strategy as the
+    only one and its N as `workers` (what dtstudy.checks checks it as)."""
     variant = config["variants"][name]
     study = deep_merge(
-        config,
+        strategy_study(config, variant["strategy"]),
         {"train": variant["train"], "strategy_params": {variant["strategy"]: variant["strategy_params"]}},
     )
     study["strategies"] = [variant["strategy"]]
-    study["variants"] = {}
+    study["variants"], study["strategy_train"] = {}, {}  # merged: its own train keys stay over them
     if variant["workers"] is not None:
         study["workers"] = list(variant["workers"])
         for kind in run_kinds.KINDS:
             study[kind] = {**study[kind], "workers": None}
     return study
+
+
+def strategy_study(config: dict, name: str) -> dict:
+    """The study config a name of `strategies` trains under: a variant's variant_study; a
+    registered strategy's, the study's with its strategy_train keys over `train` (the study
+    itself when it has none)."""
+    if name in config.get("variants", {}):
+        return variant_study(config, name)
+    own_train = config.get("strategy_train", {}).get(name)
+    return config if not own_train else deep_merge(config, {"train": own_train})
 
 
 #: the words YAML reads as null and as true or false, where Snakemake's --config left them text
@@ -218,7 +232,8 @@ def run_config(config: dict, strategy: str, kind: str = run_kinds.ACCURACY) -> d
         "launcher",
         "tracking",
     )
-    selected: dict[str, Any] = {key: copy.deepcopy(config[key]) for key in keys}
+    study = strategy_study(config, strategy)  # its strategy_train over `train`
+    selected: dict[str, Any] = {key: copy.deepcopy(study[key]) for key in keys}
     selected["strategy_params"] = {strategy: copy.deepcopy(config["strategy_params"].get(strategy, {}))}
     if launch_backend(config).emulated:  # its clock's hardware (absent otherwise: no rerun of real runs)
         selected["emulate"] = copy.deepcopy(config["emulate"])

@@ -38,7 +38,7 @@ import yaml
 
 from dtstudy.common.atomic_files import write_json
 from dtstudy.config import run_kinds
-from dtstudy.config.study_config import deep_merge, per_worker_batch, strategy_of, variant_study
+from dtstudy.config.study_config import deep_merge, per_worker_batch, strategy_of, strategy_study
 from dtstudy.errors import ConfigError
 from dtstudy.launch_backends.registry import launch_backend
 from dtstudy.perfmodel.machine import Machine, Stragglers, Workload
@@ -291,8 +291,9 @@ def study_costs(config: dict, images: Images, where: Costing) -> list[RunCost]:
     for kind in run_kinds.kinds_run(config):
         seeds = len(run_kinds.seeds(config, kind))
         for name in config["strategies"]:
-            # a variant (config `variants`) runs as its strategy under its own keys, at its own N
-            arm = variant_study(config, name) if name in config.get("variants", {}) else config
+            # a variant (config `variants`) runs as its strategy under its own keys, at its own N;
+            # a strategy with strategy_train under those
+            arm = strategy_study(config, name)
             as_run, strategy = kind_config(arm, kind), strategy_of(config, name)
             costs += [
                 dataclasses.replace(
